@@ -1,0 +1,349 @@
+"""Config schema: the shared base config, the model-size table, derived values and validation.
+
+Every `configs/*.py` file starts from `base_config()` and changes only what differs. All
+rules a config must satisfy are checked by `validate` before JAX compiles anything; a broken
+rule raises `ConfigError`, whose message names the field, its value and the fix.
+
+This module must not import JAX: `main` reads the config before JAX starts, so that it can
+set the simulated CPU device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+
+# Logical axis name -> mesh axes. Parameters and activations are annotated with the logical
+# names on the left (see jaxfrontier/model/); this table decides the layout.
+DEFAULT_RULES = (
+    ('batch', ('data', 'fsdp')),  # activations: batch rows over every data-parallel axis
+    ('layers', 'pipeline'),  # the stacked-layer axis of the block parameters
+    ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
+    ('mlp', 'tensor'),  # Megatron column/row split of the MLP
+    ('heads', 'tensor'),  # Megatron split of attention by heads
+    ('vocab', 'tensor'),  # vocabulary-parallel embedding and head
+    ('qkv', None),
+    ('head_dim', None),
+    ('positions', None),
+    ('act_embed', None),  # activations' model dimension stays whole
+)
+
+ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn')
+REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
+DTYPES = ('float32', 'bfloat16', 'float16')
+DATA_KINDS = ('builtin', 'tokens', 'synthetic')
+MESH_AXES = ('pipeline', 'data', 'fsdp', 'tensor')
+
+# name -> (layers, hidden, heads). The paper's models and the GPT-3 family sizes.
+MODEL_SIZES = {
+    '125m': (12, 768, 12),
+    '350m': (24, 1024, 16),
+    '1.3b': (24, 2048, 16),
+    '6.7b': (32, 4096, 32),
+    '22b': (48, 6144, 48),
+    '175b': (96, 12288, 96),
+    '1t': (128, 25600, 160),
+}
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad config, data or workdir): shown without a traceback."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value breaks a rule. The message names the field, the value and the fix."""
+
+    def __init__(self, field: str, value: Any, problem: str, fix: str):
+        self.field, self.value = field, value
+        super().__init__(f'config.{field} = {value!r}: {problem}. Fix: {fix}')
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """The defaults every config starts from: a small GPT on the built-in corpus, one device."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict(
+        dict(
+            num_layers=2,
+            d_model=128,
+            num_heads=4,
+            seq_len=128,
+            vocab_size=256,
+            # The vocabulary is padded to a multiple of vocab_multiple * mesh.tensor
+            # (Megatron pads GPT-2's 50,257 to a multiple of 128 * TP).
+            vocab_multiple=128,
+            mlp_ratio=4,
+            tied_embeddings=True,
+            dropout_rate=0.0,
+            init_std=0.02,
+            dtype='bfloat16',  # compute dtype; parameters and the loss are always fp32
+            attention='auto',  # auto | reference | xla | cudnn
+            remat='full',  # none | full | save_dots | save_dots_no_batch
+        )
+    )
+
+    c.mesh = ml_collections.ConfigDict(
+        dict(
+            pipeline=1,
+            data=1,
+            fsdp=1,
+            tensor=1,
+            # > 0: simulate this many CPU devices (set by main before JAX starts).
+            cpu_devices=0,
+        )
+    )
+
+    c.sharding = ml_collections.ConfigDict(
+        dict(
+            rules=DEFAULT_RULES,
+            # ZeRO-1: also shard the optimizer state over the data-parallel axes
+            # (data and fsdp) while parameters keep their own layout.
+            zero1=False,
+        )
+    )
+
+    c.pipeline = ml_collections.ConfigDict(dict(schedule='1f1b', virtual_stages=1))
+
+    c.optim = ml_collections.ConfigDict(
+        dict(
+            lr=6e-4,
+            min_lr=6e-5,
+            warmup_steps=10,
+            decay_steps=0,  # 0: decay over train.steps
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            clip_norm=1.0,
+        )
+    )
+
+    c.train = ml_collections.ConfigDict(
+        dict(
+            steps=100,
+            global_batch=8,  # sequences per optimizer step
+            micro_batch=8,  # sequences per data-parallel replica per accumulation step
+            accum_steps=1,
+            log_every=10,
+            eval_every=50,  # 0: evaluate only at the end
+            eval_batches=4,
+            progress=True,
+        )
+    )
+
+    c.data = ml_collections.ConfigDict(
+        dict(
+            kind='builtin',  # builtin | tokens | synthetic
+            path='',  # kind=tokens: path of the .bin token file (header beside it)
+            val_fraction=0.02,
+        )
+    )
+    return c
+
+
+def model_size_config(c: ml_collections.ConfigDict, size: str) -> ml_collections.ConfigDict:
+    """Sets layers, hidden size and heads of `c` from `MODEL_SIZES[size]`."""
+    if size not in MODEL_SIZES:
+        raise ConfigError('model', size, 'unknown model size', f'use one of {sorted(MODEL_SIZES)}')
+    c.model.num_layers, c.model.d_model, c.model.num_heads = MODEL_SIZES[size]
+    return c
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+    """Parses a config argument like 'size=1.3b,steps=10' into a ConfigDict of typed values.
+
+    Each key must appear in `defaults`; the value is converted to the default's type.
+    """
+    out = ml_collections.ConfigDict(defaults)
+    if not arg:
+        return out
+    for item in arg.split(','):
+        key, sep, value = item.partition('=')
+        if not sep and len(defaults) == 1:
+            key, value = next(iter(defaults)), item
+        if key not in defaults:
+            raise ConfigError(f'<arg>.{key}', value, 'unknown config argument', f'use one of {sorted(defaults)}')
+        kind = type(defaults[key])
+        out[key] = (value.lower() in ('1', 'true', 'yes')) if kind is bool else kind(value)
+    return out
+
+
+# --------------------------------------------------------------------------- derived values
+
+
+def data_parallel_size(c: ml_collections.ConfigDict) -> int:
+    """Number of data-parallel replicas: data x fsdp."""
+    return c.mesh.data * c.mesh.fsdp
+
+
+def mesh_shape(c: ml_collections.ConfigDict) -> dict[str, int]:
+    return {axis: int(c.mesh[axis]) for axis in MESH_AXES}
+
+
+def num_devices(c: ml_collections.ConfigDict) -> int:
+    return math.prod(mesh_shape(c).values())
+
+
+def padded_vocab(c: ml_collections.ConfigDict) -> int:
+    """The vocabulary rounded up to a multiple of vocab_multiple * tensor (Megatron's rule)."""
+    m = c.model.vocab_multiple * c.mesh.tensor
+    return -(-c.model.vocab_size // m) * m
+
+
+def micro_rows(c: ml_collections.ConfigDict) -> int:
+    """Rows of one accumulation step across all data-parallel replicas."""
+    return c.train.micro_batch * data_parallel_size(c)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The numbers the model needs, and nothing else (see jaxfrontier/model/gpt.py)."""
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int  # padded
+    real_vocab_size: int  # logits at or beyond this index are masked out of the loss
+    mlp_dim: int
+    tied_embeddings: bool
+    dropout_rate: float
+    init_std: float
+    dtype: str
+    attention: str
+    remat: str
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+def model_shape(c: ml_collections.ConfigDict) -> ModelShape:
+    m = c.model
+    return ModelShape(
+        num_layers=m.num_layers,
+        d_model=m.d_model,
+        num_heads=m.num_heads,
+        seq_len=m.seq_len,
+        vocab_size=padded_vocab(c),
+        real_vocab_size=m.vocab_size,
+        mlp_dim=m.mlp_ratio * m.d_model,
+        tied_embeddings=m.tied_embeddings,
+        dropout_rate=m.dropout_rate,
+        init_std=m.init_std,
+        dtype=m.dtype,
+        attention=m.attention,
+        remat=m.remat,
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, field: str, value: Any, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, problem, fix)
+
+
+def _divides(c, divisor_field: str, divisor: int, field: str, value: int, what: str) -> None:
+    _require(
+        divisor > 0 and value % divisor == 0,
+        field,
+        value,
+        f'{what} must be divisible by {divisor_field} = {divisor}',
+        f'choose {field} as a multiple of {divisor}, or change {divisor_field}',
+    )
+
+
+def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
+    """Checks every rule of `c`; raises ConfigError naming the first broken one.
+
+    Args:
+      c: the config.
+      n_devices: devices present; None skips the device-count rule (e.g. for planning).
+    """
+    m, t = c.model, c.train
+    for axis in MESH_AXES:
+        _require(isinstance(c.mesh[axis], int) and c.mesh[axis] >= 1, f'mesh.{axis}', c.mesh[axis],
+                 'mesh sizes must be integers >= 1', f'set mesh.{axis} to a positive integer')
+    if n_devices is not None and num_devices(c) != n_devices:
+        shape = ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
+        raise ConfigError(
+            'mesh', shape,
+            f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
+            'run on a machine or allocation with that many devices, change config.mesh.* so the '
+            'product equals the devices present, or get a plan without devices: '
+            'python -m jaxfrontier.main --config=... --mode=plan',
+        )
+
+    for field in ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple'):
+        _require(isinstance(m[field], int) and m[field] >= 1, f'model.{field}', m[field],
+                 'must be a positive integer', f'set model.{field} to a positive integer')
+    _require(m.dtype in DTYPES, 'model.dtype', m.dtype, 'unknown dtype', f'use one of {DTYPES}')
+    _require(m.attention in ATTENTION_IMPLS, 'model.attention', m.attention,
+             'unknown attention implementation', f'use one of {ATTENTION_IMPLS}')
+    _require(m.remat in REMAT_POLICIES, 'model.remat', m.remat, 'unknown remat policy',
+             f'use one of {REMAT_POLICIES}')
+    _require(0.0 <= m.dropout_rate < 1.0, 'model.dropout_rate', m.dropout_rate,
+             'must be in [0, 1)', 'set model.dropout_rate to e.g. 0.0 or 0.1')
+    _divides(c, 'model.num_heads', m.num_heads, 'model.d_model', m.d_model, 'the hidden size')
+    _divides(c, 'mesh.tensor', c.mesh.tensor, 'model.num_heads', m.num_heads,
+             'the number of heads (split over the tensor axis)')
+    _divides(c, 'mesh.tensor', c.mesh.tensor, 'model.mlp_ratio * model.d_model', m.mlp_ratio * m.d_model,
+             'the MLP width (split over the tensor axis)')
+    _divides(c, 'mesh.fsdp', c.mesh.fsdp, 'model.d_model', m.d_model,
+             'the hidden size (parameters are split over the fsdp axis)')
+    _divides(c, 'mesh.pipeline * pipeline.virtual_stages', c.mesh.pipeline * c.pipeline.virtual_stages,
+             'model.num_layers', m.num_layers, 'the number of layers (split over pipeline stages)')
+    if m.attention == 'cudnn':
+        _require(m.dtype in ('bfloat16', 'float16'), 'model.dtype', m.dtype,
+                 'cuDNN attention needs a 16-bit compute dtype', "set model.dtype='bfloat16' or model.attention='auto'")
+
+    for field in ('steps', 'global_batch', 'micro_batch', 'accum_steps', 'log_every', 'eval_batches'):
+        _require(isinstance(t[field], int) and t[field] >= 1, f'train.{field}', t[field],
+                 'must be a positive integer', f'set train.{field} to a positive integer')
+    _require(isinstance(t.eval_every, int) and t.eval_every >= 0, 'train.eval_every', t.eval_every,
+             'must be an integer >= 0', 'set train.eval_every to 0 (only at the end) or a step interval')
+    dp = data_parallel_size(c)
+    _require(
+        t.global_batch == t.micro_batch * t.accum_steps * dp,
+        'train.global_batch', t.global_batch,
+        f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '
+        f'data-parallel size (mesh.data x mesh.fsdp = {dp}) = {t.micro_batch * t.accum_steps * dp}',
+        'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds',
+    )
+
+    o = c.optim
+    _require(o.lr > 0, 'optim.lr', o.lr, 'must be > 0', 'set a positive learning rate')
+    _require(0 <= o.min_lr <= o.lr, 'optim.min_lr', o.min_lr, 'must be in [0, optim.lr]', 'lower optim.min_lr')
+    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, 'optim.b1/b2', (o.b1, o.b2), 'must be in [0, 1)',
+             'use e.g. b1=0.9, b2=0.95')
+    _require(o.warmup_steps >= 0 and o.decay_steps >= 0, 'optim.warmup_steps', o.warmup_steps,
+             'warm-up and decay steps must be >= 0', 'set them to non-negative integers')
+
+    _require(c.data.kind in DATA_KINDS, 'data.kind', c.data.kind, 'unknown dataset kind',
+             f'use one of {DATA_KINDS}')
+    _require(c.data.kind != 'tokens' or bool(c.data.path), 'data.path', c.data.path,
+             'data.kind=tokens needs a token file', 'set data.path to a .bin token file (docs/data.md)')
+    _require(0.0 < c.data.val_fraction < 0.5, 'data.val_fraction', c.data.val_fraction,
+             'must be in (0, 0.5)', 'use e.g. 0.02')
+
+    axes = set(MESH_AXES) | {None}
+    for i, rule in enumerate(c.sharding.rules):
+        _require(isinstance(rule, (tuple, list)) and len(rule) == 2, f'sharding.rules[{i}]', rule,
+                 'each rule is a (logical_name, mesh_axes) pair', "write e.g. ('mlp', 'tensor')")
+        targets = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
+        _require(all(a in axes for a in targets), f'sharding.rules[{i}]', rule,
+                 'names an unknown mesh axis', f'use mesh axes from {MESH_AXES} or None')
+
+
+def check_supported(c: ml_collections.ConfigDict) -> None:
+    """Rules of what this version can train (beyond what a config may describe)."""
+    _require(c.mesh.pipeline == 1, 'mesh.pipeline', c.mesh.pipeline,
+             'pipeline-parallel training is not implemented yet (pipeline schedules are issue #3)',
+             'set mesh.pipeline=1 and move those devices to mesh.data, mesh.fsdp or mesh.tensor, '
+             'or use --mode=plan to inspect the layout')

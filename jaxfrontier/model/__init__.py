@@ -1,0 +1,1 @@
+"""Flax NNX GPT: layers.py (norm, MLP, dropout), attention.py (kernels + dispatch), gpt.py."""

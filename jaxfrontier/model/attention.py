@@ -1,0 +1,81 @@
+"""Causal self-attention: the projections, and the kernels behind one dispatch function.
+
+Kernels (config.model.attention):
+  reference  einsum + causal mask + fp32 softmax, written out here; runs everywhere.
+  xla        jax.nn.dot_product_attention(implementation='xla').
+  cudnn      jax.nn.dot_product_attention(implementation='cudnn'): NVIDIA GPUs, 16-bit dtypes.
+  auto       cudnn on an NVIDIA GPU with a 16-bit dtype, otherwise xla. ROCm gets xla: the
+             Pallas/Triton kernels are not reliable on MI250X (FRONTIER.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model.layers import ACT_ND, param
+
+ACT_BTHK = ('batch', None, 'heads', None)
+
+
+def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str:
+    """The kernel `auto` stands for on this backend and dtype; other names pass through."""
+    if impl != 'auto':
+        return impl
+    backend = backend or jax.default_backend()
+    is_nvidia = backend in ('gpu', 'cuda') and 'nvidia' in jax.devices()[0].device_kind.lower()
+    if is_nvidia and jnp.dtype(dtype).itemsize == 2:
+        return 'cudnn'
+    return 'xla'
+
+
+def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:
+    """Causal softmax(q k^T / sqrt(k)) v with fp32 scores and softmax."""
+    scale = q_bthk.shape[-1] ** -0.5
+    s_bhts = jnp.einsum('bthk,bshk->bhts', q_bthk, k_bshk, preferred_element_type=jnp.float32) * scale
+    t, s = s_bhts.shape[-2:]
+    causal_ts = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
+    s_bhts = jnp.where(causal_ts, s_bhts, jnp.finfo(jnp.float32).min)
+    p_bhts = jax.nn.softmax(s_bhts, axis=-1).astype(v_bshk.dtype)
+    return jnp.einsum('bhts,bshk->bthk', p_bhts, v_bshk)
+
+
+def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str) -> jax.Array:
+    """Causal attention with the named kernel (see the module docstring)."""
+    impl = resolve_impl(impl, q_bthk.dtype)
+    if impl == 'reference':
+        return reference_attention(q_bthk, k_bshk, v_bshk)
+    if impl in ('xla', 'cudnn'):
+        return jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, is_causal=True, implementation=impl)
+    raise ValueError(f'unknown attention implementation {impl!r}')
+
+
+class Attention(nnx.Module):
+    """Multi-head causal self-attention, Megatron-split by heads over the tensor axis.
+
+    The QKV projection is column-parallel (heads sharded), the output projection row-parallel
+    (its contraction over sharded heads ends in one all-reduce).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, impl: str, init_std: float, out_std: float,
+                 rngs: nnx.Rngs):
+        head_dim = d_model // num_heads
+        self.num_heads, self.impl = num_heads, impl
+        self.w_qkv = param(rngs.params(), (d_model, 3, num_heads, head_dim),
+                           ('embed', 'qkv', 'heads', 'head_dim'), init_std)
+        self.b_qkv = param(None, (3, num_heads, head_dim), ('qkv', 'heads', 'head_dim'), 0.0)
+        self.w_out = param(rngs.params(), (num_heads, head_dim, d_model), ('heads', 'head_dim', 'embed'), out_std)
+        self.b_out = param(None, (d_model,), ('embed',), 0.0)
+
+    def __call__(self, x_nd: jax.Array, seq_len: int) -> jax.Array:
+        dtype = x_nd.dtype
+        qkv_n3hk = jnp.einsum('nd,dahk->nahk', x_nd, self.w_qkv[...].astype(dtype)) + self.b_qkv[...].astype(dtype)
+        n, _, h, k = qkv_n3hk.shape
+        qkv_bt3hk = qkv_n3hk.reshape(n // seq_len, seq_len, 3, h, k)  # [B, T, 3, H, K]
+        q, kk, v = (mesh_lib.constrain(qkv_bt3hk[:, :, i], ACT_BTHK) for i in range(3))
+        o_bthk = dot_product_attention(q, kk, v, self.impl)
+        o_nhk = mesh_lib.constrain(o_bthk, ACT_BTHK).reshape(n, h, k)  # [B*T, H, K]
+        y_nd = jnp.einsum('nhk,hkd->nd', o_nhk, self.w_out[...].astype(dtype)) + self.b_out[...].astype(dtype)
+        return mesh_lib.constrain(y_nd, ACT_ND)

@@ -1,0 +1,137 @@
+"""The GPT: token and position embeddings, a scanned stack of pre-LN blocks, the LM head.
+
+The blocks are created once with `nnx.vmap` (every parameter gets a leading `layers` axis)
+and applied with `jax.lax.scan`, so compile time does not grow with depth. Per-layer
+activation checkpointing wraps the scanned body. The loss is computed from vocabulary-
+sharded logits without gathering them: logsumexp and the target logit are reductions over
+the vocabulary, which XLA splits into per-shard partial reductions and one all-reduce.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.config import ModelShape
+from jaxfrontier.model.attention import Attention
+from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
+
+REMAT_POLICIES = {
+    'full': None,  # save only each layer's input, recompute everything inside it
+    'save_dots': jax.checkpoint_policies.checkpoint_dots,
+    'save_dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, s: ModelShape, *, rngs: nnx.Rngs):
+        out_std = s.init_std / (2 * s.num_layers) ** 0.5  # GPT-2 / Megatron scaled residual init
+        self.dropout_rate = s.dropout_rate
+        self.ln1 = LayerNorm(s.d_model, rngs=rngs)
+        self.attn = Attention(s.d_model, s.num_heads, impl=s.attention, init_std=s.init_std, out_std=out_std,
+                              rngs=rngs)
+        self.ln2 = LayerNorm(s.d_model, rngs=rngs)
+        self.mlp = MLP(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
+
+    def __call__(self, x_nd: jax.Array, seq_len: int, key: jax.Array | None) -> jax.Array:
+        k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
+        x_nd = x_nd + dropout(self.attn(self.ln1(x_nd), seq_len), self.dropout_rate, k_attn)
+        x_nd = x_nd + dropout(self.mlp(self.ln2(x_nd)), self.dropout_rate, k_mlp)
+        return mesh_lib.constrain(x_nd, ACT_ND)
+
+
+def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, seq_len: int, remat: str,
+                dropout_key: jax.Array | None, first_layer: int | jax.Array = 0) -> jax.Array:
+    """Applies the layers of `stacked` (leading axis = layers) in order with a scan.
+
+    A pure function of the stacked block state, so pipeline stages can call it on their
+    slice of layers; `first_layer` keeps dropout keys tied to the global layer index.
+    """
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+
+    def body(x, xs):
+        layer_state, index = xs
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+        return nnx.merge(graphdef, layer_state)(x, seq_len, key), None
+
+    if remat != 'none':
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x_nd, _ = jax.lax.scan(body, x_nd, (stacked, first_layer + jnp.arange(num_layers)))
+    return x_nd
+
+
+def cross_entropy(logits_nv: jax.Array, targets_n: jax.Array, real_vocab: int) -> jax.Array:
+    """Mean token cross-entropy in fp32 from (possibly vocabulary-sharded) logits.
+
+    Padding entries of the vocabulary (index >= real_vocab) are excluded from the softmax,
+    so the loss does not depend on how far the vocabulary was padded.
+    """
+    logits_nv = logits_nv.astype(jnp.float32)
+    vocab_v = jnp.arange(logits_nv.shape[-1])
+    if real_vocab < logits_nv.shape[-1]:
+        logits_nv = jnp.where(vocab_v < real_vocab, logits_nv, jnp.finfo(jnp.float32).min)
+    lse_n = jax.nn.logsumexp(logits_nv, axis=-1)
+    target_n = jnp.sum(jnp.where(vocab_v == targets_n[:, None], logits_nv, 0.0), axis=-1)
+    return jnp.mean(lse_n - target_n)
+
+
+class GPT(nnx.Module):
+    """GPT-2 / Megatron-style decoder (FRONTIER.md): learned positions, GeLU MLP, biases."""
+
+    def __init__(self, s: ModelShape, *, rngs: nnx.Rngs):
+        self.shape = s
+        self.wte = param(rngs.params(), (s.vocab_size, s.d_model), ('vocab', 'embed'), s.init_std)
+        self.wpe = param(rngs.params(), (s.seq_len, s.d_model), ('positions', 'embed'), s.init_std)
+
+        @nnx.split_rngs(splits=s.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(s, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.ln_f = LayerNorm(s.d_model, rngs=rngs)
+        if not s.tied_embeddings:
+            self.head = param(rngs.params(), (s.d_model, s.vocab_size), ('embed', 'vocab'), s.init_std)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.shape.dtype)
+
+    def embed(self, tokens_bt: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Token + position embeddings, flattened to [B*T, d] in the compute dtype."""
+        b, t = tokens_bt.shape
+        x_btd = embedding_lookup(self.wte[...], tokens_bt) + self.wpe[...][None, :t]
+        x_nd = x_btd.reshape(b * t, -1).astype(self.dtype)  # [B*T, d]
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, -1)
+        return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
+
+    def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None) -> jax.Array:
+        graphdef, stacked = nnx.split(self.blocks)
+        return apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
+                           dropout_key=dropout_key)
+
+    def logits(self, x_nd: jax.Array) -> jax.Array:
+        """Final LayerNorm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""
+        x_nd = self.ln_f(x_nd)
+        if self.shape.tied_embeddings:
+            w = self.wte[...].astype(self.dtype)
+            logits_nv = jnp.einsum('nd,vd->nv', x_nd, w, preferred_element_type=jnp.float32)
+        else:
+            w = self.head[...].astype(self.dtype)
+            logits_nv = jnp.einsum('nd,dv->nv', x_nd, w, preferred_element_type=jnp.float32)
+        return mesh_lib.constrain(logits_nv, ('batch', 'vocab'))
+
+    def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy (fp32) of one micro-batch."""
+        x_nd = self.apply_blocks(self.embed(tokens_bt, dropout_key), tokens_bt.shape[1], dropout_key)
+        return cross_entropy(self.logits(x_nd), targets_bt.reshape(-1), self.shape.real_vocab_size)
+
+    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+        """Logits [B, T, V] (fp32) for evaluation and inference."""
+        b, t = tokens_bt.shape
+        logits_nv = self.logits(self.apply_blocks(self.embed(tokens_bt), t))
+        return logits_nv.reshape(b, t, -1)

@@ -1,0 +1,102 @@
+"""Building blocks of the GPT: parameters with logical axis names, LayerNorm, MLP, dropout.
+
+Activations inside a block are kept flat, `x_nd` with n = batch x sequence tokens: XLA:CPU
+runs 2-D matmuls about twice as fast as [B, T, d] ones, and GPUs do not mind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxfrontier import mesh as mesh_lib
+
+ACT_ND = ('batch', 'act_embed')  # flat activations: tokens over the batch axes
+
+
+def param(key: jax.Array, shape: Sequence[int], names: Sequence[str | None], std: float | None) -> nnx.Param:
+    """An fp32 parameter of `shape`: normal(0, std) if std, else zeros (std=0.0) or ones (None).
+
+    `names` are the logical axis names of its dimensions; `config.sharding.rules` lays them
+    out on the mesh.
+    """
+    if std is None:
+        value = jnp.ones(shape, jnp.float32)
+    elif std == 0.0:
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        value = std * jax.random.normal(key, shape, jnp.float32)
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; the identity when rate is 0 or key is None (evaluation)."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def embedding_lookup(table_vd: jax.Array, ids_bt: jax.Array) -> jax.Array:
+    """Rows of a (vocabulary-parallel) embedding table: [V, d], [B, T] -> [B, T, d].
+
+    Megatron's vocabulary-parallel embedding: each tensor-parallel shard looks up the ids
+    in its vocabulary range, zeroes the rest, and one all-reduce (psum) over the vocabulary
+    axes sums the pieces. XLA's automatic partitioning of this gather would instead
+    replicate the table or the ids.
+    """
+    vocab_axes = mesh_lib.active_axes('vocab')
+    if not vocab_axes:
+        return jnp.take(table_vd, ids_bt, axis=0)
+    batch_axes = mesh_lib.active_axes('batch')
+    batch = None if not batch_axes else batch_axes
+    vocab = vocab_axes if len(vocab_axes) > 1 else vocab_axes[0]
+
+    def local_lookup(local_vd, ids):
+        rows = local_vd.shape[0]
+        start = jax.lax.axis_index(vocab_axes) * rows
+        local_ids = ids - start
+        inside = (local_ids >= 0) & (local_ids < rows)
+        x = jnp.take(local_vd, jnp.where(inside, local_ids, 0), axis=0)
+        return jax.lax.psum(jnp.where(inside[..., None], x, 0), vocab_axes)
+
+    return jax.shard_map(local_lookup, in_specs=(P(vocab, None), P(batch, None)),
+                         out_specs=P(batch, None, None))(table_vd, ids_bt)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with scale and bias; statistics in fp32 whatever the compute dtype."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, rngs: nnx.Rngs):
+        del rngs
+        self.eps = eps
+        self.scale = param(None, (dim,), ('embed',), None)
+        self.bias = param(None, (dim,), ('embed',), 0.0)
+
+    def __call__(self, x_nd: jax.Array) -> jax.Array:
+        x32 = x_nd.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...] + self.bias[...]).astype(x_nd.dtype)
+
+
+class MLP(nnx.Module):
+    """GeLU MLP: column-parallel input projection, row-parallel output projection."""
+
+    def __init__(self, d_model: int, mlp_dim: int, *, init_std: float, out_std: float, rngs: nnx.Rngs):
+        self.w_in = param(rngs.params(), (d_model, mlp_dim), ('embed', 'mlp'), init_std)
+        self.b_in = param(None, (mlp_dim,), ('mlp',), 0.0)
+        self.w_out = param(rngs.params(), (mlp_dim, d_model), ('mlp', 'embed'), out_std)
+        self.b_out = param(None, (d_model,), ('embed',), 0.0)
+
+    def __call__(self, x_nd: jax.Array) -> jax.Array:
+        dtype = x_nd.dtype
+        h_nf = x_nd @ self.w_in[...].astype(dtype) + self.b_in[...].astype(dtype)
+        h_nf = mesh_lib.constrain(jax.nn.gelu(h_nf), ('batch', 'mlp'))
+        y_nd = h_nf @ self.w_out[...].astype(dtype) + self.b_out[...].astype(dtype)
+        return mesh_lib.constrain(y_nd, ACT_ND)

@@ -1,0 +1,261 @@
+"""The train step and the training loop `train_and_evaluate(config, workdir)`.
+
+The loop reads top to bottom: validate -> mesh -> data -> state -> compile -> loop -> final
+evaluation. The step is a pure function `train_step(state, tokens) -> (state, metrics)`,
+jitted once with donated state and explicit shardings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from jax.sharding import NamedSharding
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import data as data_lib
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier import metrics as metrics_lib
+from jaxfrontier import train_state as ts
+
+State = dict[str, Any]
+
+
+def split_micro_batches(tokens_gt: jax.Array, accum_steps: int, dp_size: int) -> jax.Array:
+    """[G, T] -> [A, G/A, T] such that every device keeps its own rows (no communication).
+
+    The batch's rows are split into dp_size contiguous blocks, one per data-parallel replica;
+    micro-batch a takes rows a*mb .. (a+1)*mb - 1 of every block.
+    """
+    g, t = tokens_gt.shape
+    mb = g // (dp_size * accum_steps)
+    x = tokens_gt.reshape(dp_size, accum_steps, mb, t).transpose(1, 0, 2, 3)  # [A, DP, mb, T]
+    return mesh_lib.constrain(x.reshape(accum_steps, dp_size * mb, t), (None, 'batch', None))
+
+
+def _dropout_key(c: ml_collections.ConfigDict, step: jax.Array, micro: jax.Array) -> jax.Array | None:
+    """Dropout randomness is a function of (seed, step, micro-batch): no RNG in the state."""
+    if c.model.dropout_rate == 0.0:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), micro)
+
+
+def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+    """Returns `loss_and_grads(params, tokens, step) -> (loss, grads)` over the accumulation steps.
+
+    The loss is the mean over all tokens of the global batch; gradients are averaged over the
+    micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
+    """
+    accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
+    model_def = layout.model_def
+
+    def micro_loss(params, tokens_bt, key):
+        return model_def.bind(params).loss(tokens_bt[:, :-1], tokens_bt[:, 1:], key)
+
+    grad_fn = jax.value_and_grad(micro_loss)
+
+    def to_update_layout(tree):
+        return jax.lax.with_sharding_constraint(tree, layout.update_shardings)
+
+    def loss_and_grads(params, tokens_gt, step):
+        micro_abt = split_micro_batches(tokens_gt, accum, dp)
+        if accum == 1:
+            loss, grads = grad_fn(params, micro_abt[0], _dropout_key(c, step, 0))
+            return loss, to_update_layout(grads)
+
+        def body(carry, xs):
+            loss_sum, grad_sum = carry
+            tokens_bt, index = xs
+            loss, grads = grad_fn(params, tokens_bt, _dropout_key(c, step, index))
+            grad_sum = to_update_layout(jax.tree.map(jnp.add, grad_sum, grads))
+            return (loss_sum + loss, grad_sum), None
+
+        zeros = to_update_layout(jax.tree.map(jnp.zeros_like, params))
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                               (micro_abt, jnp.arange(accum)))
+        return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
+
+    return loss_and_grads
+
+
+def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+    """Returns the pure `train_step(state, tokens) -> (state, metrics)` for this layout."""
+    tx, schedule = layout.tx, layout.schedule
+    loss_and_grads = make_loss_and_grads(c, layout)
+
+    def train_step(state: State, tokens_gt: jax.Array) -> tuple[State, dict[str, jax.Array]]:
+        params = state['params']
+        loss, grads = loss_and_grads(params, tokens_gt, state['step'])
+        updates, opt_state = tx.update(grads, state['opt_state'], params)
+        params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), layout.param_shardings)
+        metrics = {
+            'train/loss': loss,
+            'train/grad_norm': optax.tree.norm(grads),
+            'train/param_norm': optax.tree.norm(params),
+            'train/lr': schedule(state['step']),
+        }
+        return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+
+    return train_step
+
+
+def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+    """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
+    accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
+
+    def eval_step(params, tokens_gt):
+        model = layout.model_def.bind(params)
+        micro_abt = split_micro_batches(tokens_gt, accum, dp)
+        losses = jax.lax.map(lambda tokens_bt: model.loss(tokens_bt[:, :-1], tokens_bt[:, 1:]), micro_abt)
+        return jnp.mean(losses)
+
+    return eval_step
+
+
+def compile_steps(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+    """Jits and compiles the train and eval steps ahead of time for this layout."""
+    batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
+    batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         layout.abstract_state, layout.state_shardings)
+    train_jit = jax.jit(make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
+                        out_shardings=(layout.state_shardings, None), donate_argnums=0)
+    eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(layout.param_shardings, batch_sharding))
+    with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
+        train_compiled = train_jit.lower(state, batch).compile()
+        eval_compiled = eval_jit.lower(state['params'], batch).compile()
+    return train_compiled, eval_compiled, batch_sharding
+
+
+def ensure_writable(workdir: str) -> None:
+    """Fails early, with a user message, when the workdir cannot be created or written."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f'.write_probe_{os.getpid()}')
+        with open(probe, 'w') as f:
+            f.write('ok')
+        os.remove(probe)
+    except OSError as e:
+        raise config_lib.UserError(
+            f'--workdir={workdir!r} cannot be written ({e.strerror or e}). '
+            'Fix: choose a directory you can write to, or fix its permissions.') from None
+
+
+def evaluate(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
+    """Mean loss over config.train.eval_batches fixed validation batches (dispatched async)."""
+    losses = [eval_step(params, data_lib.make_global_batch(source, i, batch_sharding, c.train.global_batch))
+              for i in range(c.train.eval_batches)]
+    return jnp.mean(jnp.stack(losses))
+
+
+def _memory_summary(compiled) -> dict[str, float]:
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return {}
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    return {'memory/peak_gib_per_device': total / 2**30, 'memory/temp_gib_per_device': mem.temp_size_in_bytes / 2**30}
+
+
+class _Reporter:
+    """Turns fetched step metrics into log records: perf numbers, NaN check, writer output."""
+
+    def __init__(self, c: ml_collections.ConfigDict, writer: metrics_lib.MetricsWriter, n_devices: int):
+        self.c, self.writer, self.n_devices = c, writer, n_devices
+        self.model_flops, self.hw_flops = metrics_lib.flops_per_step_from_config(c)
+        self.peak, self.peak_source = metrics_lib.device_peak_flops(jax.devices()[0], c.model.dtype)
+        self.tokens_per_step = c.train.global_batch * c.model.seq_len
+        self.last_time, self.last_step, self.last_record = None, None, {}
+
+    def report(self, step: int, metrics: dict[str, jax.Array], eval_loss: jax.Array | None) -> None:
+        scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        metrics_lib.check_finite(step, scalars['train/loss'])
+        self.writer.advance(step)
+        due = step % self.c.train.log_every == 0 or step == self.c.train.steps or eval_loss is not None
+        if self.last_time is None:  # the first step's time includes start-up: not a rate
+            self.last_time, self.last_step = now, step
+        elif due:
+            step_time = (now - self.last_time) / (step - self.last_step)
+            scalars.update(metrics_lib.perf_metrics(step_time, self.tokens_per_step, self.n_devices,
+                                                    self.model_flops, self.hw_flops, self.peak))
+            self.last_time, self.last_step = now, step
+        if eval_loss is not None:
+            scalars['eval/loss'] = float(eval_loss)
+        if due:
+            self.writer.write(step, scalars)
+            self.last_record = {'step': step, **scalars}
+
+
+def _log(text: str) -> None:
+    if jax.process_index() == 0:
+        logging.info(text)
+
+
+def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
+    if jax.process_index() == 0:
+        path = os.path.join(workdir, 'config.json')
+        with open(path + '.tmp', 'w') as f:
+            f.write(c.to_json_best_effort(indent=2, sort_keys=True))
+        os.replace(path + '.tmp', path)
+
+
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record."""
+    # 1. validate everything before writing or compiling anything
+    config_lib.validate(c, jax.device_count())
+    config_lib.check_supported(c)
+    data_lib.check_data(c)
+    ensure_writable(workdir)
+    write_resolved_config(c, workdir)
+
+    # 2. mesh
+    mesh = mesh_lib.mesh_from_config(c)
+    _log(f'mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} devices '
+         f'({jax.process_count()} process(es))')
+
+    # 3. data
+    train_source, val_source = data_lib.make_datasets(c, workdir)
+    _log(f'data: train {train_source.describe()}; validation {val_source.describe()}')
+
+    # 4. state, built abstractly then materialised sharded
+    layout = ts.make_layout(c, mesh)
+    state = ts.init_train_state(c, layout)
+    _log(f'state: {ts.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}')
+
+    # 5. compile
+    t0 = time.perf_counter()
+    train_step, eval_step, batch_sharding = compile_steps(c, layout)
+    memory = _memory_summary(train_step)
+    _log(f'compile: {time.perf_counter() - t0:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
+
+    # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs
+    writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
+                                       progress=c.train.progress)
+    reporter = _Reporter(c, writer, jax.device_count())
+    pending = None
+    try:
+        with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+            for step in range(int(state['step']), c.train.steps):
+                batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
+                state, step_metrics = train_step(state, batch)
+                done = step + 1
+                eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
+                eval_loss = evaluate(eval_step, state['params'], val_source, c, batch_sharding) if eval_due else None
+                if pending is not None:
+                    reporter.report(*pending)
+                pending = (done, step_metrics, eval_loss)
+            if pending is not None:
+                reporter.report(*pending)
+    finally:
+        writer.close()
+    record = {**reporter.last_record, **memory}
+    _log('done: ' + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+    return record

@@ -1,0 +1,169 @@
+"""Train state, optimizer and their placement on the mesh.
+
+The train state is a plain pytree, `{'step', 'params', 'opt_state'}`, with `params` a nested
+dict of fp32 arrays (the model's `nnx.State` as a pure dict) — easy to checkpoint, export and
+reshard. It is built abstractly with `jax.eval_shape`, its shardings come from the logical
+axis names of the parameters, and one jitted init materialises it already sharded.
+
+Placement:
+  FSDP (ZeRO-3)  the rules shard every weight's `embed` dimension over `fsdp`; gradients and
+                 optimizer state follow the parameters.
+  ZeRO-1         `config.sharding.zero1`: optimizer moments are additionally sharded over the
+                 data-parallel axes; parameters keep their own (e.g. replicated) layout. The
+                 gradients are constrained to the moments' layout before the update, so the
+                 data-parallel reduction becomes a reduce-scatter and the update an all-gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model.gpt import GPT
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """The model's structure without values: binds a params dict back into a GPT module."""
+
+    graphdef: nnx.GraphDef
+    abstract_state: nnx.State
+
+    @classmethod
+    def create(cls, shape: config_lib.ModelShape) -> 'ModelDef':
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(shape, rngs=nnx.Rngs(0))))
+        return cls(graphdef, state)
+
+    def bind(self, params: Params) -> GPT:
+        state = jax.tree.map(lambda x: x, self.abstract_state)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    def logical_specs(self) -> Params:
+        return nnx.to_pure_dict(nnx.get_partition_spec(self.abstract_state))
+
+    def abstract_params(self) -> Params:
+        return nnx.to_pure_dict(self.abstract_state)
+
+
+def init_params(shape: config_lib.ModelShape, key: jax.Array) -> Params:
+    return nnx.to_pure_dict(nnx.state(GPT(shape, rngs=nnx.Rngs(params=key))))
+
+
+def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
+    """Linear warm-up from 0 to optim.lr, then cosine decay to optim.min_lr."""
+    o = c.optim
+    decay_steps = o.decay_steps or c.train.steps
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
+        decay_steps=max(decay_steps, o.warmup_steps + 1), end_value=o.min_lr)
+
+
+def _decay_mask(params: Params) -> Params:
+    """Weight decay on weight matrices and embeddings (names 'w*' / 'head'); not on biases/norms."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: str(path[-1].key).startswith(('w', 'head')), params)
+
+
+def make_optimizer(c: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Global-norm clipping, then AdamW with the warm-up + cosine schedule."""
+    o = c.optim
+    schedule = learning_rate_schedule(c)
+    tx = optax.chain(
+        optax.clip_by_global_norm(o.clip_norm),
+        optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_decay_mask),
+    )
+    return tx, schedule
+
+
+def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> P:
+    """Adds the data-parallel axes a spec does not use yet to its first divisible dimension."""
+    used = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    extra = tuple(a for a in dp_axes if a not in used and mesh.shape[a] > 1)
+    if not extra:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    extra_size = 1
+    for a in extra:
+        extra_size *= mesh.shape[a]
+    for i, entry in enumerate(entries):
+        current = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        current_size = 1
+        for a in current:
+            current_size *= mesh.shape[a]
+        if shape[i] % (current_size * extra_size) == 0:
+            entries[i] = current + extra if len(current + extra) > 1 else (current + extra)[0]
+            return P(*entries)
+    return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Everything needed to build, place and update the train state on one mesh."""
+
+    model_def: ModelDef
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    mesh: Mesh
+    rules: mesh_lib.Rules
+    param_shardings: Params
+    update_shardings: Params  # where gradients meet the optimizer state (ZeRO-1: sharded)
+    state_shardings: dict[str, Any]
+    abstract_state: dict[str, Any]
+
+
+def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
+    """Builds the abstract train state and its shardings for `mesh` (no arrays allocated)."""
+    rules = tuple(tuple(r) for r in c.sharding.rules)
+    model_def = ModelDef.create(config_lib.model_shape(c))
+    tx, schedule = make_optimizer(c)
+    abstract_params = model_def.abstract_params()
+    param_shardings = mesh_lib.tree_shardings(model_def.logical_specs(), mesh, rules)
+    if c.sharding.zero1:
+        dp_axes = mesh_lib.data_parallel_axes(rules)
+        update_shardings = jax.tree.map(
+            lambda s, a: NamedSharding(mesh, zero1_spec(s.spec, a.shape, mesh, dp_axes)),
+            param_shardings, abstract_params)
+    else:
+        update_shardings = param_shardings
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    replicated = NamedSharding(mesh, P())
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, update_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding))
+    abstract_state = {
+        'step': jax.ShapeDtypeStruct((), jnp.int32),
+        'params': abstract_params,
+        'opt_state': abstract_opt,
+    }
+    state_shardings = {'step': replicated, 'params': param_shardings, 'opt_state': opt_shardings}
+    return StateLayout(model_def, tx, schedule, mesh, rules, param_shardings, update_shardings,
+                       state_shardings, abstract_state)
+
+
+def init_train_state(c: ml_collections.ConfigDict, layout: StateLayout) -> dict[str, Any]:
+    """Materialises the train state directly in its shardings with one jitted init."""
+    shape = config_lib.model_shape(c)
+
+    def init(key):
+        params = init_params(shape, key)
+        return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': layout.tx.init(params)}
+
+    with jax.set_mesh(layout.mesh):
+        return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(c.seed))
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

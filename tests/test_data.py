@@ -1,0 +1,303 @@
+"""Tests of jaxfrontier.data: token-file format and validation, sampling, sharded batches, corpora."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import data
+
+SEQ_LEN, BATCH = 13, 8  # distinct sizes so a swapped axis fails
+
+
+def _config(kind='tokens', path='', vocab_size=256, seq_len=SEQ_LEN, val_fraction=0.1, seed=0):
+    c = config_lib.base_config()
+    c.data.kind, c.data.path, c.data.val_fraction = kind, str(path), val_fraction
+    c.model.vocab_size, c.model.seq_len, c.seed = vocab_size, seq_len, seed
+    return c
+
+
+def _positions_file(tmp_path, num_tokens=5003):
+    """A uint32 file whose token i is i: every row shows where it was read from."""
+    return data.write_token_file(tmp_path / 'pos.bin', np.arange(num_tokens), num_tokens, 'uint32')
+
+
+# --------------------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize('vocab_size,dtype,itemsize', [(50257, 'uint16', 2), (65537, 'uint32', 4)])
+def test_write_read_round_trip(tmp_path, vocab_size, dtype, itemsize):
+    tokens = np.random.default_rng(0).integers(0, vocab_size, size=1009)
+    tokens[7] = vocab_size - 1
+    path = data.write_token_file(tmp_path / 'x.bin', tokens, vocab_size)  # dtype picked
+    with open(tmp_path / 'x.json') as f:
+        header = json.load(f)
+    assert header == {'format': 'jaxfrontier-tokens', 'version': 1, 'dtype': dtype,
+                      'num_tokens': 1009, 'vocab_size': vocab_size}
+    raw = (tmp_path / 'x.bin').read_bytes()
+    assert raw == tokens.astype('<u2' if itemsize == 2 else '<u4').tobytes()  # little-endian
+    token_file = data.open_token_file(path, vocab_size)
+    assert isinstance(token_file.tokens, np.memmap)
+    assert token_file.tokens.dtype.itemsize == itemsize and token_file.num_tokens == 1009
+    np.testing.assert_array_equal(token_file.tokens, tokens)
+    assert sorted(os.listdir(tmp_path)) == ['x.bin', 'x.json']  # no temp files left
+
+
+def test_explicit_uint32_and_rewrite(tmp_path):
+    data.write_token_file(tmp_path / 'x', np.arange(100), 300, dtype='uint32')
+    data.write_token_file(tmp_path / 'x', np.arange(50), 300)  # rewrite as uint16
+    token_file = data.open_token_file(tmp_path / 'x.bin', 300)
+    assert token_file.header['dtype'] == 'uint16'
+    np.testing.assert_array_equal(token_file.tokens, np.arange(50))
+
+
+@pytest.mark.parametrize('tokens,vocab_size,dtype', [
+    ([0, 5, 300], 300, None),  # token >= vocab
+    ([-1, 2], 300, None),
+    ([[1, 2]], 300, None),  # not 1-D
+    ([1.5], 300, None),
+    ([1, 2], 70000, 'uint16'),  # vocab does not fit
+])
+def test_write_rejects_bad_tokens(tmp_path, tokens, vocab_size, dtype):
+    with pytest.raises(ValueError):
+        data.write_token_file(tmp_path / 'x.bin', np.array(tokens), vocab_size, dtype)
+    assert not (tmp_path / 'x.json').exists()
+
+
+def _missing_bin(p):
+    os.remove(p + '.bin')
+
+
+def _missing_header(p):
+    os.remove(p + '.json')
+
+
+def _truncated(p):
+    with open(p + '.bin', 'r+b') as f:
+        f.truncate(2 * 99)
+
+
+def _bad_json(p):
+    with open(p + '.json', 'w') as f:
+        f.write('{"format": ')
+
+
+def _wrong_format(p):
+    with open(p + '.json', 'w') as f:
+        json.dump({'format': 'other', 'version': 1, 'dtype': 'uint16', 'num_tokens': 100,
+                   'vocab_size': 256}, f)
+
+
+def _wrong_dtype(p):
+    with open(p + '.json', 'w') as f:
+        json.dump({'format': 'jaxfrontier-tokens', 'version': 1, 'dtype': 'int8',
+                   'num_tokens': 100, 'vocab_size': 256}, f)
+
+
+@pytest.mark.parametrize('damage,words', [
+    (_missing_bin, 'does not exist'), (_missing_header, 'header'), (_truncated, 'truncated'),
+    (_bad_json, 'cannot read'), (_wrong_format, 'format'), (_wrong_dtype, 'dtype'),
+])
+def test_bad_file_raises_config_error_naming_data_path(tmp_path, damage, words):
+    base = str(tmp_path / 'x')
+    data.write_token_file(base + '.bin', np.arange(100) % 256, 256)
+    damage(base)
+    with pytest.raises(config_lib.ConfigError, match=words) as e:
+        data.open_token_file(base + '.bin', 256)
+    assert e.value.field == 'data.path'
+
+
+def test_token_beyond_vocab_reports_max_and_vocab(tmp_path):
+    tokens = np.zeros(3001, np.int64)
+    tokens[1234] = 777
+    path = data.write_token_file(tmp_path / 'x.bin', tokens, 1000)
+    data.open_token_file(path, 778)  # fits
+    with pytest.raises(config_lib.ConfigError, match=r'token 777 \(at position 1,234\).*= 500') as e:
+        data.open_token_file(path, 500)
+    assert e.value.field == 'data.path'
+    assert 'at least 778' in str(e.value)
+
+
+def test_scan_covers_every_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, '_SCAN_CHUNK_TOKENS', 64)
+    tokens = np.zeros(1000, np.int64)
+    tokens[-1] = 9  # in the last, partial chunk
+    path = data.write_token_file(tmp_path / 'x.bin', tokens, 10)
+    with pytest.raises(config_lib.ConfigError, match='token 9 .at position 999'):
+        data.open_token_file(path, 9)
+
+
+def test_too_few_tokens_for_one_sequence(tmp_path):
+    path = data.write_token_file(tmp_path / 'x.bin', np.arange(SEQ_LEN), 256)
+    data.open_token_file(path, 256)
+    with pytest.raises(config_lib.ConfigError, match='fewer than one sequence') as e:
+        data.open_token_file(path, 256, seq_len=SEQ_LEN)
+    assert e.value.field == 'data.path'
+    with pytest.raises(config_lib.ConfigError) as e:
+        data.check_data(_config(path=path))
+    assert e.value.field == 'data.path'
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_token_source_rows_are_windows_and_deterministic(tmp_path):
+    c = _config(path=_positions_file(tmp_path), vocab_size=5003)
+    train, val = data.make_datasets(c, str(tmp_path / 'work'))
+    rows = np.arange(BATCH)
+    batch_bl = train.read_rows(3, rows, BATCH)
+    assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
+    # each row is seq_len + 1 consecutive tokens starting at the drawn offset
+    np.testing.assert_array_equal(batch_bl, batch_bl[:, :1] + np.arange(SEQ_LEN + 1))
+    offsets = np.random.default_rng([0, data.TRAIN, 3]).integers(0, train.stop - SEQ_LEN, BATCH)
+    np.testing.assert_array_equal(batch_bl[:, 0], offsets)
+    np.testing.assert_array_equal(train.read_rows(3, rows, BATCH), batch_bl)
+    again, _ = data.make_datasets(c, str(tmp_path / 'work'))
+    np.testing.assert_array_equal(again.read_rows(3, rows, BATCH), batch_bl)
+    assert not np.array_equal(train.read_rows(4, rows, BATCH), batch_bl)
+    other_seed, _ = data.make_datasets(_config(path=c.data.path, vocab_size=5003, seed=1), '')
+    assert not np.array_equal(other_seed.read_rows(3, rows, BATCH), batch_bl)
+    assert not np.array_equal(val.read_rows(3, rows, BATCH), batch_bl)
+
+
+def test_train_and_val_windows_never_cross_the_boundary(tmp_path):
+    c = _config(path=_positions_file(tmp_path, 1000), vocab_size=1000, val_fraction=0.05)
+    train, val = data.make_datasets(c, '')
+    boundary = 1000 - 50
+    assert (train.start, train.stop, val.start, val.stop) == (0, boundary, boundary, 1000)
+    train_bl = np.concatenate([train.read_rows(s, np.arange(64), 64) for s in range(20)])
+    val_bl = np.concatenate([val.read_rows(s, np.arange(64), 64) for s in range(20)])
+    assert train_bl.max() < boundary and val_bl.min() >= boundary and val_bl.max() < 1000
+    assert val_bl.min() == boundary and val_bl.max() == 999  # the split's first and last windows
+
+
+def test_validation_split_too_small(tmp_path):
+    path = _positions_file(tmp_path, 100)
+    with pytest.raises(config_lib.ConfigError) as e:
+        data.check_data(_config(path=path, vocab_size=100, val_fraction=0.1))
+    assert e.value.field == 'data.val_fraction' and 'at least 0.14' in str(e.value)
+    data.check_data(_config(path=path, vocab_size=100, val_fraction=0.14))
+
+
+@pytest.mark.parametrize('kind', ['tokens', 'synthetic'])
+def test_subset_of_rows_equals_full_batch_rows(tmp_path, kind):
+    c = _config(kind=kind, path=_positions_file(tmp_path), vocab_size=5003)
+    train, _ = data.make_datasets(c, '')
+    full_bl = train.read_rows(5, np.arange(BATCH), BATCH)
+    for rows in (np.array([6, 1]), np.arange(4, 8), np.array([], np.int64)):
+        np.testing.assert_array_equal(train.read_rows(5, rows, BATCH), full_bl[rows])
+
+
+def test_synthetic_is_deterministic_and_in_vocab():
+    c = _config(kind='synthetic', vocab_size=97)
+    train, val = data.make_datasets(c, '/nonexistent')
+    rows = np.arange(BATCH)
+    batch_bl = train.read_rows(2, rows, BATCH)
+    assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
+    assert batch_bl.min() >= 0 and batch_bl.max() < 97 and len(np.unique(batch_bl)) > 50
+    np.testing.assert_array_equal(data.make_datasets(c, '')[0].read_rows(2, rows, BATCH), batch_bl)
+    assert not np.array_equal(train.read_rows(3, rows, BATCH), batch_bl)
+    assert not np.array_equal(val.read_rows(2, rows, BATCH), batch_bl)
+    assert not np.array_equal(train.read_rows(2, rows + 1, BATCH), batch_bl)
+
+
+# --------------------------------------------------------------------------- global batches
+
+
+class _CountingSource:
+    """Wraps a source and records every row it is asked for."""
+
+    def __init__(self, source):
+        self.source, self.seq_len, self.rows_read = source, source.seq_len, []
+
+    def read_rows(self, step, rows, global_batch):
+        self.rows_read.extend(int(r) for r in rows)
+        return self.source.read_rows(step, rows, global_batch)
+
+
+@pytest.mark.parametrize('kind', ['tokens', 'synthetic'])
+@pytest.mark.parametrize('mesh_shape,batch_axes', [
+    ((1, 1, 1), ('data', 'fsdp')),  # one device
+    ((8, 1, 1), ('data', 'fsdp')),
+    ((2, 2, 2), ('data', 'fsdp')),  # replicated over tensor
+    ((1, 2, 4), 'fsdp'),
+])
+def test_make_global_batch_matches_numpy_batch(tmp_path, kind, mesh_shape, batch_axes):
+    c = _config(kind=kind, path=_positions_file(tmp_path), vocab_size=5003)
+    train, _ = data.make_datasets(c, '')
+    devices = np.array(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape)
+    sharding = NamedSharding(Mesh(devices, ('data', 'fsdp', 'tensor')), P(batch_axes, None))
+    source = _CountingSource(train)
+    batch_bl = data.make_global_batch(source, 7, sharding, BATCH)
+    assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
+    assert batch_bl.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(batch_bl), train.read_rows(7, np.arange(BATCH), BATCH))
+    assert sorted(source.rows_read) == list(range(BATCH))  # each row read once, replicas share
+    for shard in batch_bl.addressable_shards:
+        rows = np.arange(BATCH)[shard.index[0]]
+        np.testing.assert_array_equal(np.asarray(shard.data), train.read_rows(7, rows, BATCH))
+
+
+# --------------------------------------------------------------------------- built-in corpus
+
+
+@pytest.fixture(scope='module')
+def builtin_path(tmp_path_factory):
+    return data.builtin_corpus(tmp_path_factory.mktemp('cache'))
+
+
+def test_builtin_corpus_is_stdlib_bytes_and_cached(builtin_path):
+    token_file = data.open_token_file(builtin_path, 256)
+    assert token_file.header['vocab_size'] == 256 and token_file.header['num_files'] > 100
+    assert token_file.num_tokens > 1_000_000
+    stdlib_files = data._stdlib_source_files(token_file.header['source'])
+    assert not any('site-packages' in str(f) for f in stdlib_files)
+    first = stdlib_files[0].read_bytes()
+    np.testing.assert_array_equal(token_file.tokens[:len(first)], np.frombuffer(first, np.uint8))
+    mtimes = [os.stat(p).st_mtime_ns for p in data.token_paths(builtin_path)]
+    assert data.builtin_corpus(os.path.dirname(builtin_path)) == builtin_path
+    assert [os.stat(p).st_mtime_ns for p in data.token_paths(builtin_path)] == mtimes
+    assert sorted(os.listdir(os.path.dirname(builtin_path))) == sorted(
+        os.path.basename(p) for p in data.token_paths(builtin_path))
+
+
+def test_builtin_corpus_rebuilds_a_damaged_cache(builtin_path, tmp_path):
+    cache = tmp_path / 'cache'
+    cache.mkdir()
+    name = os.path.basename(builtin_path)
+    with open(builtin_path, 'rb') as src, open(cache / name, 'wb') as dst:
+        dst.write(src.read(1 << 20))  # a crash left half the tokens...
+    bin_path, header_path = data.token_paths(builtin_path)
+    with open(header_path, 'rb') as src, open(data.token_paths(cache / name)[1], 'wb') as dst:
+        dst.write(src.read())  # ...beside a complete header
+    rebuilt = data.builtin_corpus(cache)
+    assert os.path.getsize(rebuilt) == os.path.getsize(bin_path)
+
+
+def test_builtin_datasets_split_disjoint(builtin_path, tmp_path):
+    workdir = tmp_path / 'work'
+    os.makedirs(workdir / 'data_cache')
+    for src in data.token_paths(builtin_path):  # reuse the module's cache instead of rebuilding
+        os.link(src, workdir / 'data_cache' / os.path.basename(src))
+    train, val = data.make_datasets(_config(kind='builtin', vocab_size=256, seq_len=64), str(workdir))
+    assert train.stop == val.start and val.stop == len(train.tokens)
+    assert val.stop - val.start == int(len(train.tokens) * 0.1)
+    train_bl = train.read_rows(0, np.arange(16), 16)
+    assert train_bl.max() < 256
+    assert (train.offsets(0, 16) + 65 <= train.stop).all() and (val.offsets(0, 16) >= val.start).all()
+
+
+def test_check_data_writes_nothing_and_checks_vocab(tmp_path):
+    data.check_data(_config(kind='builtin'))
+    data.check_data(_config(kind='synthetic'))
+    with pytest.raises(config_lib.ConfigError) as e:
+        data.check_data(_config(kind='builtin', vocab_size=200))
+    assert e.value.field == 'model.vocab_size'
+    with pytest.raises(config_lib.ConfigError) as e:
+        data.check_data(_config(kind='tokens', path=tmp_path / 'missing.bin'))
+    assert e.value.field == 'data.path'
+    assert os.listdir(tmp_path) == []
