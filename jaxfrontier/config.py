@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 from typing import Any
 
 import ml_collections
@@ -35,6 +36,8 @@ ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
 DTYPES = ('float32', 'bfloat16', 'float16')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
+PIPELINE_SCHEDULES = ('gpipe', '1f1b', 'interleaved')  # jaxfrontier/schedules.py
+DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
 MESH_AXES = ('pipeline', 'data', 'fsdp', 'tensor')
 
 # name -> (layers, hidden, heads). The paper's models and the GPT-3 family sizes.
@@ -140,6 +143,40 @@ def base_config() -> ml_collections.ConfigDict:
             kind='builtin',  # builtin | tokens | synthetic
             path='',  # kind=tokens: path of the .bin token file (header beside it)
             val_fraction=0.02,
+        )
+    )
+
+    # How processes join one job (jaxfrontier/distributed.py); mesh.cpu_devices is the job's total.
+    c.distributed = ml_collections.ConfigDict(
+        dict(
+            mode='auto',  # auto (Slurm step > explicit address > none) | slurm | explicit | none
+            coordinator_address='',  # explicit: process 0's host or host:port
+            coordinator_port=0,  # 0: derived from the Slurm job id; explicit mode needs one
+            num_processes=0,  # explicit: processes in the job
+            process_id=-1,  # explicit: this process's id
+            local_device_ids='',  # '': automatic (process per GPU), 'all', or e.g. '0,1'
+            devices_per_process=1,  # GPUs per Slurm task; 0: every GPU the task sees
+            initialization_timeout_s=300,  # all processes must join within this
+            heartbeat_timeout_s=60,  # a peer silent this long is dead: the job ends
+            shutdown_timeout_s=60,
+        )
+    )
+
+    # Checkpoints in <workdir>/checkpoints (jaxfrontier/checkpoint.py, docs/checkpoints.md).
+    c.checkpoint = ml_collections.ConfigDict(
+        dict(
+            enabled=True,  # False: never save or restore
+            every_steps=1000,  # save every N steps (0: only at the end and on preemption)
+            keep=3,  # the newest K checkpoints are kept
+            keep_period=0,  # > 0: also keep every checkpoint whose step is a multiple of this
+            async_save=True,  # write in the background; the loop waits only for the device copy
+            # Signals that stop the run after its current step with a committed checkpoint:
+            # Slurm's SIGTERM, and an early warning such as `#SBATCH --signal=USR1@120`.
+            preemption_signals=('SIGTERM', 'SIGUSR1'),
+            preemption_sync_every=1,  # multi-process: agree on the stop every N steps
+            # Start from these parameters (a workdir, checkpoint directory or .safetensors file)
+            # when the workdir has no checkpoint yet: fine-tuning. Optimizer state starts fresh.
+            init_params_from='',
         )
     )
     return c
@@ -317,6 +354,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
         'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds',
     )
 
+    _validate_pipeline(c)
+
     o = c.optim
     _require(o.lr > 0, 'optim.lr', o.lr, 'must be > 0', 'set a positive learning rate')
     _require(0 <= o.min_lr <= o.lr, 'optim.min_lr', o.min_lr, 'must be in [0, optim.lr]', 'lower optim.min_lr')
@@ -329,6 +368,14 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              f'use one of {DATA_KINDS}')
     _require(c.data.kind != 'tokens' or bool(c.data.path), 'data.path', c.data.path,
              'data.kind=tokens needs a token file', 'set data.path to a .bin token file (docs/data.md)')
+    dist = c.distributed
+    _require(dist.mode in DISTRIBUTED_MODES, 'distributed.mode', dist.mode, 'unknown mode',
+             f'use one of {DISTRIBUTED_MODES}')
+    for field in ('initialization_timeout_s', 'heartbeat_timeout_s', 'shutdown_timeout_s'):
+        _require(dist[field] >= 1, f'distributed.{field}', dist[field], 'must be >= 1 second',
+                 f'set distributed.{field} to a positive number of seconds')
+    _require(dist.devices_per_process >= 0, 'distributed.devices_per_process', dist.devices_per_process,
+             'must be >= 0', 'use 1 (process per GPU), the GPUs per process, or 0 (all visible)')
     _require(0.0 < c.data.val_fraction < 0.5, 'data.val_fraction', c.data.val_fraction,
              'must be in (0, 0.5)', 'use e.g. 0.02')
 
@@ -339,11 +386,39 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
         targets = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
         _require(all(a in axes for a in targets), f'sharding.rules[{i}]', rule,
                  'names an unknown mesh axis', f'use mesh axes from {MESH_AXES} or None')
+    _validate_checkpoint(c.checkpoint)
 
 
-def check_supported(c: ml_collections.ConfigDict) -> None:
-    """Rules of what this version can train (beyond what a config may describe)."""
-    _require(c.mesh.pipeline == 1, 'mesh.pipeline', c.mesh.pipeline,
-             'pipeline-parallel training is not implemented yet (pipeline schedules are issue #3)',
-             'set mesh.pipeline=1 and move those devices to mesh.data, mesh.fsdp or mesh.tensor, '
-             'or use --mode=plan to inspect the layout')
+def _validate_checkpoint(ck: ml_collections.ConfigDict) -> None:
+    for field, low in (('every_steps', 0), ('keep', 1), ('keep_period', 0), ('preemption_sync_every', 1)):
+        _require(isinstance(ck[field], int) and not isinstance(ck[field], bool) and ck[field] >= low,
+                 f'checkpoint.{field}', ck[field], f'must be an integer >= {low}',
+                 f'set checkpoint.{field} to an integer >= {low}')
+    names = ck.preemption_signals
+    _require(isinstance(names, (tuple, list)) and all(
+        isinstance(n, str) and n in signal.Signals.__members__ and n not in ('SIGKILL', 'SIGSTOP') for n in names),
+        'checkpoint.preemption_signals', names, 'must be a tuple of catchable signal names',
+        "use e.g. ('SIGTERM', 'SIGUSR1'), or () to ignore signals")
+    _require(isinstance(ck.init_params_from, str), 'checkpoint.init_params_from', ck.init_params_from,
+             'must be a path string', "set it to a workdir, checkpoint directory, .safetensors file or ''")
+
+
+def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
+    p, v, m = c.mesh.pipeline, c.pipeline.virtual_stages, c.train.accum_steps
+    _require(c.pipeline.schedule in PIPELINE_SCHEDULES, 'pipeline.schedule', c.pipeline.schedule,
+             'unknown pipeline schedule', f'use one of {PIPELINE_SCHEDULES}')
+    _require(isinstance(v, int) and v >= 1, 'pipeline.virtual_stages', v, 'must be an integer >= 1',
+             'set pipeline.virtual_stages to 1, or to 2+ with the interleaved schedule')
+    if p == 1:
+        return
+    _require(m >= p, 'train.accum_steps', m,
+             f'a pipeline of {p} stages needs at least {p} micro-batches (accumulation steps) per step',
+             f'set train.accum_steps >= {p} (more micro-batches also shrink the bubble (P-1)/(M+P-1))')
+    if c.pipeline.schedule == 'interleaved':
+        _require(m % p == 0, 'train.accum_steps', m,
+                 f'the interleaved schedule runs micro-batches in groups of mesh.pipeline = {p}',
+                 f'set train.accum_steps to a multiple of {p}')
+    else:
+        _require(v == 1, 'pipeline.virtual_stages', v,
+                 f'the {c.pipeline.schedule} schedule has one chunk per stage',
+                 "set pipeline.virtual_stages=1 or pipeline.schedule='interleaved'")

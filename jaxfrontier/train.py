@@ -20,10 +20,12 @@ import optax
 from absl import logging
 from jax.sharding import NamedSharding
 
+from jaxfrontier import checkpoint as checkpoint_lib
 from jaxfrontier import config as config_lib
 from jaxfrontier import data as data_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import metrics as metrics_lib
+from jaxfrontier import pipeline
 from jaxfrontier import train_state as ts
 
 State = dict[str, Any]
@@ -54,6 +56,8 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     The loss is the mean over all tokens of the global batch; gradients are averaged over the
     micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
     """
+    if c.mesh.pipeline > 1:
+        return pipeline.make_pipeline_loss_and_grads(c, layout, split_micro_batches, _dropout_key)
     accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
     model_def = layout.model_def
 
@@ -110,6 +114,9 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
 def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
     accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
+    if c.mesh.pipeline > 1:  # the pipeline computes the loss inside its tick loop
+        loss_and_grads = make_loss_and_grads(c, layout)
+        return lambda params, tokens_gt: loss_and_grads(params, tokens_gt, 0)[0]
 
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)
@@ -211,7 +218,6 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record."""
     # 1. validate everything before writing or compiling anything
     config_lib.validate(c, jax.device_count())
-    config_lib.check_supported(c)
     data_lib.check_data(c)
     ensure_writable(workdir)
     write_resolved_config(c, workdir)
@@ -225,10 +231,11 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     train_source, val_source = data_lib.make_datasets(c, workdir)
     _log(f'data: train {train_source.describe()}; validation {val_source.describe()}')
 
-    # 4. state, built abstractly then materialised sharded
+    # 4. state, built abstractly, then restored from the newest checkpoint or materialised sharded
     layout = ts.make_layout(c, mesh)
-    state = ts.init_train_state(c, layout)
-    _log(f'state: {ts.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}')
+    checkpointer = checkpoint_lib.Checkpointer(c, workdir)
+    state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout))
+    _log(f'state: {ts.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
 
     # 5. compile
     t0 = time.perf_counter()
@@ -236,26 +243,41 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     memory = _memory_summary(train_step)
     _log(f'compile: {time.perf_counter() - t0:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
 
-    # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs
+    # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs; save every N
+    done = int(state['step'])
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
-                                       progress=c.train.progress)
+                                       progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count())
+    preemption = checkpoint_lib.PreemptionWatcher(c.checkpoint)
     pending = None
     try:
-        with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-            for step in range(int(state['step']), c.train.steps):
+        with preemption, jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+            for step in range(done, c.train.steps):
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
                 state, step_metrics = train_step(state, batch)
                 done = step + 1
+                checkpointer.save(done, state)  # before the next step is dispatched: it donates `state`
+                stop = preemption.should_stop(done)
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
-                eval_loss = evaluate(eval_step, state['params'], val_source, c, batch_sharding) if eval_due else None
+                eval_loss = (evaluate(eval_step, state['params'], val_source, c, batch_sharding)
+                             if eval_due and not stop else None)
                 if pending is not None:
                     reporter.report(*pending)
                 pending = (done, step_metrics, eval_loss)
+                if stop:
+                    break
             if pending is not None:
                 reporter.report(*pending)
+            # 7. final save (end of training or preemption), waited for until committed
+            checkpointer.save(done, state, force=True)
+            checkpointer.wait()
     finally:
         writer.close()
+        checkpointer.close()
     record = {**reporter.last_record, **memory}
+    if preemption.received:
+        record['preempted_at_step'] = done
+        if jax.process_index() == 0:
+            print(checkpointer.stop_message(done, preemption.received), flush=True)
     _log('done: ' + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
     return record

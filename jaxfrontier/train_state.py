@@ -108,6 +108,38 @@ def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, 
     return spec
 
 
+def split_virtual(params: Params, virtual: int) -> Params:
+    """Interleaved pipelines: block leaves [L, ...] -> [V, L / V, ...] (a reshape, same order).
+
+    Layer l = (v P + p) Lc + j lands at [v, p Lc + j], so sharding the second axis over
+    `pipeline` gives stage p exactly its chunks p, P + p, ... (round-robin) in model order.
+    """
+    if virtual == 1:
+        return params
+
+    def split(a):
+        shape = (virtual, a.shape[0] // virtual, *a.shape[1:])
+        return jax.ShapeDtypeStruct(shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.reshape(shape)
+
+    return {**params, 'blocks': jax.tree.map(split, params['blocks'])}
+
+
+def merge_virtual(params: Params) -> Params:
+    """Inverse of split_virtual: block leaves back to [L, ...] (model order)."""
+    blocks = params['blocks']
+    ln = blocks['ln1']['scale']
+    if ln.ndim == 2:  # [L, d]: not split
+        return params
+    return {**params, 'blocks': jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), blocks)}
+
+
+def split_virtual_specs(specs: Params, virtual: int) -> Params:
+    if virtual == 1:
+        return specs
+    blocks = jax.tree.map(lambda s: P('virtual', *s), specs['blocks'], is_leaf=lambda x: isinstance(x, P))
+    return {**specs, 'blocks': blocks}
+
+
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """Everything needed to build, place and update the train state on one mesh."""
@@ -128,8 +160,9 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
     rules = tuple(tuple(r) for r in c.sharding.rules)
     model_def = ModelDef.create(config_lib.model_shape(c))
     tx, schedule = make_optimizer(c)
-    abstract_params = model_def.abstract_params()
-    param_shardings = mesh_lib.tree_shardings(model_def.logical_specs(), mesh, rules)
+    virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
+    abstract_params = split_virtual(model_def.abstract_params(), virtual)
+    param_shardings = mesh_lib.tree_shardings(split_virtual_specs(model_def.logical_specs(), virtual), mesh, rules)
     if c.sharding.zero1:
         dp_axes = mesh_lib.data_parallel_axes(rules)
         update_shardings = jax.tree.map(
@@ -156,9 +189,10 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
 def init_train_state(c: ml_collections.ConfigDict, layout: StateLayout) -> dict[str, Any]:
     """Materialises the train state directly in its shardings with one jitted init."""
     shape = config_lib.model_shape(c)
+    virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
 
     def init(key):
-        params = init_params(shape, key)
+        params = split_virtual(init_params(shape, key), virtual)
         return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': layout.tx.init(params)}
 
     with jax.set_mesh(layout.mesh):

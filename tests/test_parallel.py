@@ -19,80 +19,12 @@ sqrt(v) + eps and turns into arbitrary O(lr) updates. The test asserts that this
 """
 
 import jax
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import train
 from jaxfrontier import train_state as ts
-
-GLOBAL_BATCH, SEQ = 16, 24
-LOSS_RTOL = 2e-6
-TREE_ATOL, TREE_RTOL = 2e-6, 2e-5
-
-
-def make_config(data=1, fsdp=1, tensor=1, accum=1, zero1=False, remat='none', attention='xla'):
-    c = config_lib.base_config()
-    c.model.update(num_layers=2, d_model=64, num_heads=8, seq_len=SEQ, vocab_size=250, vocab_multiple=32,
-                   dtype='float32', remat=remat, attention=attention, tied_embeddings=False)
-    c.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
-    dp = data * fsdp
-    c.train.update(global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // (dp * accum), accum_steps=accum, steps=3)
-    c.optim.update(lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-6)
-    c.sharding.zero1 = zero1
-    config_lib.validate(c, config_lib.num_devices(c))
-    return c
-
-
-def batches(n=3):
-    rng = np.random.default_rng(0)
-    # 250 real tokens in a vocabulary padded to 256: the padding must not change the loss.
-    return [rng.integers(0, 250, (GLOBAL_BATCH, SEQ + 1), dtype=np.int32) for _ in range(n)]
-
-
-def run_layout(c):
-    """(loss, grads) of step 0 and params after 3 steps, as numpy, for config `c`."""
-    mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
-    layout = ts.make_layout(c, mesh)
-    state = ts.init_train_state(c, layout)
-    sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
-    data = [jax.device_put(b, sharding) for b in batches()]
-    with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-        loss, grads = jax.jit(train.make_loss_and_grads(c, layout))(state['params'], data[0], 0)
-        loss, grads = jax.device_get((loss, grads))
-        step = jax.jit(train.make_train_step(c, layout), donate_argnums=0)
-        for batch in data:
-            state, _ = step(state, batch)
-    return float(loss), grads, jax.device_get(state['params'])
-
-
-def without_key_bias(params):
-    """Parameters with the key bias (b_qkv[:, 1]) removed; see the module docstring."""
-    params = jax.tree.map(np.asarray, params)
-    b_qkv = params['blocks']['attn']['b_qkv']
-    params['blocks']['attn']['b_qkv'] = b_qkv[:, (0, 2)]
-    return params
-
-
-def check_against_reference(result, reference):
-    loss, grads, params = result
-    ref_loss, ref_grads, ref_params = reference
-    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
-    assert_trees_close(grads, ref_grads, 'grad')
-    key_bias_grad = grads['blocks']['attn']['b_qkv'][:, 1]
-    assert np.max(np.abs(key_bias_grad)) < 1e-6, 'the key bias gradient must vanish'
-    assert_trees_close(without_key_bias(params), without_key_bias(ref_params), 'param after 3 steps')
-
-
-def assert_trees_close(actual, expected, what):
-    flat_a = jax.tree_util.tree_leaves_with_path(actual)
-    flat_e = jax.tree.leaves(expected)
-    assert len(flat_a) == len(flat_e)
-    for (path, a), e in zip(flat_a, flat_e):
-        np.testing.assert_allclose(a, e, rtol=TREE_RTOL, atol=TREE_ATOL,
-                                   err_msg=f'{what} {jax.tree_util.keystr(path)}')
+from layout_check import check_against_reference, make_config, run_layout
 
 
 @pytest.fixture(scope='module')

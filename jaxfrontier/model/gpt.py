@@ -109,10 +109,12 @@ class GPT(nnx.Module):
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, -1)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
 
-    def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None) -> jax.Array:
+    def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None,
+                     first_layer: int | jax.Array = 0) -> jax.Array:
+        """Applies the blocks this module holds (all layers, or a pipeline chunk of them)."""
         graphdef, stacked = nnx.split(self.blocks)
         return apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
-                           dropout_key=dropout_key)
+                           dropout_key=dropout_key, first_layer=first_layer)
 
     def logits(self, x_nd: jax.Array) -> jax.Array:
         """Final LayerNorm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""
@@ -125,10 +127,14 @@ class GPT(nnx.Module):
             logits_nv = jnp.einsum('nd,dv->nv', x_nd, w, preferred_element_type=jnp.float32)
         return mesh_lib.constrain(logits_nv, ('batch', 'vocab'))
 
+    def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy (fp32) from the last block's output."""
+        return cross_entropy(self.logits(x_nd), targets_bt.reshape(-1), self.shape.real_vocab_size)
+
     def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """Mean next-token cross-entropy (fp32) of one micro-batch."""
         x_nd = self.apply_blocks(self.embed(tokens_bt, dropout_key), tokens_bt.shape[1], dropout_key)
-        return cross_entropy(self.logits(x_nd), targets_bt.reshape(-1), self.shape.real_vocab_size)
+        return self.head_loss(x_nd, targets_bt)
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         """Logits [B, T, V] (fp32) for evaluation and inference."""
