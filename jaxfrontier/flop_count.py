@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr has no public name yet
 from jax.extend import core as jex_core
 
 BranchWeights = Callable[[int, int], list[float]]  # (cond occurrence, n_branches) -> weights
@@ -66,5 +67,11 @@ class _Counter:
 
 
 def executed_dot_flops(fn: Callable, *args, branch_weights: BranchWeights | None = None) -> float:
-    """Matmul FLOPs that running `fn(*args)` executes (args may be ShapeDtypeStructs)."""
-    return _Counter(branch_weights).count(jax.make_jaxpr(fn)(*args).jaxpr)
+    """Matmul FLOPs that running `fn(*args)` executes (args may be ShapeDtypeStructs).
+
+    Dead code is removed first, as XLA would: e.g. the primal output of a `jax.vjp` whose
+    only use is its pullback.
+    """
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return _Counter(branch_weights).count(jaxpr)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
@@ -214,3 +215,18 @@ def make_pipeline_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateL
         return loss, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
 
     return loss_and_grads
+
+
+def schedule_branch_weights(schedule: schedules.Schedule):
+    """Branch weights for flop_count: the tick loop's forward then backward `lax.switch`.
+
+    Weight of branch b = (stages x ticks running b) / ticks, since the tick scan already
+    multiplies its body by the number of ticks; the total is summed over all stages.
+    """
+    tables = (schedule.f_table[..., 0], schedule.b_table[..., 0])
+
+    def weights(occurrence: int, n_branches: int) -> list[float]:
+        kinds = tables[occurrence % 2]
+        return [float(np.sum(kinds == b)) / schedule.num_ticks for b in range(n_branches)]
+
+    return weights

@@ -18,6 +18,8 @@ from jaxfrontier.config import ModelShape
 from jaxfrontier.model.attention import Attention
 from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
 
+EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes
+
 REMAT_POLICIES = {
     'full': None,  # save only each layer's input, recompute everything inside it
     'save_dots': jax.checkpoint_policies.checkpoint_dots,
@@ -106,7 +108,7 @@ class GPT(nnx.Module):
         b, t = tokens_bt.shape
         x_btd = embedding_lookup(self.wte[...], tokens_bt) + self.wpe[...][None, :t]
         x_nd = x_btd.reshape(b * t, -1).astype(self.dtype)  # [B*T, d]
-        key = None if dropout_key is None else jax.random.fold_in(dropout_key, -1)
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
 
     def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None,
