@@ -179,6 +179,7 @@ class _Reporter:
         self.model_flops, self.hw_flops = metrics_lib.flops_per_step_from_config(c)
         self.peak, self.peak_source = metrics_lib.device_peak_flops(jax.devices()[0], c.model.dtype)
         self.tokens_per_step = c.train.global_batch * c.model.seq_len
+        self.constants = {'pipeline/bubble': pipeline.build_schedule(c).bubble} if c.mesh.pipeline > 1 else {}
         self.last_time, self.last_step, self.last_record = None, None, {}
 
     def report(self, step: int, metrics: dict[str, jax.Array], eval_loss: jax.Array | None) -> None:
@@ -191,6 +192,7 @@ class _Reporter:
             self.last_time, self.last_step = now, step
         elif due:
             step_time = (now - self.last_time) / (step - self.last_step)
+            scalars.update(self.constants)
             scalars.update(metrics_lib.perf_metrics(step_time, self.tokens_per_step, self.n_devices,
                                                     self.model_flops, self.hw_flops, self.peak))
             self.last_time, self.last_step = now, step
@@ -233,6 +235,11 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
 
     # 4. state, built abstractly, then restored from the newest checkpoint or materialised sharded
     layout = ts.make_layout(c, mesh)
+    if c.mesh.pipeline > 1:
+        sched = pipeline.build_schedule(c)
+        _log(f'pipeline: {sched.name}, P={sched.num_stages} stages x V={sched.virtual} chunks, '
+             f'M={sched.num_micro} micro-batches, {sched.num_ticks} ticks, bubble {sched.bubble:.1%}, '
+             f'at most {sched.act_slots} stashed micro-batches per stage')
     checkpointer = checkpoint_lib.Checkpointer(c, workdir)
     state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout))
     _log(f'state: {ts.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')

@@ -50,3 +50,14 @@ def test_accumulation_is_validated():
     c.train.accum_steps = 3
     with pytest.raises(config_lib.ConfigError, match='train.global_batch = 16'):
         config_lib.validate(c, 8)
+
+
+@pytest.mark.slow
+def test_pipelined_training_runs_end_to_end(tmp_path):
+    """train_and_evaluate with pipeline 2 x data 2 x tensor 2 (1F1B, M = 4) learns and logs its bubble."""
+    c = tiny(30)
+    c.mesh.update(pipeline=2, data=2, fsdp=1, tensor=2)
+    c.train.update(global_batch=16, micro_batch=2, accum_steps=4, log_every=10)
+    record = train.train_and_evaluate(c, str(tmp_path))
+    assert record['pipeline/bubble'] == pytest.approx(1 / 5)
+    assert record['eval/loss'] < UNIGRAM_ENTROPY_NATS, record
