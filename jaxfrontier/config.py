@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 from typing import Any
 
@@ -86,6 +87,9 @@ def base_config() -> ml_collections.ConfigDict:
             dtype='bfloat16',  # compute dtype; parameters and the loss are always fp32
             attention='auto',  # auto | reference | xla | cudnn
             remat='full',  # none | full | save_dots | save_dots_no_batch
+            # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
+            # Unrolling is 15-30 % faster on XLA:CPU for small models and costs compile time.
+            scan_unroll=1,
         )
     )
 
@@ -209,6 +213,17 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     return out
 
 
+def set_cpu_device_count(n: int) -> None:
+    """Asks XLA for n simulated CPU devices (config.mesh.cpu_devices); call before JAX starts.
+
+    An explicit --xla_force_host_platform_device_count in XLA_FLAGS wins.
+    """
+    flag = f'--xla_force_host_platform_device_count={n}'
+    current = os.environ.get('XLA_FLAGS', '')
+    if n > 0 and 'xla_force_host_platform_device_count' not in current:
+        os.environ['XLA_FLAGS'] = f'{current} {flag}'.strip()
+
+
 # --------------------------------------------------------------------------- derived values
 
 
@@ -253,6 +268,7 @@ class ModelShape:
     dtype: str
     attention: str
     remat: str
+    scan_unroll: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -275,6 +291,7 @@ def model_shape(c: ml_collections.ConfigDict) -> ModelShape:
         dtype=m.dtype,
         attention=m.attention,
         remat=m.remat,
+        scan_unroll=m.scan_unroll,
     )
 
 
@@ -317,7 +334,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
             'python -m jaxfrontier.main --config=... --mode=plan',
         )
 
-    for field in ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple'):
+    for field in ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple',
+                  'scan_unroll'):
         _require(isinstance(m[field], int) and m[field] >= 1, f'model.{field}', m[field],
                  'must be a positive integer', f'set model.{field} to a positive integer')
     _require(m.dtype in DTYPES, 'model.dtype', m.dtype, 'unknown dtype', f'use one of {DTYPES}')

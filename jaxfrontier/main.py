@@ -1,4 +1,4 @@
-"""Entry point: `python -m jaxfrontier.main --config=configs/tiny.py --workdir=DIR [--mode=train|plan]`.
+"""Entry point: `python -m jaxfrontier.main --config=configs/tiny.py --workdir=DIR [--mode=train|plan|export]`.
 
 The only module that reads flags. Config overrides come as `--config.train.steps=10`;
 a misspelt key is rejected. JAX is imported only after the config is read, so that
@@ -8,44 +8,77 @@ a misspelt key is rejected. JAX is imported only after the config is read, so th
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
+from jaxfrontier import distributed  # no JAX import either
+from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
+
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
 
-_CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT_CONFIG, 'Config file (configs/*.py[:arg]).',
-                                          lock_config=True)
+# No default here: config_flags would load a default config, and apply the --config.* overrides,
+# at import time, outside any error handling. `parse_flags` adds --config=<tiny.py> when absent.
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py[:arg]); '
+                                          f'default {_DEFAULT_CONFIG}.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/default', 'Directory for metrics, config and data cache.')
-_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan'],
-                          'train: run training. plan: parameters, memory and FLOPs of the layout, no devices.')
-
-
-def set_cpu_device_count(n: int) -> None:
-    """Asks XLA for n simulated CPU devices; must run before JAX initialises its backends."""
-    flag = f'--xla_force_host_platform_device_count={n}'
-    current = os.environ.get('XLA_FLAGS', '')
-    if n > 0 and 'xla_force_host_platform_device_count' not in current:
-        os.environ['XLA_FLAGS'] = f'{current} {flag}'.strip()
+_EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safetensors file to write from the newest '
+                                   'checkpoint of --workdir (default <workdir>/params.safetensors).')
+_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'export'],
+                          'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
+                          'export: parameters of the newest checkpoint in --workdir to --export_path.')
+_HARDWARE = flags.DEFINE_enum('hardware', 'mi250x', list(hardware_lib.NAMES),
+                               'mode=plan: the device to plan for (local: this machine).')
+_SEARCH = flags.DEFINE_bool('search', False, 'mode=plan: search layouts of the model that fit, fastest first.')
+_SEARCH_DEVICES = flags.DEFINE_integer('search_devices', 0, 'mode=plan --search: devices (0: the config mesh).')
+_PLAN_CHECK = flags.DEFINE_enum('plan_check', 'lower', ['none', 'lower', 'compile'],
+                                'mode=plan: lower the train step on an AbstractMesh (lower), and also compile an '
+                                'fp32 copy on <= 2048 simulated CPU devices (compile).')
+_PLAN_JSON = flags.DEFINE_string('plan_json', '', 'mode=plan: also write the plan (or search) as JSON here.')
 
 
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     config = _CONFIG.value
-    set_cpu_device_count(config.mesh.cpu_devices)
+
+    try:  # validate, then decide how this process joins the job, before JAX starts
+        processes = distributed.ProcessSettings('none')
+        if _MODE.value == 'train':
+            config_lib.validate(config)
+            processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
+        per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
+        config_lib.set_cpu_device_count(per_process)
+    except config_lib.UserError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    except distributed.DistributedError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 4
     logging.set_verbosity(logging.INFO)
 
     # Imported here, after the environment is final: these import JAX.
-    from jaxfrontier import config as config_lib  # pylint: disable=g-import-not-at-top
     from jaxfrontier import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 
     try:
         if _MODE.value == 'plan':
-            from jaxfrontier import planner  # pylint: disable=g-import-not-at-top
-            print(planner.format_plan(planner.plan(config)))
+            from jaxfrontier import plan_report  # pylint: disable=g-import-not-at-top
+            print(plan_report.report(config, hardware=_HARDWARE.value, search=_SEARCH.value,
+                                     search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
+                                     json_path=_PLAN_JSON.value))
+        elif _MODE.value == 'export':
+            from jaxfrontier import export  # pylint: disable=g-import-not-at-top
+            out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
+            names = export.export_params(_WORKDIR.value, out)
+            print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
         else:
+            distributed.initialize(processes, config.distributed)
+            logging.info(distributed.describe_process(processes, os.environ))
+            if processes.process_id != 0:
+                logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             from jaxfrontier import train  # pylint: disable=g-import-not-at-top
             train.train_and_evaluate(config, _WORKDIR.value)
     except config_lib.UserError as e:
@@ -54,11 +87,51 @@ def main(argv: list[str]) -> int:
     except metrics_lib.NonFiniteLossError as e:
         print(f'error: {e}', file=sys.stderr)
         return 3
+    except distributed.DistributedError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 4
     return 0
 
 
+def _user_error_in_chain(e: BaseException | None):
+    """The UserError that (indirectly) caused `e`, if any (config_flags and absl re-wrap errors)."""
+    from jaxfrontier import config as config_lib  # pylint: disable=g-import-not-at-top  (no JAX)
+    while e is not None and not isinstance(e, config_lib.UserError):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def _fail(message: str) -> None:
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing; a mistake in --config or its overrides is one message (exit 2), not a traceback."""
+    if not any(re.match(r'^--?config(=|$)', a) for a in argv[1:]):
+        argv = [argv[0], f'--config={_DEFAULT_CONFIG}', *argv[1:]]
+    try:
+        rest = flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:  # an override naming no field: the config is locked
+        message = e
+        while isinstance(message, BaseException) and message.args:
+            message = message.args[0]  # AttributeError(KeyError("'stepz'\nDid you mean ..."))
+        key, _, hint = str(message).partition('\n')  # "'stepz'", 'Did you mean "steps" ...?'
+        overrides = [a.split('=', 1)[0] for a in argv[1:] if re.match(r'^--?config\.', a)]
+        named = [o for o in overrides if key.strip("'") in o.split('.')[1:]] or overrides
+        _fail(f'{", ".join(named)}: the config has no field {key}. {hint + " " if hint else ""}Fix: correct '
+              'the key; --config.* overrides can only set fields the config file defines')
+    except flags.Error as e:
+        _fail(str(_user_error_in_chain(e) or e))
+    try:
+        _CONFIG.value.get('mesh')  # a config file that failed to load raises only when used
+    except OSError as e:
+        _fail(' '.join(f'--config: {e}'.split()))
+    return rest
+
+
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
 
 
 if __name__ == '__main__':

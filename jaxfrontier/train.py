@@ -256,7 +256,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count())
     preemption = checkpoint_lib.PreemptionWatcher(c.checkpoint)
-    pending = None
+    pending, stop = None, False
     try:
         with preemption, jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
             for step in range(done, c.train.steps):
@@ -264,7 +264,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
                 state, step_metrics = train_step(state, batch)
                 done = step + 1
                 checkpointer.save(done, state)  # before the next step is dispatched: it donates `state`
-                stop = preemption.should_stop(done)
+                stop = preemption.should_stop(done) and done < c.train.steps
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
                 eval_loss = (evaluate(eval_step, state['params'], val_source, c, batch_sharding)
                              if eval_due and not stop else None)
@@ -282,7 +282,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
         writer.close()
         checkpointer.close()
     record = {**reporter.last_record, **memory}
-    if preemption.received:
+    if stop:
         record['preempted_at_step'] = done
         if jax.process_index() == 0:
             print(checkpointer.stop_message(done, preemption.received), flush=True)

@@ -47,7 +47,7 @@ class Block(nnx.Module):
 
 
 def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, seq_len: int, remat: str,
-                dropout_key: jax.Array | None, first_layer: int | jax.Array = 0) -> jax.Array:
+                dropout_key: jax.Array | None, first_layer: int | jax.Array = 0, unroll: int = 1) -> jax.Array:
     """Applies the layers of `stacked` (leading axis = layers) in order with a scan.
 
     A pure function of the stacked block state, so pipeline stages can call it on their
@@ -62,7 +62,8 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
 
     if remat != 'none':
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_nd, _ = jax.lax.scan(body, x_nd, (stacked, first_layer + jnp.arange(num_layers)))
+    x_nd, _ = jax.lax.scan(body, x_nd, (stacked, first_layer + jnp.arange(num_layers)),
+                           unroll=min(unroll, num_layers))
     return x_nd
 
 
@@ -116,7 +117,7 @@ class GPT(nnx.Module):
         """Applies the blocks this module holds (all layers, or a pipeline chunk of them)."""
         graphdef, stacked = nnx.split(self.blocks)
         return apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
-                           dropout_key=dropout_key, first_layer=first_layer)
+                           dropout_key=dropout_key, first_layer=first_layer, unroll=self.shape.scan_unroll)
 
     def logits(self, x_nd: jax.Array) -> jax.Array:
         """Final LayerNorm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""

@@ -1,0 +1,124 @@
+"""Checkpoint throughput: save and restore GiB/s, and how long a save blocks the training loop.
+
+  python benchmarks/checkpoint.py [--quick] [--dir=/tmp/jf_ckpt_bench] > checkpoint.jsonl
+
+The train state (parameters + two Adam moments, fp32) of a GPT of 6 layers x 1024 wide with a
+32,768-token vocabulary: 1.22 GiB over 8 simulated CPU devices with fsdp 8 (every device
+holds 1/8; nothing replicated). `--quick` uses 2 layers x 512 (0.26 GiB) to check the script.
+
+Measured through jaxfrontier.checkpoint.Checkpointer, the code the training loop runs, after
+one warm-up of each operation (first-call costs excluded), median of 3:
+
+  blocked_s   time `save()` holds the loop: with async_save, until the arrays are copied off
+              the devices (on the CPU backend a host "copy" is a zero-copy view, so this is
+              Orbax's bookkeeping; on a GPU it adds the device-to-host copy of the local shards)
+  total_s     until the checkpoint is committed (renamed from its temporary directory)
+  save GiB/s  state GiB / total_s
+  restore     Checkpointer.restore onto the saving mesh (fsdp 8) and onto another one
+              (data 2 x fsdp 2 x tensor 2), until every array is ready; GiB/s = state GiB / s
+
+Numbers depend on the disk and on the page cache: the restore reads files just written, so
+it measures TensorStore decode + resharding more than the disk. JSON lines, then a table.
+"""
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+import harness  # noqa: E402
+from jaxfrontier import checkpoint as ckpt_lib  # noqa: E402
+from jaxfrontier import config as config_lib  # noqa: E402
+from jaxfrontier import mesh as mesh_lib  # noqa: E402
+from jaxfrontier import train_state as ts  # noqa: E402
+
+REPEATS = 3
+
+
+def bench_config(quick: bool, data=1, fsdp=8, tensor=1, async_save=True):
+    c = config_lib.base_config()
+    layers, d_model = (2, 512) if quick else (6, 1024)
+    c.model.update(num_layers=layers, d_model=d_model, num_heads=16, seq_len=128, vocab_size=32768,
+                   vocab_multiple=128, dtype='float32', remat='none')
+    c.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
+    c.train.update(global_batch=8, micro_batch=8 // (data * fsdp))
+    c.data.kind = 'synthetic'
+    c.checkpoint.update(every_steps=1, keep=2, async_save=async_save)
+    config_lib.validate(c, jax.device_count())
+    return c
+
+
+def layout_for(c):
+    return ts.make_layout(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()))
+
+
+def time_saves(c, state, directory, gib):
+    """Warm-up save, then REPEATS timed saves: (blocked_s, total_s) each."""
+    checkpointer = ckpt_lib.Checkpointer(c, directory)
+    times = []
+    for step in range(REPEATS + 1):
+        start = time.perf_counter()
+        checkpointer.save(step, state, force=True)
+        blocked = time.perf_counter() - start
+        checkpointer.wait()
+        total = time.perf_counter() - start
+        if step:
+            times.append((blocked, total))
+    checkpointer.close()
+    blocked_s = statistics.median(t[0] for t in times)
+    total_s = statistics.median(t[1] for t in times)
+    return {'blocked_s': blocked_s, 'total_s': total_s, 'gib_per_s': gib / total_s}
+
+
+def time_restores(c, directory, gib):
+    layout = layout_for(c)
+    checkpointer = ckpt_lib.Checkpointer(c, directory)
+    times = []
+    for i in range(REPEATS + 1):
+        start = time.perf_counter()
+        restored = jax.block_until_ready(checkpointer.restore(layout))
+        if i:
+            times.append(time.perf_counter() - start)
+        del restored
+    checkpointer.close()
+    total_s = statistics.median(times)
+    return {'blocked_s': total_s, 'total_s': total_s, 'gib_per_s': gib / total_s}
+
+
+def main():
+    quick = '--quick' in sys.argv
+    root = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--dir=')), '/tmp/jf_ckpt_bench')
+    shutil.rmtree(root, ignore_errors=True)
+    c = bench_config(quick)
+    state = ts.init_train_state(c, layout_for(c))
+    arrays, gib = ckpt_lib.describe_arrays(state)
+    common = {'state_gib': gib, 'arrays': arrays, 'devices': jax.device_count(), 'platform': jax.devices()[0].platform}
+    rows = []
+
+    def emit(row):
+        rows.append({**row, **common})
+        print(json.dumps(rows[-1]), flush=True)
+
+    emit({'op': 'save', 'async_save': True, 'mesh': 'fsdp8',
+          **time_saves(c, state, os.path.join(root, 'async'), gib)})
+    emit({'op': 'save', 'async_save': False, 'mesh': 'fsdp8',
+          **time_saves(bench_config(quick, async_save=False), state, os.path.join(root, 'sync'), gib)})
+    del state
+    emit({'op': 'restore', 'async_save': None, 'mesh': 'fsdp8',
+          **time_restores(c, os.path.join(root, 'async'), gib)})
+    emit({'op': 'restore', 'async_save': None, 'mesh': 'data2_fsdp2_tensor2',
+          **time_restores(bench_config(quick, data=2, fsdp=2, tensor=2), os.path.join(root, 'async'), gib)})
+    harness.print_table(rows, ['op', 'async_save', 'mesh', 'state_gib', 'blocked_s', 'total_s', 'gib_per_s'])
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,254 @@
+"""Parameters in and out of checkpoints: safetensors export, and initial parameters for fine-tuning.
+
+`export_params(source, out_path)` writes the parameters of a checkpoint to one safetensors
+file that any framework can read: one tensor per parameter, named by its '/'-joined path in
+the params tree (`blocks/attn/w_qkv`), block parameters stacked with a leading [layers]
+dimension in model order (also for checkpoints of interleaved pipelines), fp32. The name map and shapes are in docs/checkpoints.md. The file is written one
+tensor at a time, so the host holds at most one (stacked) parameter at once.
+
+`load_params(source, config, layout)` reads parameters for `config.checkpoint.init_params_from`
+from a safetensors file or from another run's checkpoint, directly into the layout's
+shardings: every process reads only the slices its devices hold.
+
+Export runs in one process: `python -m jaxfrontier.main --mode=export --workdir=RUN
+--export_path=params.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxfrontier import checkpoint as ckpt_lib
+from jaxfrontier import config as config_lib
+from jaxfrontier import train_state as ts
+
+FORMAT = 'jaxfrontier-params'
+_SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'int32': 'I32'}
+
+
+def flatten_names(tree: Any) -> dict[str, Any]:
+    """{'/'-joined path: leaf} of a nested dict, in sorted path order."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, 'shape'))[0]
+    return {ckpt_lib.path_name(path): leaf for path, leaf in flat}
+
+
+def _unflatten(names: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, leaf in names.items():
+        node = out
+        *parents, last = name.split('/')
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    return out
+
+
+def resolve_step_dir(source: str) -> str:
+    """The step directory a source names: a workdir, its checkpoints/ directory, or a step directory.
+
+    Raises:
+      CheckpointError: when there is no committed checkpoint there.
+    """
+    source = os.path.abspath(source)
+    if os.path.isdir(os.path.join(source, 'state')):
+        return source
+    for directory in (os.path.join(source, ckpt_lib.CHECKPOINT_SUBDIR), source):
+        steps = ckpt_lib.committed_steps(directory)
+        if steps:
+            return os.path.join(directory, str(steps[-1]))
+    raise ckpt_lib.CheckpointError(
+        f'no committed checkpoint under {source}. Fix: name a training workdir, its checkpoints/ '
+        'directory, one step directory in it, or a .safetensors file.')
+
+
+def _read_item(step_dir: str, item: str, handler: Any, call) -> Any:
+    """`call(handler, <step_dir>/<item>)`, with any failure reported as a corrupted checkpoint."""
+    try:
+        return call(handler, epath.Path(step_dir) / item)
+    except Exception as e:  # noqa: BLE001 -- whatever Orbax or TensorStore raise
+        raise ckpt_lib.corrupted_error(os.path.dirname(step_dir), os.path.basename(step_dir), e) from e
+    finally:
+        handler.close()
+
+
+def _read_meta(step_dir: str) -> dict[str, Any]:
+    meta = _read_item(step_dir, 'meta', ocp.JsonCheckpointHandler(), lambda h, path: h.restore(path))
+    if not isinstance(meta, dict) or meta.get('format') != ckpt_lib.FORMAT:
+        raise ckpt_lib.CheckpointError(f'{step_dir} is not a jaxfrontier checkpoint. '
+                                       'Fix: name a jaxfrontier checkpoint.')
+    return meta
+
+
+def saved_tree(step_dir: str) -> dict[str, Any]:
+    """The saved train state's tree of array metadata (shape, dtype), read without the arrays."""
+    return _read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(), lambda h, path: h.metadata(path).tree)
+
+
+def _param_shapes(step_dir: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{name: (shape, dtype)} of the saved parameters."""
+    params = flatten_names(saved_tree(step_dir)['params'])
+    return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in params.items()}
+
+
+def _restore_params(step_dir: str, item: dict[str, Any], restore_args: dict[str, Any]) -> dict[str, Any]:
+    args = ocp.args.PyTreeRestore(item={'params': item}, restore_args={'params': restore_args}, partial_restore=True)
+    restored = _read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(), lambda h, path: h.restore(path, args=args))
+    return restored['params']
+
+
+def _virtual_stages(config: dict[str, Any]) -> int:
+    """V of a saved config: block arrays are stored [V, L / V, ...] when V > 1 (interleaved pipeline)."""
+    return config['pipeline']['virtual_stages'] if config['mesh']['pipeline'] > 1 else 1
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _safetensors_header(shapes: dict[str, tuple[tuple[int, ...], np.dtype]], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {'__metadata__': metadata}
+    offset = 0
+    for name, (shape, dtype) in shapes.items():
+        size = int(np.prod(shape)) * dtype.itemsize
+        header[name] = {'dtype': _SAFETENSORS_DTYPES[dtype.name], 'shape': list(shape),
+                        'data_offsets': [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(',', ':')).encode()
+    raw += b' ' * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return len(raw).to_bytes(8, 'little') + raw
+
+
+def export_params(source: str, out_path: str) -> dict[str, tuple[int, ...]]:
+    """Writes the parameters of a checkpoint to a safetensors file, one tensor at a time.
+
+    Args:
+      source: a training workdir (its newest checkpoint), its checkpoints/ directory, or
+        one step directory.
+      out_path: the .safetensors file to write (replaced atomically).
+
+    Returns:
+      {name: shape} of the tensors written.
+    """
+    step_dir = resolve_step_dir(source)
+    meta = _read_meta(step_dir)
+    saved = _param_shapes(step_dir)
+    merge = _virtual_stages(meta['config']) > 1
+    shapes = {name: ((shape[0] * shape[1], *shape[2:]) if merge and name.startswith('blocks/') else shape, dtype)
+              for name, (shape, dtype) in saved.items()}  # model order [L, ...] (train_state.merge_virtual)
+    metadata = {'format': FORMAT, 'step': str(meta['step']), 'source': step_dir,
+                'config': json.dumps(meta['config'], sort_keys=True),
+                'vocab_size': str(meta['config']['model']['vocab_size'])}
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp_path = f'{out_path}.tmp{os.getpid()}'
+    try:
+        with open(tmp_path, 'wb') as f:
+            f.write(_safetensors_header(shapes, metadata))
+            for name, (shape, dtype) in shapes.items():
+                names = {name: jax.ShapeDtypeStruct(saved[name][0], dtype)}
+                value = flatten_names(_restore_params(step_dir, _unflatten(names), _unflatten(
+                    {name: ocp.RestoreArgs(restore_type=np.ndarray)})))[name]
+                f.write(np.ascontiguousarray(value.reshape(shape), dtype=dtype.newbyteorder('<')).tobytes())
+        os.replace(tmp_path, out_path)
+    finally:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+    return {name: shape for name, (shape, _) in shapes.items()}
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _padded_reader(read, saved_shape: tuple[int, ...], target_shape: tuple[int, ...], dtype: Any):
+    """Wraps `read(index) -> array` so a target larger or smaller than the saved tensor is
+    truncated or zero-padded (used only for the vocabulary padding)."""
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        bounds = [s.indices(n) for s, n in zip(index, target_shape)]
+        out = np.zeros([stop - start for start, stop, _ in bounds], dtype)
+        clipped = tuple(slice(min(start, n), min(stop, n)) for (start, stop, _), n in zip(bounds, saved_shape))
+        part = read(clipped)
+        out[tuple(slice(0, p) for p in part.shape)] = part
+        return out
+
+    return callback
+
+
+def _split_reader(read, target_shape: tuple[int, ...]):
+    """Wraps `read(index)` of a [L, ...] tensor to fill shards of its [V, L / V, ...] form."""
+    virtual, per_chunk = target_shape[:2]
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        (v0, v1, _), (j0, j1, _) = index[0].indices(virtual), index[1].indices(per_chunk)
+        return np.stack([read((slice(v * per_chunk + j0, v * per_chunk + j1), *index[2:])) for v in range(v0, v1)])
+
+    return callback
+
+
+def _reader(f, name: str, saved: tuple[int, ...], leaf: Any, vocab: tuple[int, int], where: str):
+    """The make_array_from_callback callback for one target parameter, or an error naming it."""
+    read = lambda index: f.get_slice(name)[index]  # noqa: E731
+    target = tuple(leaf.shape)
+    if saved == target:
+        return read
+    if ckpt_lib.layer_split(name, saved, target) == (1, 2):
+        return _split_reader(read, target)
+    if len(saved) == len(target) and all(a == b or (a, b) == vocab for a, b in zip(saved, target)):
+        return _padded_reader(read, saved, target, leaf.dtype)
+    raise ckpt_lib.CheckpointError(f'{where}: parameter {name!r} has shape {saved}, the config needs {target}. '
+                                   'Fix: use the config the parameters were trained with.')
+
+
+def load_safetensors(path: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -> dict[str, Any]:
+    """Reads a safetensors file (export_params' name map) into the layout's shardings."""
+    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
+    target = flatten_names(ckpt_lib.abstract_target(layout)['params'])
+    try:
+        f = safe_open(path, framework='numpy')
+    except Exception as e:  # noqa: BLE001
+        raise ckpt_lib.CheckpointError(f'cannot read {path} as safetensors ({type(e).__name__}: {e}). '
+                                       'Fix: name a file written by --mode=export (docs/checkpoints.md).') from e
+    metadata = f.metadata() or {}
+    saved_vocab = target_vocab = config_lib.padded_vocab(c)
+    if 'config' in metadata:
+        saved_config = json.loads(metadata['config'])
+        ckpt_lib.check_model_matches(saved_config, c, path, 'choose a file of the same model')
+        saved_vocab = ckpt_lib.padded_vocab_of(saved_config)
+    missing = sorted(set(target) - set(f.keys()))
+    if missing:
+        raise ckpt_lib.CheckpointError(f'{path} has no parameter {missing[0]!r}. Fix: use parameters '
+                                       'of a model with the same structure (docs/checkpoints.md).')
+    readers = {name: _reader(f, name, tuple(f.get_slice(name).get_shape()), leaf, (saved_vocab, target_vocab), path)
+               for name, leaf in target.items()}
+    return _unflatten({name: jax.make_array_from_callback(leaf.shape, leaf.sharding, readers[name], dtype=leaf.dtype)
+                       for name, leaf in target.items()})
+
+
+def load_checkpoint_params(source: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -> dict[str, Any]:
+    """Reads only the parameters of another run's checkpoint into the layout's shardings."""
+    step_dir = resolve_step_dir(source)
+    meta = _read_meta(step_dir)
+    ckpt_lib.check_model_matches(meta['config'], c, step_dir, 'choose a checkpoint of the same model')
+    target = {'params': ckpt_lib.abstract_target(layout)['params']}
+    vocab = (ckpt_lib.padded_vocab_of(meta['config']), config_lib.padded_vocab(c))
+    item, restore_args, reshaped = ckpt_lib.plan_restore(
+        target, ckpt_lib.saved_shapes_of(saved_tree(step_dir)), vocab, step_dir)
+    return ckpt_lib.finish_restore({'params': _restore_params(step_dir, item['params'], restore_args['params'])},
+                                   reshaped)['params']
+
+
+def load_params(source: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -> dict[str, Any]:
+    """Initial parameters for config.checkpoint.init_params_from: a .safetensors file or a checkpoint."""
+    if not os.path.exists(source):
+        raise config_lib.ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
+                                     'name a training workdir, a checkpoint directory or a .safetensors file')
+    if os.path.isfile(source):
+        return load_safetensors(source, c, layout)
+    return load_checkpoint_params(source, c, layout)
