@@ -1,0 +1,70 @@
+"""Running `python -m jaxfrontier.main` as separate processes, for the multi-process tests.
+
+Each subprocess gets the test environment without conftest's 8-device XLA flag, so that main
+sizes the simulated CPU devices per process from config.mesh.cpu_devices (the job's total).
+"""
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# configs/tiny.py (data 2 x fsdp 2 x tensor 2 on 8 CPU devices) with a one-layer, 32-wide model:
+# a compile of a few seconds. Every step is logged; the LR schedule does not depend on train.steps.
+TINY = ('--config=configs/tiny.py', '--config.model.num_layers=1', '--config.model.d_model=32',
+        '--config.model.seq_len=32', '--config.train.log_every=1', '--config.train.eval_every=0',
+        '--config.train.eval_batches=1', '--config.train.progress=False', '--config.optim.decay_steps=100')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@functools.cache
+def compile_cache_dir() -> str:
+    """One persistent JAX compile cache for every subprocess of this test session."""
+    path = tempfile.mkdtemp(prefix='jaxfrontier_test_cache_')
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def subprocess_env(**more: str) -> dict[str, str]:
+    """The test environment for a jaxfrontier subprocess: CPU, no fixed device count, shared compile cache."""
+    env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO, PYTHONUNBUFFERED='1',
+               JAX_COMPILATION_CACHE_DIR=compile_cache_dir(), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+    flags = [f for f in env.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
+    env['XLA_FLAGS'] = ' '.join(flags)
+    env.update(more)
+    return env
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The rows of `<workdir>/metrics.jsonl` (written by process 0 only)."""
+    path = os.path.join(workdir, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@functools.cache
+def single_process_losses(*overrides: str) -> dict[int, float]:
+    """{step: loss} of steps 1..4 of TINY + overrides in one process on 8 devices (once per session)."""
+    workdir = tempfile.mkdtemp(prefix='jaxfrontier_reference_')
+    cmd = [sys.executable, '-m', 'jaxfrontier.main', *TINY, *overrides, '--config.train.steps=4',
+           f'--workdir={workdir}']
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = {row['step']: row['train/loss'] for row in read_metrics(workdir)}
+    shutil.rmtree(workdir, ignore_errors=True)
+    assert sorted(losses) == [1, 2, 3, 4], losses
+    return losses

@@ -1,0 +1,219 @@
+"""launch/slurm.sbatch on a real Slurm: a 2-task job joins one 8-device mesh and trains like one process.
+
+The fixture starts munged, slurmctld and slurmd (Debian's packages; .ci/run installs them) on
+loopback with the configuration in tests/slurm/, for one node with 4 CPUs and 2 fake GPUs, and
+stops them by PID afterwards. The test `sbatch`es launch/slurm.sbatch exactly as a user would,
+with CPU settings (JAX_PLATFORMS=cpu; configs/tiny.py's 8 simulated devices are the job's total,
+4 per task), waits for it, and checks from the job's output that both tasks joined one 8-device
+mesh through Slurm's environment, that process 0 alone wrote the metrics, whose losses equal
+the single-process 8-device run's to fp32 rounding (rtol 2e-6), and that both wrote their
+checkpoint shards. A second job records how Slurm's GPU binding sets the visible devices and
+checks the GPU each task then selects. A third, with a stand-in for the trainer, checks the
+time-limit path: USR1 to the batch shell reaches both tasks and the job requeues itself.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from processes import REPO, TINY, free_port, read_metrics, single_process_losses, subprocess_env
+
+TEMPLATES = os.path.join(REPO, 'tests', 'slurm')
+COMMANDS = ('munged', 'mungekey', 'slurmctld', 'slurmd', 'sbatch', 'sinfo', 'scancel', 'squeue')
+LOSS_RTOL = 2e-6
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stops one daemon this fixture started, by its PID."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _fill(template: str, target: str, values: dict[str, str]) -> None:
+    with open(os.path.join(TEMPLATES, template)) as f:
+        text = f.read()
+    for key, value in values.items():
+        text = text.replace(f'@{key}@', value)
+    with open(target, 'w') as f:
+        f.write(text)
+
+
+def _wait_idle(env, logs: str, daemons) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        state = subprocess.run(['sinfo', '-h', '-o', '%T'], env=env, capture_output=True, text=True).stdout.strip()
+        if state == 'idle':
+            return
+        dead = [p.args[0] for p in daemons if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            tails = {name: open(os.path.join(logs, name)).read()[-1500:] for name in sorted(os.listdir(logs))}
+            pytest.fail(f'Slurm did not come up (node state {state!r}, exited: {dead}): {tails}')
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope='module')
+def slurm(tmp_path_factory):
+    """A running one-node Slurm cluster; yields the variables its commands need (SLURM_CONF)."""
+    search = f'{os.environ.get("PATH", "")}:/usr/sbin:/sbin'  # daemons live in sbin, often not on PATH
+    found = {d: shutil.which(d, path=search) for d in COMMANDS}
+    missing = [d for d, path in found.items() if path is None]
+    if missing:
+        pytest.skip(f'Slurm is not installed here (missing {", ".join(missing)}); .ci/run installs Debian\'s '
+                    'slurmctld, slurmd, slurm-client and munge so that CI always runs this test')
+    if os.geteuid() != 0:
+        pytest.skip('slurmd must run as root to start job steps; .ci/run runs as root')
+    root = str(tmp_path_factory.mktemp('slurm'))
+    for sub in ('munge', 'state', 'spool', 'log', 'dev'):
+        os.makedirs(os.path.join(root, sub))
+    os.chmod(os.path.join(root, 'munge'), 0o700)
+    for i in range(2):
+        os.symlink('/dev/null', os.path.join(root, 'dev', f'gpu{i}'))
+    values = dict(DIR=root, HOSTNAME=socket.gethostname(), CTLD_PORT=str(free_port()), SLURMD_PORT=str(free_port()))
+    conf = os.path.join(root, 'slurm.conf')
+    _fill('slurm.conf.in', conf, values)
+    _fill('gres.conf.in', os.path.join(root, 'gres.conf'), values)
+    env = dict(os.environ, SLURM_CONF=conf)
+    key, sock, logs = os.path.join(root, 'munge', 'munge.key'), os.path.join(root, 'munge', 'munge.socket'), \
+        os.path.join(root, 'log')
+    subprocess.run([found['mungekey'], '--create', f'--keyfile={key}'], check=True, capture_output=True)
+
+    def start(*cmd):
+        out = open(os.path.join(logs, os.path.basename(cmd[0]) + '.out'), 'w')  # pylint: disable=consider-using-with
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    daemons = [start(found['munged'], '--foreground', '--force', f'--socket={sock}', f'--key-file={key}',
+                     f'--pid-file={root}/munge/munged.pid', f'--log-file={logs}/munged.log',
+                     f'--seed-file={root}/munge/seed')]
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(sock):
+            assert daemons[0].poll() is None and time.monotonic() < deadline, 'munged did not start'
+            time.sleep(0.1)
+        daemons.append(start(found['slurmctld'], '-D', '-f', conf))
+        daemons.append(start(found['slurmd'], '-D', '-f', conf))
+        _wait_idle(env, logs, daemons)
+        yield {'SLURM_CONF': conf}
+    finally:
+        subprocess.run(['scancel', '--full', '--partition=debug'], env=env, capture_output=True)
+        deadline = time.monotonic() + 30
+        while (subprocess.run(['squeue', '-h'], env=env, capture_output=True, text=True).stdout.strip()
+               and time.monotonic() < deadline):
+            time.sleep(0.5)
+        for proc in reversed(daemons):
+            _stop(proc)
+
+
+def sbatch(env, *args, timeout_s=900):
+    """`sbatch --wait ARGS` from the repository root; returns the job's exit status."""
+    proc = subprocess.run(['sbatch', '--wait', '--chdir', REPO, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def job_env(slurm, **more):
+    """What the job inherits: the test's environment, CPU-only, with this interpreter first on PATH."""
+    path = f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}'
+    return subprocess_env(**slurm, PATH=path, **more)
+
+
+@pytest.mark.slow
+def test_slurm_job_joins_one_mesh_and_trains_like_one_process(slurm, tmp_path):
+    workdir, output = str(tmp_path / 'workdir'), str(tmp_path / 'job.out')
+    status, text = sbatch(job_env(slurm, WORKDIR=workdir), '--nodes=1', '--ntasks-per-node=2', '--gpus-per-node=2',
+                          '--time=15', f'--output={output}', 'launch/slurm.sbatch', 'configs/tiny.py', *TINY[1:],
+                          '--config.sharding.zero1=True', '--config.train.steps=3')
+    job_output = open(output).read() if os.path.exists(output) else ''
+    assert status == 0, (text, job_output[-5000:])
+
+    for process in (0, 1):
+        assert f'process {process}/2 on ' in job_output, job_output[-5000:]
+    assert job_output.count('4 local device(s)') == 2 and job_output.count('of 8 global') == 2
+    assert job_output.count('(slurm); local device ids all') == 2  # Slurm mode; CPU: no GPU selection
+    assert "over 8 cpu devices (2 process(es))" in job_output
+
+    rows = read_metrics(workdir)
+    assert [row['step'] for row in rows] == [1, 2, 3]  # written once: by process 0 only
+    reference = single_process_losses('--config.sharding.zero1=True')
+    for row in rows:
+        assert row['train/loss'] == pytest.approx(reference[row['step']], rel=LOSS_RTOL), row
+    done = json.loads(job_output.split('done: ', 1)[1].splitlines()[0])  # the log rounds to 4 digits
+    assert done['step'] == 3 and done['train/loss'] == pytest.approx(reference[3], abs=6e-5)
+    state = os.path.join(workdir, 'checkpoints', '3', 'state')
+    assert {'ocdbt.process_0', 'ocdbt.process_1'} <= set(os.listdir(state))
+
+
+# Prints, per task, what distributed.py selects from the environment Slurm gave it (no JAX).
+_SELECTION = ('import json, os; from jaxfrontier import distributed as d; '
+              'print("SELECTION", json.dumps([int(os.environ["SLURM_LOCALID"]), '
+              'os.environ.get("CUDA_VISIBLE_DEVICES"), d.slurm_local_device_ids(os.environ, 1)]))')
+
+
+@pytest.mark.slow
+def test_slurm_gpu_binding_gives_each_task_its_gpu(slurm, tmp_path):
+    output = str(tmp_path / 'job.out')
+    script = (f"srun --gpu-bind=map_gpu:0,1 python -c '{_SELECTION}'\n"
+              f"srun python -c '{_SELECTION}'\n")
+    status, text = sbatch(job_env(slurm), '--nodes=1', '--ntasks-per-node=2', '--gpus-per-node=2', '--time=5',
+                          f'--output={output}', f'--wrap={script}', timeout_s=120)
+    lines = [json.loads(line.split(None, 1)[1]) for line in open(output) if line.startswith('SELECTION')]
+    assert status == 0 and len(lines) == 4, (text, open(output).read())
+    # Bound (map_gpu): each task sees only its own GPU and uses all it sees.
+    # Unbound: both see both GPUs and task i takes GPU i.
+    assert sorted(map(tuple, lines)) == [(0, '0', None), (0, '0,1', [0]), (1, '0,1', [1]), (1, '1', None)]
+
+
+# Stands in for `python` in the job: waits for USR1 like the trainer's preemption handler, exits 0.
+_TRAINER_STUB = '''#!/bin/bash
+trap 'echo "task $SLURM_PROCID got USR1" >> "$STUB_LOG"; exit 0' USR1
+echo "task $SLURM_PROCID restart ${SLURM_RESTART_COUNT:-0}: python $*" >> "$STUB_LOG"
+for _ in $(seq 1200); do sleep 0.1; done
+exit 9
+'''
+
+
+def _job_state(slurm, job_id):
+    text = subprocess.run(['scontrol', 'show', 'job', job_id], env=job_env(slurm), capture_output=True,
+                          text=True).stdout
+    return dict(item.split('=', 1) for item in text.split() if '=' in item)
+
+
+@pytest.mark.slow
+def test_slurm_time_limit_signal_reaches_tasks_then_job_requeues(slurm, tmp_path):
+    """`scancel --batch --signal=USR1` is what `--signal=B:USR1@300` sends before the time limit."""
+    bin_dir, log, output = tmp_path / 'bin', tmp_path / 'stub.log', str(tmp_path / 'job.out')
+    bin_dir.mkdir()
+    (bin_dir / 'python').write_text(_TRAINER_STUB)
+    (bin_dir / 'python').chmod(0o755)
+    env = job_env(slurm, STUB_LOG=str(log), WORKDIR=str(tmp_path / 'workdir'))
+    env['PATH'] = f'{bin_dir}:{env["PATH"]}'
+    submitted = subprocess.run(['sbatch', '--parsable', '--chdir', REPO, '--nodes=1', '--ntasks-per-node=2',
+                                '--gpus-per-node=2', '--time=5', f'--output={output}', 'launch/slurm.sbatch',
+                                'configs/tiny.py'], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    job_id = submitted.stdout.strip().split(';')[0]
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text().count('restart 0:') == 2):
+            assert time.monotonic() < deadline, (log.read_text() if log.exists() else '', _job_state(slurm, job_id))
+            time.sleep(0.2)
+        subprocess.run(['scancel', '--batch', '--signal=USR1', job_id], env=env, check=True)
+        deadline = time.monotonic() + 60
+        while _job_state(slurm, job_id).get('Restarts') != '1':
+            assert time.monotonic() < deadline, (log.read_text(), _job_state(slurm, job_id))
+            time.sleep(0.5)
+    finally:
+        subprocess.run(['scancel', job_id], env=env, capture_output=True)
+    lines = log.read_text().splitlines()
+    assert sorted(l for l in lines if 'got USR1' in l) == ['task 0 got USR1', 'task 1 got USR1']
+    assert 'time limit near: checkpointing, then requeueing job' in open(output).read()
