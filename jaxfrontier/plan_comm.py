@@ -1,0 +1,163 @@
+"""The planner's communication model: what each mesh axis carries per step, and for how long.
+
+Per device and optimizer step, following what XLA emits for `train.make_train_step` (the
+comparison with the compiled HLO is in tests/test_planner.py; docs/planner.md has the table):
+
+  tensor    per layer and micro-batch, 2 all-reduces of the [tokens, d] activations forward
+            and 2 backward (Megatron's f/g), 1 more when full remat recomputes the forward (the
+            layer's output all-reduce is not needed again);
+            the vocabulary-parallel embedding's psum (fp32) and the head's input gradient.
+  fsdp      every weight all-gathered before its forward and again for its backward (fp32,
+            as stored); gradients reduce-scattered (all-reduce + slice on XLA:CPU).
+  data      gradients all-reduced on their fsdp shard; with ZeRO-1 reduce-scattered into the
+            optimizer layout and the updated parameters all-gathered once per step.
+  pipeline  each micro-batch's activations sent forward and their gradient sent back at
+            every stage boundary (per virtual stage with the interleaved schedule).
+
+Gradient reductions run once per micro-batch: `train.make_loss_and_grads` constrains the
+running gradient sum to the update layout at every accumulation step. A tied embedding's
+gradient is reduced twice (its head and its lookup contributions are separate sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from jaxfrontier import hardware as hw_lib
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier import plan_model as pm
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One kind of collective traffic of a step, per device."""
+
+    what: str
+    kind: str  # all-reduce | all-gather | reduce-scatter | collective-permute
+    axes: tuple[str, ...]
+    payload_bytes: float  # per device per step, summed over executions (hlo_collectives convention)
+    count: float  # executions per step (per device, averaged over pipeline stages)
+    level: str  # slowest link crossed: package | node | network
+    time_s: float  # on the wire, not overlapped
+    exposed_s: float  # not hidden behind compute (docs/planner.md)
+    per_micro_batch: bool  # repeats with every micro-batch (inside the pipeline timeline)
+
+
+_WIRE_FACTOR = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
+                'reduce-scatter': lambda n: (n - 1) / n, 'collective-permute': lambda n: 1.0}
+
+
+def wire_time_s(kind: str, payload_bytes: float, count: float, group: int, level: str, hw: hw_lib.Hardware) -> float:
+    """Ring-algorithm time of `count` collectives over `group` devices moving `payload_bytes` in all."""
+    if group <= 1 or payload_bytes <= 0:
+        return 0.0
+    steps = 2 * (group - 1) if kind == 'all-reduce' else 1 if kind == 'collective-permute' else group - 1
+    bandwidth = hw_lib.link_bytes_per_s(hw, level)
+    return count * steps * hw.link_latency_s[level] + _WIRE_FACTOR[kind](group) * payload_bytes / bandwidth
+
+
+@functools.lru_cache(maxsize=4096)
+def _level(mesh_items: tuple[tuple[str, int], ...], axes: tuple[str, ...], per_package: int, per_node: int) -> str:
+    hw = hw_lib.HARDWARE['mi250x']
+    hw = dataclasses.replace(hw, devices_per_package=per_package, devices_per_node=per_node)
+    return hw_lib.axis_level(dict(mesh_items), axes, hw)
+
+
+@dataclasses.dataclass
+class _Traffic:
+    """Accumulates (what, kind, axes) -> [payload bytes, executions] before timing."""
+
+    items: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, what: str, kind: str, axes: tuple[str, ...], payload_bytes: float, count: float,
+            per_micro_batch: bool = True) -> None:
+        axes = tuple(a for a in axes if a)
+        if not axes or payload_bytes <= 0 or count <= 0:
+            return
+        key = (what, kind, axes, per_micro_batch)
+        old = self.items.get(key, (0.0, 0.0))
+        self.items[key] = (old[0] + payload_bytes * count, old[1] + count)
+
+
+def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
+    m, p = layout.accum_steps, layout.pipeline
+    act = layout.micro_batch * shape.seq_len * shape.d_model
+    if layout.tensor > 1:
+        per_layer = 4 + (1 if pm.effective_remat(layout) == 'full' else 0)  # recompute: all but the last
+        t.add('activations (Megatron f/g)', 'all-reduce', ('tensor',), act * dtype_bytes,
+              m * shape.num_layers / p * per_layer)
+        t.add('vocabulary-parallel embedding (fp32)', 'all-reduce', ('tensor',), act * 4, m / p)
+        t.add('head input gradient', 'all-reduce', ('tensor',), act * dtype_bytes, m / p)
+    if p > 1:
+        v = layout.virtual_stages if layout.schedule == 'interleaved' else 1
+        ticks = pm.pipeline_slots(layout.schedule, p, m, v).ticks
+        t.add('stage activations and their gradients', 'collective-permute', ('pipeline',), act * dtype_bytes,
+              2 * ticks)
+
+
+def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
+    """FSDP gathers, gradient reductions and the ZeRO-1 gather, parameter by parameter.
+
+    Counts are per device, averaged over pipeline stages: a pipeline runs the embedding on
+    its first stage and the head on its last, and sums their gradients over stages once.
+    """
+    sizes = layout.mesh_shape
+    dp_axes = tuple(a for a in mesh_lib.data_parallel_axes(rules) if sizes[a] > 1)
+    m, p = layout.accum_steps, layout.pipeline
+    for pl in pm.param_layouts(specs, layout, rules):
+        spec, local = pl.spec, pl.local * pm.PARAM_BYTES
+        sharded = tuple(a for a in dp_axes if a in pm.shard_axes(pl.param_spec))
+        extra = tuple(a for a in dp_axes if a in pm.shard_axes(pl.update_spec) and a not in sharded)
+        rest = tuple(a for a in dp_axes if a not in sharded and a not in extra)
+        gathered = local * math.prod(sizes[a] for a in sharded)
+        group = 'block weights' if spec.is_block else 'embedding and head'
+        uses = m * (2 if spec.is_block else 1 / p)  # blocks: before the forward and again for the backward
+        if sharded:
+            t.add(f'FSDP gather of {group}', 'all-gather', sharded, gathered, uses)
+        if p > 1 and not spec.is_block:
+            t.add('shared gradients summed over stages', 'all-reduce', ('pipeline',), local, 1, per_micro_batch=False)
+        per_stage = 1 if spec.is_block else 1 / p
+        reductions = m * per_stage * (2 if spec.path == 'wte' else 1)  # tied: head and lookup sum apart
+        if spec.path in ('wte', 'wpe'):  # the lookup's gradient is summed over every replica at once
+            t.add('embedding gradient', 'all-reduce', dp_axes, gathered, m * per_stage)
+            reductions -= m * per_stage
+        what = f'gradients of {group}'
+        if sharded:
+            t.add(what, 'reduce-scatter', sharded, gathered, reductions)
+        if extra:
+            t.add(what + ' (ZeRO-1)', 'reduce-scatter', extra, local, reductions)
+            t.add('ZeRO-1 parameter gather', 'all-gather', extra, local, 1, per_micro_batch=False)
+        if rest:
+            t.add(what, 'all-reduce', rest, local, reductions)
+
+
+def communication(shape, layout, rules, specs, hw: hw_lib.Hardware, compute_mb_s: float) -> tuple[Transfer, ...]:
+    """Every transfer of one step with its link level, wire time and exposed time.
+
+    Overlap (docs/planner.md): tensor all-reduces and pipeline sends are exposed; FSDP gathers
+    hide behind compute and show only their excess plus one layer's gather; gradient
+    reductions hide behind the backward pass (2/3 of the compute) except the last layer's;
+    the ZeRO-1 gather and the pipeline's sum of shared gradients are exposed.
+    """
+    dtype_bytes = 4 if shape.dtype == 'float32' else 2
+    t = _Traffic()
+    _activation_traffic(t, shape, layout, dtype_bytes)
+    _param_traffic(t, layout, rules, specs)
+    mesh_items = tuple(layout.mesh_shape.items())
+    layers = shape.num_layers / layout.pipeline
+    compute_s = compute_mb_s * layout.accum_steps
+    out = []
+    for (what, kind, axes, per_mb), (payload, count) in t.items.items():
+        group = math.prod(layout.mesh_shape[a] for a in axes)
+        level = _level(mesh_items, axes, hw.devices_per_package, hw.devices_per_node)
+        time_s = wire_time_s(kind, payload, count, group, level, hw)
+        if kind == 'all-gather' and per_mb:
+            exposed = max(0.0, time_s - compute_s) + time_s / max(count, 1.0)
+        elif per_mb and what.startswith(('gradients', 'embedding gradient')):
+            exposed = max(time_s - compute_s * 2 / 3, time_s / max(layers, 1.0))
+        else:
+            exposed = time_s
+        out.append(Transfer(what, kind, axes, payload, count, level, time_s, min(exposed, time_s), per_mb))
+    return tuple(sorted(out, key=lambda x: -x.payload_bytes))

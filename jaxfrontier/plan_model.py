@@ -1,0 +1,372 @@
+"""The planner's formulas: parameter table, memory, FLOPs, communication and compute time.
+
+Everything here is arithmetic on a `ModelShape`, a `planner.Layout`, the logical-axis rules
+and a `hardware.Hardware`; nothing is allocated or compiled. docs/planner.md explains each
+formula and how it was checked against XLA's compiled programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from typing import Any
+
+from jaxfrontier import activations
+from jaxfrontier import config as config_lib
+from jaxfrontier import hardware as hw_lib
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier import metrics
+from jaxfrontier import train_state
+
+# Share of device memory kept free for the runtime, the allocator's fragmentation and
+# collective buffers: a layout "fits" when the estimate is within the rest.
+RESERVED_FRACTION = 0.10
+PARAM_BYTES = 4  # parameters, gradients and Adam moments are fp32
+# Share of a layer's residual set live at once while `jax.checkpoint` recomputes it in the
+# backward pass (calibrated on XLA:CPU, docs/planner.md).
+RECOMPUTE_LIVE_FRACTION = 0.85
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter array: its path in the params dict, shape and logical axis names."""
+
+    path: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_block(self) -> bool:
+        return self.path.startswith('blocks/')
+
+
+def param_specs(s: config_lib.ModelShape, virtual: int = 1) -> tuple[ParamSpec, ...]:
+    """Every parameter of `model.gpt.GPT` (mirrors the model; tested against eval_shape).
+
+    With `virtual` > 1 (interleaved pipelines) block parameters are stored [V, L / V, ...]
+    (`train_state.split_virtual`).
+    """
+    L, d, h, k, f, v = s.num_layers, s.d_model, s.num_heads, s.head_dim, s.mlp_dim, s.vocab_size
+    block = [
+        ('attn/b_out', (d,), ('embed',)),
+        ('attn/b_qkv', (3, h, k), ('qkv', 'heads', 'head_dim')),
+        ('attn/w_out', (h, k, d), ('heads', 'head_dim', 'embed')),
+        ('attn/w_qkv', (d, 3, h, k), ('embed', 'qkv', 'heads', 'head_dim')),
+        ('ln1/bias', (d,), ('embed',)),
+        ('ln1/scale', (d,), ('embed',)),
+        ('ln2/bias', (d,), ('embed',)),
+        ('ln2/scale', (d,), ('embed',)),
+        ('mlp/b_in', (f,), ('mlp',)),
+        ('mlp/b_out', (d,), ('embed',)),
+        ('mlp/w_in', (d, f), ('embed', 'mlp')),
+        ('mlp/w_out', (f, d), ('mlp', 'embed')),
+    ]
+    lead, lead_names = ((virtual, L // virtual), ('virtual', 'layers')) if virtual > 1 else ((L,), ('layers',))
+    specs = [ParamSpec('blocks/' + p, lead + shape, lead_names + names) for p, shape, names in block]
+    specs += [
+        ParamSpec('ln_f/bias', (d,), ('embed',)),
+        ParamSpec('ln_f/scale', (d,), ('embed',)),
+        ParamSpec('wpe', (s.seq_len, d), ('positions', 'embed')),
+        ParamSpec('wte', (v, d), ('vocab', 'embed')),
+    ]
+    if not s.tied_embeddings:
+        specs.append(ParamSpec('head', (d, v), ('embed', 'vocab')))
+    return tuple(specs)
+
+
+def count_params(specs: tuple[ParamSpec, ...]) -> int:
+    return sum(p.size for p in specs)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def local_size(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) -> int:
+    """Elements of one device's shard (XLA pads a dimension that does not divide)."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    return math.prod(-(-dim // math.prod(mesh_shape[a] for a in _axes(e))) for dim, e in zip(shape, entries))
+
+
+def shard_axes(spec: Any) -> set[str]:
+    return {a for e in spec for a in _axes(e)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Per-device elements of one parameter in its own layout and in the update layout."""
+
+    spec: ParamSpec
+    param_spec: Any  # PartitionSpec of the parameter
+    update_spec: Any  # PartitionSpec of its gradient at the optimizer (ZeRO-1: also over DP)
+    local: int
+    update_local: int
+
+
+def param_layouts(specs: tuple[ParamSpec, ...], layout, rules) -> tuple[ParamLayout, ...]:
+    """Shardings of every parameter under `rules` on `layout`'s mesh, as `train_state` builds them."""
+    mesh = types.SimpleNamespace(shape=layout.mesh_shape)
+    dp_axes = mesh_lib.data_parallel_axes(rules)
+    out = []
+    for p in specs:
+        spec = mesh_lib.logical_to_spec(p.names, rules)
+        update = train_state.zero1_spec(spec, p.shape, mesh, dp_axes) if layout.zero1 else spec
+        out.append(ParamLayout(p, spec, update, local_size(p.shape, spec, layout.mesh_shape),
+                               local_size(p.shape, update, layout.mesh_shape)))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device on the device that needs the most (`stage`)."""
+
+    params_bytes: float
+    grads_bytes: float  # one micro-batch's gradients, plus the running sum with accumulation
+    optimizer_bytes: float
+    activations_bytes: float  # residuals kept for the backward pass (all in-flight micro-batches)
+    temporaries_bytes: float  # the largest working set on top (one layer's backward, or the head's)
+    inputs_bytes: float  # the token batch
+    stage: str  # which device: 'every device', 'pipeline stage 0', ...
+    activations_detail: str = ''
+
+    def items(self) -> list[tuple[str, float]]:
+        return [('parameters (fp32)', self.params_bytes), ('gradients (fp32)', self.grads_bytes),
+                ('optimizer state (Adam, fp32)', self.optimizer_bytes),
+                (f'activations {self.activations_detail}'.strip(), self.activations_bytes),
+                ('temporaries (working set)', self.temporaries_bytes), ('input batch', self.inputs_bytes)]
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.temporaries_bytes + self.inputs_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSlots:
+    """Buffers and ticks of `schedules.build` for a layout (closed forms, tested against it)."""
+
+    act_slots: int  # stashed chunk inputs a stage holds at once
+    grad_slots: int  # received input gradients a stage holds at once
+    ticks: int  # iterations of the tick loop
+    bubble: float  # (P - 1) / (V M + P - 1)
+
+
+def pipeline_slots(schedule: str, p: int, m: int, v: int = 1) -> PipelineSlots:
+    """Slots and ticks of the tick executor (pipeline.py): GPipe stashes all M micro-batches,
+    1F1B at most 2P - 1, interleaved at most V P + P - 1 chunks."""
+    if schedule == 'gpipe':
+        slots, ticks = m, 2 * m + 2 * p - 3
+    else:
+        v = v if schedule == 'interleaved' else 1
+        slots = min(v * m, v * p + p - 1)
+        ticks = v * m + (v + 1) * p - 2
+    return PipelineSlots(slots, 1, ticks, (p - 1) / (v * m + p - 1))
+
+
+def _act_sizes(shape, layout, weight: bool) -> dict[str, int]:
+    return activations.local_sizes(micro_batch=layout.micro_batch, seq_len=shape.seq_len,
+                                   num_heads=shape.num_heads, head_dim=shape.head_dim, d_model=shape.d_model,
+                                   mlp_dim=shape.mlp_dim, vocab=shape.vocab_size, tensor=layout.tensor,
+                                   fsdp=layout.fsdp, weight=weight)
+
+
+def layer_bytes(shape, layout, remat: str, attention: str = 'xla') -> tuple[float, float]:
+    """(residual bytes of one layer for one micro-batch, the same for the embedding + head)."""
+    sig = activations.signature(remat, shape.dtype, shape.mlp_dim // shape.d_model, shape.dropout_rate > 0,
+                                shape.tied_embeddings, attention)
+    act, weight = _act_sizes(shape, layout, False), _act_sizes(shape, layout, True)
+    return (activations.residual_bytes(sig.block, act, weight), activations.residual_bytes(sig.head, act, weight))
+
+
+def backward_working_bytes(shape, layout, attention: str = 'xla') -> float:
+    """Transient buffers of one layer's backward when its residuals are stashed (docs/planner.md).
+
+    The gradient path in fp32: 3 attention-score-sized buffers (probabilities, their gradient,
+    the scores' gradient; none with a fused kernel), 3 MLP-hidden-sized and 6 residual-stream-
+    sized ones. Calibrated on XLA:CPU.
+    """
+    a = _act_sizes(shape, layout, False)
+    scores = 0 if attention == 'cudnn' else 3 * a['b'] * a['h'] * a['t'] * a['t'] * 4
+    stream = (3 * a['n'] * a['f'] + 6 * a['n'] * a['d']) * 4
+    return scores + stream
+
+
+def gathered_layer_bytes(shape, layout) -> float:
+    """One layer's weights gathered over fsdp (fp32, as stored) while it runs."""
+    layer_params = 4 * shape.d_model * shape.d_model + 2 * shape.d_model * shape.mlp_dim
+    return PARAM_BYTES * layer_params / layout.tensor if layout.fsdp > 1 else 0.0
+
+
+def layer_working_bytes(shape, layout, attention: str = 'xla') -> float:
+    """Peak extra memory of one layer's backward.
+
+    With full recomputation the layer's residual set (the `none` policy's) is rebuilt and
+    consumed while its gradients replace it. Under `jax.checkpoint` (no pipeline) XLA fuses
+    part of the recomputation into its consumers, so RECOMPUTE_LIVE_FRACTION of the set is
+    live at once (XLA:CPU: 0.81-0.83); the pipeline's explicit per-layer `jax.vjp` holds all of
+    it. Without recomputation the residuals are already stashed and only the gradient path's
+    buffers (`backward_working_bytes`) come on top. Either way the layer's weights gathered over
+    fsdp are live too.
+    """
+    gathered = gathered_layer_bytes(shape, layout)
+    if effective_remat(layout) != 'full':
+        return backward_working_bytes(shape, layout, attention) + gathered
+    fraction = RECOMPUTE_LIVE_FRACTION if layout.pipeline == 1 else 1.0
+    return fraction * layer_bytes(shape, layout, 'none', attention)[0] + gathered
+
+
+def _plain_memory(shape, layout, states: dict[str, float], attention: str) -> tuple[float, float, float, str]:
+    """(gradients, activations, temporaries, detail) of `train.make_loss_and_grads` without a pipeline.
+
+    Gradients: one micro-batch's (parameter layout) plus the running sum (update layout)
+    when accumulating. Activations: every layer's residuals under the remat policy for one
+    micro-batch. Temporaries: the largest of one layer's backward (`layer_working_bytes`),
+    the head's backward (its residuals, the logits and their gradient) and Adam's update.
+    """
+    per_layer, head = layer_bytes(shape, layout, layout.remat, attention)
+    a = _act_sizes(shape, layout, False)
+    grads = states['params'] + (states['update'] if layout.accum_steps > 1 else 0)
+    acts = shape.num_layers * per_layer
+    head_ws = head + 2 * a['n'] * a['v'] * 4
+    temps = max(layer_working_bytes(shape, layout, attention), head_ws, states['update'])
+    return grads, acts, temps, f'{layout.remat} remat, one micro-batch'
+
+
+def _pipeline_memory(shape, layout, states: dict[str, float], attention: str) -> tuple[float, float, float, str]:
+    """The same for `pipeline.py`'s tick executor (every policy acts as per-layer full remat).
+
+    Gradients: fp32 accumulators of the stage's blocks and of the shared (embedding, head)
+    parameters, plus one unit's gradients of a chunk and of the shared parameters.
+    Activations: the stash carry (slots x chunk layers x [tokens, d]) and the received
+    gradient slots. Temporaries: a backward unit's stash of its chunk's layer inputs plus one
+    layer's recomputed residuals or the head's backward; or Adam's update.
+    """
+    v = layout.virtual_stages if layout.schedule == 'interleaved' else 1
+    slots = pipeline_slots(layout.schedule, layout.pipeline, layout.accum_steps, v)
+    chunk_layers = shape.num_layers // (layout.pipeline * v)
+    a = _act_sizes(shape, layout, False)
+    act = a['n'] * a['d'] * (4 if shape.dtype == 'float32' else 2)
+    block, shared = states['block_params'], states['params'] - states['block_params']
+    grads = block + block / v + 2 * shared
+    acts = slots.act_slots * chunk_layers * act + slots.grad_slots * act
+    _, head = layer_bytes(shape, layout, 'none', attention)
+    head_ws = head + 2 * a['n'] * a['v'] * 4
+    temps = max(chunk_layers * act + max(layer_working_bytes(shape, layout, attention), head_ws), states['update'])
+    detail = f'{layout.schedule}: {slots.act_slots} stashed chunk inputs of {chunk_layers} layers'
+    return grads, acts, temps, detail
+
+
+def memory(shape, layout, rules, specs, attention: str = 'xla') -> Memory:
+    """Per-device memory of one training step at its peak (see `Memory` and docs/planner.md)."""
+    pls = param_layouts(specs, layout, rules)
+    states = {'params': PARAM_BYTES * sum(p.local for p in pls),
+              'block_params': PARAM_BYTES * sum(p.local for p in pls if p.spec.is_block),
+              'update': PARAM_BYTES * sum(p.update_local for p in pls)}
+    optimizer = 2 * states['update'] + 8  # Adam's two moments in the update layout, two step counters
+    inputs = 4 * layout.global_batch * (shape.seq_len + 1) / layout.dp
+    if layout.pipeline == 1:
+        grads, acts, temps, detail = _plain_memory(shape, layout, states, attention)
+        stage = 'every device'
+    else:
+        grads, acts, temps, detail = _pipeline_memory(shape, layout, states, attention)
+        stage = 'every pipeline stage'
+    return Memory(states['params'], grads, optimizer, acts, temps, inputs, stage, f'({detail})')
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    """FLOPs of one optimizer step (whole model, all devices)."""
+
+    model: float  # matmuls of forward + backward, no recomputation (basis of MFU)
+    hardware: float  # plus what the remat policy recomputes
+    megatron_model: float  # Megatron's formula, f = 3 (metrics.model_flops_per_step)
+    megatron_hw: float  # Megatron's formula, f = 4 with recomputation (the paper's counter)
+    layer_forward: float  # one layer's forward matmuls for one micro-batch of one replica
+    head_forward: float
+
+
+def forward_flops(shape) -> tuple[float, float]:
+    """Forward matmul FLOPs of one layer and of the head, per sequence (2 per multiply-add).
+
+    Attention is counted as computed: all s x s scores, although half are masked.
+    """
+    s, d, f, v = shape.seq_len, shape.d_model, shape.mlp_dim, shape.vocab_size
+    layer = 2 * s * (3 * d * d + d * d + 2 * d * f) + 2 * 2 * s * s * d
+    return float(layer), float(2 * s * d * v)
+
+
+def effective_remat(layout) -> str:
+    """The remat policy that runs: inside a pipeline every policy acts as per-layer `full`."""
+    return 'full' if layout.pipeline > 1 else layout.remat
+
+
+def flops(shape, layout) -> Flops:
+    """Model, hardware and Megatron FLOPs per step; see `Flops`."""
+    layer, head = forward_flops(shape)
+    b, L = layout.global_batch, shape.num_layers
+    model = 3 * b * (L * layer + head)
+    attention = 2 * 2 * shape.seq_len * shape.seq_len * shape.d_model
+    # Full recomputation skips the MLP output projection: its result only feeds the layer's output,
+    # which the stash already holds (XLA and JAX dead-code-eliminate it).
+    full = layer - 2 * shape.seq_len * shape.d_model * shape.mlp_dim
+    recompute = {'none': 0.0, 'full': full, 'save_dots': 0.0, 'save_dots_no_batch': float(attention)}
+    hardware = model + b * L * recompute[effective_remat(layout)]
+    kw = dict(global_batch=b, seq_len=shape.seq_len, num_layers=L, d_model=shape.d_model, vocab_size=shape.vocab_size)
+    return Flops(model, hardware, metrics.model_flops_per_step(**kw),
+                 metrics.megatron_flops_per_step(**kw, recompute=effective_remat(layout) != 'none'),
+                 layer * layout.micro_batch, head * layout.micro_batch)
+
+
+def attention_for(shape: config_lib.ModelShape, hw: hw_lib.Hardware) -> str:
+    """The attention kernel 'auto' picks on `hw` (cuDNN on NVIDIA with 16-bit compute, else XLA)."""
+    if shape.attention != 'auto':
+        return shape.attention
+    nvidia = hw.name in ('a100', 'h100', 'h200') or 'NVIDIA' in hw.description
+    return 'cudnn' if nvidia and shape.dtype in ('bfloat16', 'float16') else 'xla'
+
+
+def micro_batch_compute_s(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> float:
+    """Roofline time of one micro-batch through one pipeline stage of one replica.
+
+    Matmuls run at `hw.matmul_efficiency` of the dense peak; everything else is memory bound:
+    every residual of a layer (the `none` policy's set) is written once in the forward, again
+    when recomputed, read once in the backward, and its gradient written and read once (4 or
+    5 passes over HBM). Embedding and head count on the average stage (1/P of them).
+    """
+    peak = hw.peak_flops(shape.dtype) * hw.matmul_efficiency
+    per_replica = fl.hardware / layout.dp / layout.accum_steps  # one micro-batch, all stages
+    matmul_s = per_replica / layout.pipeline / layout.tensor / peak
+    none_layer, head = layer_bytes(shape, layout, 'none', attention_for(shape, hw))
+    passes = 4 + (1 if effective_remat(layout) != 'none' else 0)
+    memory_s = passes * (shape.num_layers * none_layer + head) / layout.pipeline / hw.memory_bytes_per_s
+    return matmul_s + memory_s
+
+
+def accumulate_s(mem: Memory, layout, hw: hw_lib.Hardware) -> float:
+    """Adding one micro-batch's gradients to the running sum: read both, write one (per micro-batch).
+
+    The pipeline's tick loop does it every tick, idle or not (a `b_none` unit adds zeros).
+    """
+    if layout.pipeline == 1:
+        return 3 * mem.params_bytes / hw.memory_bytes_per_s if layout.accum_steps > 1 else 0.0
+    return 3 * (mem.grads_bytes - mem.params_bytes) / hw.memory_bytes_per_s
+
+
+def update_s(mem: Memory, hw: hw_lib.Hardware) -> float:
+    """Optimizer update: reads gradient, parameter and both moments, writes three (memory bound)."""
+    update_elems = mem.optimizer_bytes / (2 * PARAM_BYTES)
+    return 7 * PARAM_BYTES * update_elems / hw.memory_bytes_per_s

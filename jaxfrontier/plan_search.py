@@ -1,0 +1,133 @@
+"""Layout search: every layout of a model on a device count, the ones that fit, best first.
+
+`search(config, hardware, num_devices)` enumerates tensor x pipeline x data-parallel (data or
+fsdp, with or without ZeRO-1) meshes, micro-batch sizes, remat policies and pipeline
+schedules at the config's global batch, plans each (`planner.plan_layout`, arithmetic only),
+drops those that do not fit the device memory and ranks the rest by predicted tokens/s.
+What the authors searched with DeepHyper on the machine, this does on a laptop in seconds;
+the top layouts are then worth a compile check (`compile_check`) and a short real run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import hardware as hw_lib
+from jaxfrontier import planner
+
+MICRO_BATCHES = (1, 2, 4, 8)
+VIRTUAL_STAGES = (2, 4)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _shape_for(c: ml_collections.ConfigDict, tensor: int) -> config_lib.ModelShape:
+    m = c.model
+    multiple = m.vocab_multiple * tensor
+    return dataclasses.replace(config_lib.model_shape(c), vocab_size=-(-m.vocab_size // multiple) * multiple)
+
+
+def candidate_layouts(c: ml_collections.ConfigDict, num_devices: int, hw: hw_lib.Hardware) -> list[planner.Layout]:
+    """Layouts of `num_devices` that satisfy every divisibility rule at the config's global batch.
+
+    Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses);
+    data-parallel devices split into data x fsdp (fsdp 1, all, or a power of two up to 128);
+    ZeRO-1 is tried where a data axis exists.
+    """
+    m, batch = c.model, c.train.global_batch
+    out = []
+    for tensor in [t for t in _divisors(num_devices) if t <= hw.devices_per_node]:
+        if m.num_heads % tensor or (m.mlp_ratio * m.d_model) % tensor:
+            continue
+        for pipeline in [p for p in _divisors(num_devices // tensor) if m.num_layers % p == 0]:
+            dp = num_devices // (tensor * pipeline)
+            for fsdp in _fsdp_sizes(dp, m.d_model):
+                data = dp // fsdp
+                for zero1 in ((False, True) if data > 1 else (False,)):
+                    out += _time_layouts(c, batch, pipeline, data, fsdp, tensor, zero1)
+    return out
+
+
+def _fsdp_sizes(dp: int, d_model: int) -> list[int]:
+    """fsdp sizes to try: 1, all of dp, and powers of two in between (each must divide d_model)."""
+    sizes = {1, dp} | {2**i for i in range(1, 8) if dp % 2**i == 0}
+    return sorted(f for f in sizes if dp % f == 0 and d_model % f == 0)
+
+
+def _time_layouts(c, batch: int, pipeline: int, data: int, fsdp: int, tensor: int, zero1: bool) -> list[planner.Layout]:
+    """Micro-batch, accumulation, remat and schedule choices of one mesh."""
+    dp, out = data * fsdp, []
+    for micro in MICRO_BATCHES:
+        if batch % (micro * dp):
+            continue
+        accum = batch // (micro * dp)
+        base = planner.Layout(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor, micro_batch=micro,
+                              accum_steps=accum, zero1=zero1)
+        if pipeline == 1:
+            out += [dataclasses.replace(base, remat=r) for r in config_lib.REMAT_POLICIES]
+            continue
+        if accum < pipeline:
+            continue
+        out += [dataclasses.replace(base, schedule=s) for s in ('gpipe', '1f1b')]
+        for v in VIRTUAL_STAGES:
+            if accum % pipeline == 0 and c.model.num_layers % (pipeline * v) == 0:
+                out.append(dataclasses.replace(base, schedule='interleaved', virtual_stages=v))
+    return out
+
+
+def search(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi250x', num_devices: int = 0,
+           top: int = 10) -> tuple[list[planner.Plan], int, int]:
+    """The `top` layouts that fit, fastest first; also how many were planned and how many fit.
+
+    Args:
+      c: a config: its model, global batch and rules are kept, its layout is ignored.
+      hardware: a name from `hardware.NAMES` or a `Hardware`.
+      num_devices: devices to use; 0 takes the config's mesh size.
+      top: how many plans to return.
+    """
+    hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.get(hardware)
+    n = num_devices or config_lib.num_devices(c)
+    shapes: dict[int, config_lib.ModelShape] = {}
+    plans, planned = [], 0
+    for layout in candidate_layouts(c, n, hw):
+        shape = shapes.setdefault(layout.tensor, _shape_for(c, layout.tensor))
+        shape = dataclasses.replace(shape, remat=layout.remat)
+        p = planner.plan_layout(shape, layout, hw, rules=c.sharding.rules, name=f'{layout.num_devices} devices')
+        planned += 1
+        if p.fits:
+            plans.append(p)
+    plans.sort(key=lambda p: -p.time.tokens_per_s)
+    return plans[:top], planned, len(plans)
+
+
+def format_search(plans: list[planner.Plan], planned: int, fitting: int) -> str:
+    """A table of the ranked layouts."""
+    lines = [f'{planned} layouts planned, {fitting} fit; the fastest {len(plans)}:',
+             f'{"#":>3s} {"TP":>3s} {"PP":>3s} {"data":>5s} {"fsdp":>5s} {"Z1":>3s} {"mb":>3s} {"accum":>5s} '
+             f'{"remat":<18s} {"schedule":<14s} {"GiB":>6s} {"step s":>8s} {"tokens/s":>10s} {"MFU":>6s} '
+             f'{"HW TF/s":>8s} {"bubble":>7s}']
+    for i, p in enumerate(plans, 1):
+        lay, t = p.layout, p.time
+        sched = '-' if lay.pipeline == 1 else lay.schedule + (f' v{lay.virtual_stages}' if lay.schedule == 'interleaved'
+                                                               else '')
+        lines.append(f'{i:>3d} {lay.tensor:>3d} {lay.pipeline:>3d} {lay.data:>5d} {lay.fsdp:>5d} '
+                     f'{"y" if lay.zero1 else "-":>3s} {lay.micro_batch:>3d} {lay.accum_steps:>5d} '
+                     f'{lay.remat if lay.pipeline == 1 else "full (pipeline)":<18s} {sched:<14s} '
+                     f'{p.memory.total_bytes / hw_lib.GIB:>6.1f} {t.step_s:>8.2f} {t.tokens_per_s:>10,.0f} '
+                     f'{t.mfu:>6.1%} {t.megatron_tflops_per_device:>8.1f} {t.bubble_fraction:>7.1%}')
+    return '\n'.join(lines)
+
+
+def search_to_json(plans: list[planner.Plan], planned: int, fitting: int) -> dict[str, Any]:
+    return {'planned': planned, 'fit': fitting, 'plans': [planner.plan_to_json(p) for p in plans]}
+
+
+def dumps(plans: list[planner.Plan], planned: int, fitting: int) -> str:
+    return json.dumps(search_to_json(plans, planned, fitting), default=float)

@@ -1,0 +1,293 @@
+"""Plan a layout before queueing: parameters, memory, FLOPs, communication and step time.
+
+`plan(config, hardware)` answers, for the config's model and parallel layout on a hardware
+description (`hardware.py`), without devices and without allocating the model:
+
+  * parameters, exactly (`plan_model.param_specs` mirrors `model/`; a test holds it to eval_shape);
+  * memory per device: parameters, gradients, optimizer state, activations (the residuals JAX
+    saves under the remat policy, read from JAX itself by `activations.py`, times the
+    micro-batches the pipeline schedule keeps in flight), temporaries; fit and headroom;
+  * FLOPs per step: model FLOPs, hardware FLOPs with recomputation, and Megatron's formula;
+  * communication per step and mesh axis, and the link level each crosses;
+  * the pipeline bubble, step time, tokens/s and MFU from a roofline-plus-communication model.
+
+The model, its calibration against XLA's compiled memory analysis and its overlap
+assumptions are written down in docs/planner.md. `plan_model.py` holds the parameter,
+memory, FLOP and compute-time formulas, `plan_comm.py` the communication, this module the
+layout, the step-time model, the plan and its printout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import hardware as hw_lib
+from jaxfrontier import plan_comm
+from jaxfrontier import plan_model
+
+RESERVED_FRACTION = plan_model.RESERVED_FRACTION
+GIB = hw_lib.GIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a model is spread over devices and time: the knobs the search turns."""
+
+    pipeline: int = 1
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    micro_batch: int = 1
+    accum_steps: int = 1
+    remat: str = 'full'
+    schedule: str = '1f1b'
+    virtual_stages: int = 1
+    zero1: bool = False
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
+        return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
+                   micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
+                   schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
+                   zero1=bool(c.sharding.zero1))
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {'pipeline': self.pipeline, 'data': self.data, 'fsdp': self.fsdp, 'tensor': self.tensor}
+
+    @property
+    def num_devices(self) -> int:
+        return self.pipeline * self.data * self.fsdp * self.tensor
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas (data x fsdp)."""
+        return self.data * self.fsdp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accum_steps * self.dp
+
+    def apply(self, c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+        """A copy of config `c` with this layout."""
+        c = ml_collections.ConfigDict(c.to_dict())
+        c.mesh.update(pipeline=self.pipeline, data=self.data, fsdp=self.fsdp, tensor=self.tensor)
+        c.train.update(micro_batch=self.micro_batch, accum_steps=self.accum_steps, global_batch=self.global_batch)
+        c.model.remat = self.remat
+        c.pipeline.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
+        c.sharding.zero1 = self.zero1
+        return c
+
+    def describe(self) -> str:
+        parts = [f'TP {self.tensor}', f'PP {self.pipeline}', f'DP {self.dp}']
+        if self.fsdp > 1:
+            parts[-1] += f' (data {self.data} x fsdp {self.fsdp})'
+        sched = ''
+        if self.pipeline > 1:
+            sched = f', {self.schedule}' + (f' v={self.virtual_stages}' if self.schedule == 'interleaved' else '')
+        return (' x '.join(parts) + f', micro-batch {self.micro_batch} x {self.accum_steps} steps, '
+                f'remat {self.remat}{sched}' + (', ZeRO-1' if self.zero1 else ''))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """The time model's answer for one optimizer step (see docs/planner.md)."""
+
+    compute_s: float  # forward + backward (+ recompute) of all micro-batches, no waiting
+    exposed_comm_s: float  # communication not hidden behind compute
+    bubble_s: float  # pipeline fill and drain
+    update_s: float  # optimizer update and gradient accumulation (memory bound)
+    step_s: float
+    bubble_fraction: float
+    tokens_per_s: float
+    mfu: float  # model FLOPs / (step time x devices x peak)
+    model_tflops_per_device: float
+    megatron_tflops_per_device: float  # the paper's counter (f = 4 with recomputation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything `--mode=plan` reports for one config, layout and hardware."""
+
+    name: str
+    layout: Layout
+    hardware: hw_lib.Hardware
+    shape: config_lib.ModelShape
+    num_params: int
+    memory: plan_model.Memory
+    flops: plan_model.Flops
+    transfers: tuple[plan_comm.Transfer, ...]
+    time: StepTime
+    notes: tuple[str, ...] = ()
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hardware.memory_bytes * (1.0 - RESERVED_FRACTION)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_bytes <= self.usable_bytes
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.usable_bytes - self.memory.total_bytes
+
+
+def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, flops: plan_model.Flops,
+              transfers: tuple[plan_comm.Transfer, ...], memory: plan_model.Memory) -> StepTime:
+    """Roofline compute + exposed communication + pipeline bubble + update (docs/planner.md).
+
+    Without a pipeline the micro-batches run back to back, each followed by the gradient
+    accumulation. With one, a stage is busy for V M chunk units of (compute + exposed
+    communication) / V and idle for P - 1 of them (the bubble); every tick of the executor also
+    pays the two activation sends and one gradient accumulation.
+    """
+    per_mb = plan_model.micro_batch_compute_s(shape, layout, hw, flops)
+    m, p = layout.accum_steps, layout.pipeline
+    permute_s = sum(t.exposed_s for t in transfers if t.kind == 'collective-permute')
+    exposed_mb = sum(t.exposed_s for t in transfers if t.per_micro_batch and t.kind != 'collective-permute') / m
+    exposed_step = sum(t.exposed_s for t in transfers if not t.per_micro_batch)
+    accumulate_s = plan_model.accumulate_s(memory, layout, hw)
+    stage_mb_s = per_mb + exposed_mb
+    if p == 1:
+        bubble_s, bubble_fraction, overhead_s = 0.0, 0.0, m * accumulate_s
+    else:
+        v = layout.virtual_stages if layout.schedule == 'interleaved' else 1
+        slots = plan_model.pipeline_slots(layout.schedule, p, m, v)
+        bubble_s, bubble_fraction = (p - 1) / v * stage_mb_s, slots.bubble
+        overhead_s = slots.ticks * accumulate_s + permute_s
+    update_s = plan_model.update_s(memory, hw)
+    step_s = m * stage_mb_s + bubble_s + overhead_s + exposed_step + update_s
+    devices_s = step_s * layout.num_devices
+    peak = hw.peak_flops(shape.dtype)
+    return StepTime(
+        compute_s=m * per_mb, exposed_comm_s=m * exposed_mb + exposed_step + permute_s, bubble_s=bubble_s,
+        update_s=update_s + overhead_s - permute_s, step_s=step_s, bubble_fraction=bubble_fraction,
+        tokens_per_s=layout.global_batch * shape.seq_len / step_s, mfu=flops.model / (devices_s * peak),
+        model_tflops_per_device=flops.model / devices_s / 1e12,
+        megatron_tflops_per_device=flops.megatron_hw / devices_s / 1e12)
+
+
+def plan_layout(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, *,
+                rules: Any = config_lib.DEFAULT_RULES, name: str = '', notes: tuple[str, ...] = ()) -> Plan:
+    """The plan of `shape` with `layout` on `hw` (pure arithmetic after the first call per policy)."""
+    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+    virtual = layout.virtual_stages if layout.pipeline > 1 else 1
+    specs = plan_model.param_specs(shape, virtual)
+    memory = plan_model.memory(shape, layout, rules, specs, attention=plan_model.attention_for(shape, hw))
+    flops = plan_model.flops(shape, layout)
+    compute_mb_s = plan_model.micro_batch_compute_s(shape, layout, hw, flops)
+    transfers = plan_comm.communication(shape, layout, rules, specs, hw, compute_mb_s)
+    time = step_time(shape, layout, hw, flops, transfers, memory)
+    return Plan(name, layout, hw, shape, plan_model.count_params(specs), memory, flops, transfers, time, notes)
+
+
+def plan(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi250x', name: str = '') -> Plan:
+    """The plan of config `c` on a hardware description (a name from `hardware.NAMES`)."""
+    config_lib.validate(c)
+    hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.get(hardware)
+    layout = Layout.from_config(c)
+    p = plan_layout(config_lib.model_shape(c), layout, hw, rules=c.sharding.rules, name=name)
+    return dataclasses.replace(p, notes=notes(p, c.sharding.rules))
+
+
+def notes(p: Plan, rules: Any) -> tuple[str, ...]:
+    """What the user should know about this layout beyond the numbers."""
+    lay, out = p.layout, []
+    if lay.zero1 and lay.dp > 1:
+        pls = plan_model.param_layouts(plan_model.param_specs(p.shape, lay.virtual_stages if lay.pipeline > 1 else 1),
+                                       lay, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules))
+        unsharded = sum(x.local for x in pls if x.update_local == x.local) / sum(x.local for x in pls)
+        if unsharded > 0.01:
+            out.append(f'ZeRO-1 leaves {unsharded:.0%} of the optimizer state unsharded: no dimension of those '
+                       f'weights is divisible by the data-parallel size {lay.dp} (train_state.zero1_spec)')
+    reductions = [t for t in p.transfers if t.per_micro_batch and t.what.startswith(('gradients', 'embedding grad'))]
+    if lay.accum_steps > 1 and reductions:
+        where = ('inside every backward unit of the pipeline' if lay.pipeline > 1 else
+                 'train.py constrains the running sum to the update layout at every accumulation step')
+        exposed = sum(t.exposed_s for t in reductions)
+        out.append(f'gradients are reduced over the data-parallel axes once per micro-batch ({where}): '
+                   f'{exposed:.2f} s exposed per step; once per step would cut the bytes {lay.accum_steps}-fold')
+    if lay.pipeline > 1 and lay.remat != 'full':
+        out.append(f'inside a pipeline every remat policy acts as per-layer full recomputation (model.remat='
+                   f'{lay.remat} is ignored)')
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _gib(x: float) -> str:
+    return f'{x / GIB:,.2f} GiB'
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e18, 'E'), (1e15, 'P'), (1e12, 'T'), (1e9, 'G'), (1e6, 'M'), (1e3, 'k')):
+        if abs(x) >= scale:
+            return f'{x / scale:,.2f} {prefix}{unit}'
+    return f'{x:,.0f} {unit}'
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as text for a terminal."""
+    s, lay, mem, t, f = p.shape, p.layout, p.memory, p.time, p.flops
+    lines = [
+        f'plan{" " + p.name if p.name else ""}: {p.num_params:,} parameters ({p.num_params / 1e9:,.2f} B) '
+        f'on {lay.num_devices:,} x {p.hardware.name}',
+        f'  model     {s.num_layers} layers, d {s.d_model}, {s.num_heads} heads, seq {s.seq_len}, vocab '
+        f'{s.vocab_size} (padded), {s.dtype}',
+        f'  layout    {lay.describe()}; global batch {lay.global_batch}',
+        f'  hardware  {p.hardware.description}',
+        f'memory per device ({mem.stage}; activations: {mem.activations_detail.strip("()")}):',
+    ]
+    lines += [f'  {label.split(" (")[0] if label.startswith("activations") else label:<30s} {_gib(v):>13s}'
+              for label, v in mem.items()]
+    verdict = 'fits' if p.fits else 'DOES NOT FIT'
+    lines.append(f'  {"total":<30s} {_gib(mem.total_bytes):>13s}  {verdict}: {p.hardware.memory_gib:.0f} GiB less '
+                 f'{RESERVED_FRACTION:.0%} reserved leaves headroom {_gib(p.headroom_bytes)}')
+    lines += [
+        'FLOPs per step:',
+        f'  model (matmuls, fwd + bwd)     {_si(f.model, "FLOP")}',
+        f'  hardware (with recomputation) {_si(f.hardware, "FLOP")}',
+        f'  Megatron formula f=3 / f={4 if f.megatron_hw > f.megatron_model else 3}     '
+        f'{_si(f.megatron_model, "FLOP")} / {_si(f.megatron_hw, "FLOP")}',
+        'communication per device per step:',
+        f'  {"what":<40s} {"collective":<18s} {"axes":<11s} {"link":<8s} {"bytes":>11s} {"count":>8s} '
+        f'{"wire s":>9s} {"exposed s":>9s}',
+    ]
+    for tr in p.transfers:
+        lines.append(f'  {tr.what:<40s} {tr.kind:<18s} {"x".join(tr.axes):<11s} {tr.level:<8s} '
+                     f'{_si(tr.payload_bytes, "B"):>11s} {tr.count:>8,.0f} {tr.time_s:>9.3f} {tr.exposed_s:>9.3f}')
+    lines += [
+        'time per step (roofline + communication model, docs/planner.md):',
+        f'  compute {t.compute_s:.3f} s + exposed communication {t.exposed_comm_s:.3f} s + bubble {t.bubble_s:.3f} s'
+        f' ({t.bubble_fraction:.1%}) + update/accumulation {t.update_s:.3f} s = {t.step_s:.3f} s',
+        f'  {t.tokens_per_s:,.0f} tokens/s; MFU {t.mfu:.1%} ({t.model_tflops_per_device:.1f} model TFLOP/s per '
+        f'device); Megatron hardware counter {t.megatron_tflops_per_device:.1f} TFLOP/s per device',
+    ]
+    lines += [f'note: {n}' for n in p.notes]
+    return '\n'.join(lines)
+
+
+def plan_to_json(p: Plan) -> dict[str, Any]:
+    """The plan as plain JSON-able data."""
+    return {
+        'name': p.name, 'hardware': p.hardware.name, 'num_params': p.num_params,
+        'layout': dataclasses.asdict(p.layout), 'num_devices': p.layout.num_devices,
+        'global_batch': p.layout.global_batch,
+        'memory_gib': {k: v / GIB for k, v in p.memory.items()} | {'total': p.memory.total_bytes / GIB},
+        'memory_stage': p.memory.stage, 'fits': p.fits, 'headroom_gib': p.headroom_bytes / GIB,
+        'flops_per_step': dataclasses.asdict(p.flops),
+        'communication': [dataclasses.asdict(t) for t in p.transfers],
+        'time': dataclasses.asdict(p.time), 'notes': list(p.notes),
+    }
+
+
+def dumps(p: Plan) -> str:
+    return json.dumps(plan_to_json(p), indent=1, default=float)
+

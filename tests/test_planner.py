@@ -1,0 +1,336 @@
+"""The planner: exact counts, and estimates that agree with XLA's compiled programs.
+
+Exact (equality): the parameter table against `eval_shape` of the model; FLOPs against the
+closed forms, Megatron's formula in `metrics` and the matmuls of the traced train step
+(`flop_count`); the activation residuals against JAX's `saved_residuals`; pipeline slots and
+ticks against `schedules.build`.
+
+Agreement with XLA:CPU (8 simulated devices, fp32 compute: XLA:CPU upcasts 16-bit work, so
+bf16 programs are not what a GPU runs). Stated in docs/planner.md and held here:
+  memory per device (arguments + outputs + temporaries - aliased): within 10 % without a
+  pipeline and within 20 % with one (MEMORY_TOL);
+  communication: payload bytes per device per step for each (collective family, mesh axes),
+  collectives of >= 4 KiB, within 10 % (COMM_TOL) where XLA moves more than 1 % of the
+  step's bytes; families are reductions (all-reduce, reduce-scatter: XLA:CPU emits
+  all-reduce + slice where GPUs get reduce-scatter), gathers and permutes. Known exception,
+  left out here and quantified in docs/planner.md: with full remat *and* tensor x fsdp, XLA
+  re-gathers some weights for the recomputation (+25 % FSDP gather bytes).
+The slow part compiles more layouts and the 175B layout itself (fp32, 128 CPU devices).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+
+from jaxfrontier import compile_check
+from jaxfrontier import config as config_lib
+from jaxfrontier import flop_count
+from jaxfrontier import hardware as hw_lib
+from jaxfrontier import hlo_collectives
+from jaxfrontier import metrics
+from jaxfrontier import pipeline
+from jaxfrontier import plan_model
+from jaxfrontier import plan_search
+from jaxfrontier import planner
+from jaxfrontier import schedules
+from jaxfrontier import train
+from jaxfrontier import train_state as ts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'configs'))
+
+MEMORY_TOL = {False: 0.10, True: 0.20}  # keyed by "has a pipeline"
+COMM_TOL, COMM_MIN_BYTES, COMM_MIN_SHARE = 0.10, 4096, 0.01
+
+
+def make_config(pipeline=1, data=1, fsdp=1, tensor=1, accum=1, zero1=False, remat='none', layers=2, d=64,
+                heads=4, seq=64, batch=16, vocab=256, tied=True, schedule='1f1b', virtual=1, dtype='float32'):
+    c = config_lib.base_config()
+    c.model.update(num_layers=layers, d_model=d, num_heads=heads, seq_len=seq, vocab_size=vocab, vocab_multiple=32,
+                   dtype=dtype, remat=remat, attention='xla', tied_embeddings=tied)
+    c.mesh.update(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor)
+    c.pipeline.update(schedule=schedule, virtual_stages=virtual)
+    c.train.update(global_batch=batch, micro_batch=batch // (data * fsdp * accum), accum_steps=accum)
+    c.sharding.zero1 = zero1
+    config_lib.validate(c, config_lib.num_devices(c))
+    return c
+
+
+def paper_config(name):
+    import importlib  # pylint: disable=import-outside-toplevel
+    return importlib.import_module(name).get_config()
+
+
+# --------------------------------------------------------------------------- exact counts
+
+
+@pytest.mark.parametrize('tied,virtual', [(True, 1), (False, 1), (True, 2)])
+def test_param_table_matches_eval_shape(tied, virtual):
+    c = make_config(layers=4, d=48, heads=3, seq=20, vocab=97, tied=tied, pipeline=2 if virtual > 1 else 1,
+                    schedule='interleaved' if virtual > 1 else '1f1b', virtual=virtual, accum=2, batch=4)
+    mesh = jax.sharding.AbstractMesh((2, 1, 1, 1), config_lib.MESH_AXES)
+    layout = ts.make_layout(c, mesh)
+    abstract = jax.tree_util.tree_flatten_with_path(layout.abstract_state['params'])[0]
+    logical = ts.split_virtual_specs(layout.model_def.logical_specs(), virtual)
+    names = {jax.tree_util.keystr(p): tuple(s) for p, s in jax.tree_util.tree_flatten_with_path(
+        logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
+    specs = {p.path: p for p in plan_model.param_specs(config_lib.model_shape(c), virtual)}
+    assert len(specs) == len(abstract)
+    for path, leaf in abstract:
+        key = '/'.join(k.key for k in path)
+        assert specs[key].shape == leaf.shape, key
+        assert specs[key].names == names[jax.tree_util.keystr(path)], key
+    assert plan_model.count_params(tuple(specs.values())) == sum(leaf.size for _, leaf in abstract)
+
+
+def test_paper_model_sizes():
+    # FRONTIER.md: 22B ~ 22.1 B, 175B ~ 174.6 B, 1T ~ 1.008 T parameters.
+    for name, expected in (('22b', 22.07e9), ('175b', 174.6e9), ('1t', 1.008e12)):
+        n = planner.plan(paper_config(name)).num_params
+        assert abs(n - expected) / expected < 2e-3, (name, n)
+
+
+def test_flops_match_closed_forms_and_megatron():
+    shape = config_lib.model_shape(paper_config('175b'))
+    layout = planner.Layout(pipeline=1, data=8, tensor=1, micro_batch=1, accum_steps=4, remat='full')
+    fl = plan_model.flops(shape, layout)
+    b, s, l, h, v = layout.global_batch, shape.seq_len, shape.num_layers, shape.d_model, shape.vocab_size
+    # Integers are exact; the planner's floats round at 1e-16.
+    assert fl.model == pytest.approx(72 * b * s * l * h * h + 12 * b * s * s * l * h + 6 * b * s * h * v, rel=1e-15)
+    # Megatron's f = 3 counts the logits at 4.5 B s h V instead of 6 (FRONTIER.md's formula).
+    kw = dict(global_batch=b, seq_len=s, num_layers=l, d_model=h, vocab_size=v)
+    assert fl.model == pytest.approx(metrics.model_flops_per_step(**kw) + 1.5 * b * s * h * v, rel=1e-15)
+    assert fl.megatron_hw == metrics.megatron_flops_per_step(**kw, recompute=True)
+    recompute = plan_model.forward_flops(shape)[0] - 2 * s * h * shape.mlp_dim  # all but the MLP output matmul
+    assert fl.hardware - fl.model == pytest.approx(b * l * recompute, rel=1e-15)
+
+
+@pytest.mark.parametrize('remat,pipe', [('none', 1), ('full', 1), ('save_dots_no_batch', 1), ('none', 2)])
+def test_hardware_flops_match_traced_train_step(remat, pipe):
+    c = make_config(remat=remat, pipeline=pipe, accum=2 if pipe > 1 else 1, layers=4, d=32, seq=16, batch=4)
+    mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1), config_lib.MESH_AXES)
+    layout = ts.make_layout(c, mesh)
+    weights = None
+    if pipe > 1:
+        weights = pipeline.schedule_branch_weights(pipeline.build_schedule(c))
+    loss_and_grads = train.make_loss_and_grads(c, layout)
+    tokens = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = flop_count.executed_dot_flops(lambda p, t: loss_and_grads(p, t, 0), layout.abstract_state['params'],
+                                               tokens, branch_weights=weights)
+    planned = plan_model.flops(config_lib.model_shape(c), planner.Layout.from_config(c)).hardware
+    assert traced == planned
+
+
+def test_residuals_match_saved_residuals():
+    """The symbolic residuals, evaluated at another size, are exactly what JAX saves."""
+    for remat, dtype in (('none', 'float32'), ('full', 'bfloat16'), ('save_dots', 'bfloat16')):
+        c = make_config(layers=3, d=48, heads=3, seq=20, vocab=96, remat=remat, dtype=dtype, batch=3)
+        shape = config_lib.model_shape(c)
+        model_def = ts.ModelDef.create(shape)
+        tokens = jax.ShapeDtypeStruct((3, 20), jnp.int32)
+        saved = saved_residuals(lambda p, t: model_def.bind(p).loss(t, t), model_def.abstract_params(), tokens)
+        expected = sum(a.size * a.dtype.itemsize for a, why in saved if not why.startswith('from the argument'))
+        layout = planner.Layout.from_config(c)
+        per_layer, head = plan_model.layer_bytes(shape, layout, remat)
+        assert per_layer * 3 + head == expected, (remat, dtype)
+
+
+def test_pipeline_slots_match_schedules():
+    for name in ('gpipe', '1f1b', 'interleaved'):
+        for p in (2, 3, 4, 8):
+            for v in ((2, 3) if name == 'interleaved' else (1,)):
+                for m in ((p, 2 * p, 5 * p) if name == 'interleaved' else (p, p + 1, 2 * p + 1, 5 * p)):
+                    built = schedules.build(name, p, m, v)
+                    slots = plan_model.pipeline_slots(name, p, m, v)
+                    assert (slots.act_slots, slots.grad_slots, slots.ticks) == (
+                        built.act_slots, built.grad_slots, built.num_ticks), (name, p, m, v)
+                    assert slots.bubble == pytest.approx(built.bubble)
+
+
+def test_hardware_peaks_match_metrics():
+    class Device:
+        platform = 'gpu'
+
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    for name, kind in (('mi250x', 'AMD Instinct MI250X'), ('mi300x', 'AMD Instinct MI300X'),
+                       ('a100', 'NVIDIA A100-SXM4-80GB'), ('h100', 'NVIDIA H100 80GB HBM3'), ('h200', 'NVIDIA H200')):
+        hw = hw_lib.get(name)
+        for dtype in ('bfloat16', 'float32'):
+            assert hw.peak_flops(dtype) == metrics.device_peak_flops(Device(kind), dtype)[0], (name, dtype)
+
+
+def test_link_levels_of_the_1t_mesh():
+    hw = hw_lib.get('mi250x')
+    mesh = {'pipeline': 64, 'data': 6, 'fsdp': 1, 'tensor': 8}
+    assert hw_lib.axis_level(mesh, ('tensor',), hw) == 'node'
+    assert hw_lib.axis_level(mesh, ('data',), hw) == 'network'
+    assert hw_lib.axis_level(mesh, ('pipeline',), hw) == 'network'
+    assert hw_lib.axis_level({'pipeline': 4, 'data': 4, 'fsdp': 1, 'tensor': 2}, ('tensor',), hw) == 'package'
+    assert hw_lib.axis_level({'pipeline': 1, 'data': 3, 'fsdp': 1, 'tensor': 3}, ('tensor',), hw) == 'network'
+
+
+def test_hlo_parser_reads_every_replica_group_form():
+    mesh = {'pipeline': 1, 'data': 2, 'fsdp': 2, 'tensor': 2}
+    text = '''HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %x), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+  %ag = f32[16]{0} all-gather(f32[8]{0} %x), replica_groups=mesh['a'=2,'b'=4], device_ids=([2,2,2]T(1,0,2)) {'a'}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %ar)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %rs = f32[2]{0} reduce-scatter(f32[8]{0} %x), replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}
+  ROOT %cp = f32[8]{0} collective-permute(f32[8]{0} %x), source_target_pairs={{0,4},{4,0}}
+}
+'''
+    found = {c.name: c for c in hlo_collectives.collectives(text, mesh)}
+    assert (found['ar'].axes, found['ar'].count, found['ar'].payload_bytes) == (('tensor',), 3, 32)
+    assert (found['ag'].axes, found['ag'].count, found['ag'].payload_bytes) == (('fsdp',), 3, 64)
+    assert (found['rs'].axes, found['rs'].payload_bytes) == (('data', 'fsdp'), 32)  # output x group
+    assert found['cp'].axes == ('data',)
+
+
+# --------------------------------------------------------------------------- agreement with XLA
+
+
+def _family(kind):
+    return {'all-gather': 'gather', 'collective-permute': 'permute'}.get(kind, 'reduce')
+
+
+def check_against_xla(c):
+    """Compiles `c` on the CPU devices and holds memory and communication to the stated tolerances."""
+    compiled = compile_check.compile_on_cpu(c)
+    plan = planner.plan(c)
+    measured = compile_check.memory_bytes(compiled)['total']
+    rel = compile_check.within(plan.memory.total_bytes, measured)
+    assert abs(rel) <= MEMORY_TOL[c.mesh.pipeline > 1], f'memory: plan {plan.memory.total_bytes} vs XLA {measured}'
+    estimated, in_hlo = {}, {}
+    for t in plan.transfers:
+        key = (_family(t.kind), t.axes)
+        estimated[key] = estimated.get(key, 0.0) + t.payload_bytes
+    mesh = config_lib.mesh_shape(c)
+    items = [x for x in compile_check.collectives(c, compiled) if x.payload_bytes >= COMM_MIN_BYTES]
+    for x in items:
+        key = (_family(x.kind), x.axes)
+        in_hlo[key] = in_hlo.get(key, 0.0) + x.total_bytes
+    total = sum(in_hlo.values())
+    for key, value in in_hlo.items():
+        if value >= COMM_MIN_SHARE * total:
+            assert abs(estimated.get(key, 0.0) - value) <= COMM_TOL * value, (key, estimated.get(key), value, mesh)
+    return rel
+
+
+FAST_LAYOUTS = [
+    dict(data=2, fsdp=2, tensor=2, accum=2, d=128),
+    dict(pipeline=2, data=2, tensor=2, accum=4, layers=4),
+]
+SLOW_LAYOUTS = [
+    dict(),
+    dict(seq=128, d=128, batch=8),
+    dict(fsdp=4, layers=4, d=128, seq=128, remat='full'),
+    dict(data=4, zero1=True, layers=4, d=128, seq=128, remat='save_dots'),
+    dict(layers=2, d=192, seq=32, batch=32, tensor=4, data=2, accum=2),
+    dict(layers=4, d=128, heads=8, fsdp=8, remat='save_dots_no_batch'),
+    dict(pipeline=2, tensor=4, accum=4, layers=4, d=128, seq=128, batch=8),
+    dict(pipeline=4, tensor=2, accum=4, layers=8, d=128, batch=8, schedule='interleaved', virtual=2),
+]
+
+
+@pytest.mark.parametrize('layout', FAST_LAYOUTS, ids=str)
+def test_estimates_agree_with_xla(layout):
+    check_against_xla(make_config(**layout))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('layout', SLOW_LAYOUTS, ids=str)
+def test_estimates_agree_with_xla_slow(layout):
+    check_against_xla(make_config(**layout))
+
+
+# --------------------------------------------------------------------------- the paper's models
+
+
+@pytest.mark.parametrize('name', ['175b', '1t'])
+def test_paper_layouts_lower_on_full_size_abstract_mesh(name):
+    c = paper_config(name)
+    lowered = compile_check.lower_abstract(c)
+    assert 'sdy.mesh' in lowered.as_text()[:20000] or 'mhlo.sharding' in lowered.as_text()[:200000]
+
+
+def test_175b_plan_fits():
+    p = planner.plan(paper_config('175b'))
+    assert p.fits and p.memory.total_bytes < 64 * hw_lib.GIB
+    assert p.time.bubble_fraction == pytest.approx(15 / (640 + 15))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason='1T does not fit with the current code: ZeRO-1 finds no dimension divisible by '
+                   'data=6 (optimizer state stays replicated, +13.5 GiB) and the 1F1B tick executor stashes '
+                   '2P-1 = 127 micro-batches (docs/planner.md)')
+def test_1t_plan_fits():
+    assert planner.plan(paper_config('1t')).fits
+
+
+@pytest.mark.parametrize('hardware', ['mi250x', 'mi300x', 'a100', 'h100', 'h200'])
+def test_plans_on_every_hardware(hardware):
+    p = planner.plan(paper_config('175b'), hardware)
+    assert p.hardware.name == hardware and p.time.step_s > 0 and 0 < p.time.mfu < 1
+    assert p.flops.hardware > p.flops.model  # a pipeline recomputes
+
+
+def test_plan_cli_runs_in_seconds():
+    out = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/1t.py', '--mode=plan',
+                          '--plan_check=none'], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert '1,008,038,758,400 parameters' in out.stdout and 'communication per device per step' in out.stdout
+
+
+@pytest.mark.slow
+def test_175b_compiled_memory_agrees():
+    """The 175B layout itself (TP 4 x PP 16 x DP 2, 128 CPU devices), fp32 compute."""
+    c = paper_config('175b')
+    c.model.dtype = 'float32'
+    copy = compile_check.cpu_copy(c)
+    result = compile_check.run_in_subprocess(copy)
+    rel = compile_check.within(planner.plan(copy).memory.total_bytes, result.memory['total'])
+    assert abs(rel) <= MEMORY_TOL[True], rel
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason='at P = 64 XLA keeps a second, partly live copy of the 127-slot stash carry: the '
+                   'compiled 1T step needs 129 GiB per device in fp32 where the plan says 95 GiB (-26 %); at '
+                   'P <= 16 the same model agrees within 1 % (docs/planner.md)')
+def test_1t_compiled_memory_agrees():
+    """The 1T layout with data 6 -> 3 (1,536 CPU devices), fp32 compute."""
+    c = paper_config('1t')
+    c.model.dtype = 'float32'
+    copy = compile_check.cpu_copy(c)
+    result = compile_check.run_in_subprocess(copy)
+    rel = compile_check.within(planner.plan(copy).memory.total_bytes, result.memory['total'])
+    assert abs(rel) <= MEMORY_TOL[True], rel
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name,devices', [('175b', 1024), ('1t', 3072)])
+def test_search_finds_layouts_that_fit(name, devices):
+    c = paper_config(name)
+    plans, planned, fitting = plan_search.search(c, 'mi250x', devices, top=5)
+    assert plans and fitting <= planned
+    speeds = [p.time.tokens_per_s for p in plans]
+    assert speeds == sorted(speeds, reverse=True)
+    for p in plans:
+        assert p.fits and p.layout.num_devices == devices
+        config_lib.validate(p.layout.apply(c), devices)
+    assert np.isfinite(speeds[0])
