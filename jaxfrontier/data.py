@@ -15,6 +15,7 @@ JAX is imported only inside `make_global_batch`: importing this module starts no
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import dataclasses
 import json
 import os
@@ -23,7 +24,7 @@ import platform
 import sys
 import sysconfig
 import tempfile
-from typing import Any, Iterable, NoReturn, Protocol
+from typing import Any, Iterable, Iterator, NoReturn, Protocol
 
 import ml_collections
 import numpy as np
@@ -239,16 +240,35 @@ def builtin_corpus(cache_dir: str | os.PathLike) -> str:
     stdlib = sysconfig.get_paths()['stdlib']
     name = f'stdlib-{sys.implementation.name}-{platform.python_version()}'
     bin_path = os.path.join(os.fspath(cache_dir), name + '.bin')
-    with contextlib.suppress(ConfigError):
-        if open_token_file(bin_path, BYTE_VOCAB).header.get('source') == stdlib:
-            return bin_path
-    files = _stdlib_source_files(stdlib)
-    if not files:
-        raise ConfigError('data.kind', 'builtin', f'no Python source found in the stdlib at {stdlib}',
-                          "use data.kind='tokens' with a token file, or data.kind='synthetic'")
-    corpus_bytes = b''.join(f.read_bytes() for f in files)
-    return write_token_file(bin_path, np.frombuffer(corpus_bytes, np.uint8), BYTE_VOCAB,
-                            metadata={'source': stdlib, 'num_files': len(files)})
+    os.makedirs(os.fspath(cache_dir), exist_ok=True)
+    # Processes of one job share the workdir: one builds while the others wait, then reuse it
+    # (write_token_file removes the header while it writes, which a reader must not see).
+    with _exclusive(bin_path + '.lock'):
+        with contextlib.suppress(ConfigError):
+            if open_token_file(bin_path, BYTE_VOCAB).header.get('source') == stdlib:
+                return bin_path
+        files = _stdlib_source_files(stdlib)
+        if not files:
+            raise ConfigError('data.kind', 'builtin', f'no Python source found in the stdlib at {stdlib}',
+                              "use data.kind='tokens' with a token file, or data.kind='synthetic'")
+        corpus_bytes = b''.join(f.read_bytes() for f in files)
+        return write_token_file(bin_path, np.frombuffer(corpus_bytes, np.uint8), BYTE_VOCAB,
+                                metadata={'source': stdlib, 'num_files': len(files)})
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: str) -> Iterator[None]:
+    """An advisory file lock (flock); a file system without locks runs unlocked."""
+    with open(lock_path, 'a') as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------- sources

@@ -2,6 +2,8 @@
 
 import json
 import os
+import platform
+import sys
 
 import jax
 import numpy as np
@@ -261,8 +263,9 @@ def test_builtin_corpus_is_stdlib_bytes_and_cached(builtin_path):
     mtimes = [os.stat(p).st_mtime_ns for p in data.token_paths(builtin_path)]
     assert data.builtin_corpus(os.path.dirname(builtin_path)) == builtin_path
     assert [os.stat(p).st_mtime_ns for p in data.token_paths(builtin_path)] == mtimes
+    # the token file, its header and the builders' lock file; no temp files left
     assert sorted(os.listdir(os.path.dirname(builtin_path))) == sorted(
-        os.path.basename(p) for p in data.token_paths(builtin_path))
+        [os.path.basename(p) for p in data.token_paths(builtin_path)] + [os.path.basename(builtin_path) + '.lock'])
 
 
 def test_builtin_corpus_rebuilds_a_damaged_cache(builtin_path, tmp_path):
@@ -301,3 +304,27 @@ def test_check_data_writes_nothing_and_checks_vocab(tmp_path):
         data.check_data(_config(kind='tokens', path=tmp_path / 'missing.bin'))
     assert e.value.field == 'data.path'
     assert os.listdir(tmp_path) == []
+
+
+def test_builtin_corpus_builders_wait_for_each_other(tmp_path):
+    """Processes of one job share the workdir: a builder waits while another holds the cache.
+
+    (Without the lock, a second builder's write_token_file removes the header the first one
+    just wrote while the first opens it: "header missing" in a two-process run.)
+    """
+    import multiprocessing  # pylint: disable=g-import-not-at-top
+    name = f'stdlib-{sys.implementation.name}-{platform.python_version()}.bin'
+    ctx = multiprocessing.get_context('spawn')
+    with data._exclusive(str(tmp_path / (name + '.lock'))):  # pylint: disable=protected-access
+        builder = ctx.Process(target=_build_and_open, args=(str(tmp_path),))
+        builder.start()
+        builder.join(timeout=3.0)
+        assert builder.is_alive(), 'the builder did not wait for the lock'
+        assert not (tmp_path / name).exists()
+    builder.join(timeout=120)
+    assert builder.exitcode == 0
+    data.open_token_file(str(tmp_path / name), 256)
+
+
+def _build_and_open(cache_dir):
+    data.open_token_file(data.builtin_corpus(cache_dir), 256)  # raises on a missing or bad header

@@ -18,7 +18,7 @@ from jaxfrontier import pipeline
 from jaxfrontier import schedules
 from jaxfrontier import train
 from jaxfrontier import train_state as ts
-from layout_check import check_against_reference, make_config, run_layout
+from layout_check import LOSS_RTOL, assert_trees_close, check_against_reference, make_config, run_layout
 
 LAYERS, BATCH = 8, 24
 
@@ -33,14 +33,14 @@ def pipeline_config(schedule, p, m, other, virtual=1, **kw):
                        accum=m, **{other: 2}, **kw)
 
 
-# (schedule, P, M, V, other axis). The fast subset runs one of each schedule.
-FAST = [('1f1b', 2, 3, 1, 'tensor'), ('gpipe', 2, 2, 1, 'fsdp'), ('interleaved', 2, 2, 2, 'tensor')]
+# (schedule, P, M, V, other axis). The fast subset runs 1F1B with M not a multiple of P.
+FAST = [('1f1b', 2, 3, 1, 'tensor')]
 SLOW = [(s, p, m, v, o)
         for s, v in (('gpipe', 1), ('1f1b', 1), ('interleaved', 2))
         for p, ms in ((2, (2, 3)), (4, (4, 6)))
         for m in ms if not (s == 'interleaved' and m % p)
         for o in ('tensor', 'fsdp')]
-SLOW = [case for case in SLOW if case not in FAST and not (case[1] == 4 and case[4] == 'fsdp' and case[2] == 4)]
+SLOW = [case for case in SLOW if case not in FAST]
 
 
 @pytest.mark.parametrize('schedule,p,m,virtual,other', FAST)
@@ -170,9 +170,19 @@ def test_executed_flops_do_not_grow_with_pipeline(schedule, virtual):
 
 @pytest.mark.slow
 def test_pipeline_dropout_matches_non_pipelined():
-    """Dropout masks depend on (seed, step, micro-batch, layer), not on the layout."""
+    """Dropout masks depend on (seed, step, micro-batch, layer), not on the layout.
+
+    Loss and gradients of step 0 are compared at the usual tolerances: a different mask
+    would change them by O(1). Parameters after 3 steps are not: dropout zeroes some
+    gradient entries' main terms, leaving near-zero gradients whose rounding noise Adam
+    amplifies (see layout_check.py).
+    """
     flat = make_config(layers=LAYERS, global_batch=BATCH, accum=2)
     piped = pipeline_config('1f1b', 2, 2, 'tensor')
     for c in (flat, piped):
         c.model.dropout_rate = 0.1
-    check_against_reference(run_layout(piped), run_layout(flat))
+    (loss, grads, _), (ref_loss, ref_grads, _) = run_layout(piped), run_layout(flat)
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    assert_trees_close(grads, ref_grads, 'grad')
+    no_dropout = make_config(layers=LAYERS, global_batch=BATCH, accum=2)
+    assert abs(run_layout(no_dropout)[0] - ref_loss) > 50 * LOSS_RTOL * ref_loss  # dropout was on
