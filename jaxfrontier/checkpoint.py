@@ -246,7 +246,7 @@ class Checkpointer:
         if not self.enabled:
             return
         quiet_orbax_logs()
-        _ensure_writable_dir(self.directory)
+        ensure_writable(self.directory, f'the checkpoint directory {self.directory!r}')
         policies = [ocp_policies.LatestN(n=self.cc.keep)]
         if self.cc.keep_period:
             policies.append(ocp_policies.EveryNSteps(interval_steps=self.cc.keep_period))
@@ -414,7 +414,13 @@ def _check_data_position(meta: dict[str, Any], c: ml_collections.ConfigDict, whe
              + ', '.join(f'{k} {old!r} -> {new!r}' for k, (old, new) in changed.items()))
 
 
-def _ensure_writable_dir(directory: str) -> None:
+def ensure_writable(directory: str, what: str) -> None:
+    """Fails early, with a user message, when `directory` cannot be created or written.
+
+    Args:
+      directory: the directory to create (if needed) and probe.
+      what: how the message names it, e.g. "--workdir='runs/a'".
+    """
     try:
         os.makedirs(directory, exist_ok=True)
         probe = os.path.join(directory, f'.write_probe_{os.getpid()}')
@@ -423,7 +429,7 @@ def _ensure_writable_dir(directory: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise config_lib.UserError(
-            f'the checkpoint directory {directory!r} cannot be written ({e.strerror or e}). '
+            f'{what} cannot be written ({e.strerror or e}). '
             'Fix: choose a --workdir you can write to, or fix its permissions.') from None
 
 

@@ -52,12 +52,8 @@ def main(argv: list[str]) -> int:
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
         per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
         config_lib.set_cpu_device_count(per_process)
-    except config_lib.UserError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-    except distributed.DistributedError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 4
+    except (config_lib.UserError, distributed.DistributedError) as e:
+        return _exit_code(e)
     logging.set_verbosity(logging.INFO)
 
     # Imported here, after the environment is final: these import JAX.
@@ -81,16 +77,17 @@ def main(argv: list[str]) -> int:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             from jaxfrontier import train  # pylint: disable=g-import-not-at-top
             train.train_and_evaluate(config, _WORKDIR.value)
-    except config_lib.UserError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-    except metrics_lib.NonFiniteLossError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 3
-    except distributed.DistributedError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 4
+    except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
+        return _exit_code(e)
     return 0
+
+
+def _exit_code(e: Exception) -> int:
+    """Prints a user-facing error as one line; exit 2 bad input, 3 NaN/Inf loss, 4 process group."""
+    print(f'error: {e}', file=sys.stderr)
+    if isinstance(e, distributed.DistributedError):
+        return 4
+    return 2 if isinstance(e, config_lib.UserError) else 3
 
 
 def _user_error_in_chain(e: BaseException | None):

@@ -142,20 +142,6 @@ def compile_steps(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     return train_compiled, eval_compiled, batch_sharding
 
 
-def ensure_writable(workdir: str) -> None:
-    """Fails early, with a user message, when the workdir cannot be created or written."""
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f'.write_probe_{os.getpid()}')
-        with open(probe, 'w') as f:
-            f.write('ok')
-        os.remove(probe)
-    except OSError as e:
-        raise config_lib.UserError(
-            f'--workdir={workdir!r} cannot be written ({e.strerror or e}). '
-            'Fix: choose a directory you can write to, or fix its permissions.') from None
-
-
 def evaluate(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
     """Mean loss over config.train.eval_batches fixed validation batches (dispatched async)."""
     losses = [eval_step(params, data_lib.make_global_batch(source, i, batch_sharding, c.train.global_batch))
@@ -221,7 +207,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     # 1. validate everything before writing or compiling anything
     config_lib.validate(c, jax.device_count())
     data_lib.check_data(c)
-    ensure_writable(workdir)
+    checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
     write_resolved_config(c, workdir)
 
     # 2. mesh
