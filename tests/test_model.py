@@ -55,14 +55,14 @@ def params_and_tokens():
     return params, tokens
 
 
-def gpt_loss_and_grads(attention='xla', remat='none', dropout_rate=0.0):
+def gpt_loss_and_grads(attention='xla', remat='none', dropout_rate=0.0, scan_unroll=1):
     """(loss, grads) of the tiny GPT on one device for these model settings, as numpy."""
-    return _gpt_loss_and_grads(attention, remat, dropout_rate)  # one compile per distinct setting
+    return _gpt_loss_and_grads(attention, remat, dropout_rate, scan_unroll)  # one compile per setting
 
 
 @functools.lru_cache(maxsize=None)
-def _gpt_loss_and_grads(attention, remat, dropout_rate):
-    c = tiny_config(attention=attention, remat=remat, dropout_rate=dropout_rate)
+def _gpt_loss_and_grads(attention, remat, dropout_rate, scan_unroll):
+    c = tiny_config(attention=attention, remat=remat, dropout_rate=dropout_rate, scan_unroll=scan_unroll)
     model_def = ts.ModelDef.create(config_lib.model_shape(c))
     params, tokens = params_and_tokens()
 
@@ -167,6 +167,15 @@ def test_full_remat_does_not_change_loss_or_grads():
 @pytest.mark.parametrize('remat', ['save_dots', 'save_dots_no_batch'])
 def test_remat_policy_does_not_change_loss_or_grads_slow(remat):
     check_remat_policy(remat)
+
+
+@pytest.mark.parametrize('unroll', [2, 3])  # 2 = fully unrolled (a plain loop), 3 > layers
+def test_unrolled_layers_match_the_scan(unroll):
+    ref_loss, ref_grads = gpt_loss_and_grads(remat='full')
+    loss, grads = gpt_loss_and_grads(remat='full', scan_unroll=unroll)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7, err_msg=f'grad {jax.tree_util.keystr(path)}')
 
 
 # --------------------------------------------------------------------------- (c) dropout

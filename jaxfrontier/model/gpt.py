@@ -62,8 +62,12 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
 
     if remat != 'none':
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_nd, _ = jax.lax.scan(body, x_nd, (stacked, first_layer + jnp.arange(num_layers)),
-                           unroll=min(unroll, num_layers))
+    indices = first_layer + jnp.arange(num_layers)
+    if unroll >= num_layers:  # fully unrolled: a plain loop, no while loop around the layers
+        for i in range(num_layers):
+            x_nd, _ = body(x_nd, (jax.tree.map(lambda a, i=i: a[i], stacked), indices[i]))
+        return x_nd
+    x_nd, _ = jax.lax.scan(body, x_nd, (stacked, indices), unroll=unroll)
     return x_nd
 
 
