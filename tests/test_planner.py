@@ -296,14 +296,19 @@ def test_plan_cli_runs_in_seconds():
     assert '1,008,038,758,400 parameters' in out.stdout and 'communication per device per step' in out.stdout
 
 
-@pytest.mark.slow
-def test_175b_compiled_memory_agrees():
-    """The 175B layout itself (TP 4 x PP 16 x DP 2, 128 CPU devices), fp32 compute."""
-    c = paper_config('175b')
+def compiled_memory_error(name):
+    """Relative error of the plan's memory for a paper model's fp32 CPU copy vs XLA's analysis."""
+    c = paper_config(name)
     c.model.dtype = 'float32'
     copy = compile_check.cpu_copy(c)
     result = compile_check.run_in_subprocess(copy)
-    rel = compile_check.within(planner.plan(copy).memory.total_bytes, result.memory['total'])
+    return compile_check.within(planner.plan(copy).memory.total_bytes, result.memory['total'])
+
+
+@pytest.mark.slow
+def test_175b_compiled_memory_agrees():
+    """The 175B layout itself (TP 4 x PP 16 x DP 2, 128 CPU devices), fp32 compute."""
+    rel = compiled_memory_error('175b')
     assert abs(rel) <= MEMORY_TOL[True], rel
 
 
@@ -314,11 +319,7 @@ def test_175b_compiled_memory_agrees():
                    'P <= 16 the same model agrees within 1 % (docs/planner.md)')
 def test_1t_compiled_memory_agrees():
     """The 1T layout with data 6 -> 3 (1,536 CPU devices), fp32 compute."""
-    c = paper_config('1t')
-    c.model.dtype = 'float32'
-    copy = compile_check.cpu_copy(c)
-    result = compile_check.run_in_subprocess(copy)
-    rel = compile_check.within(planner.plan(copy).memory.total_bytes, result.memory['total'])
+    rel = compiled_memory_error('1t')
     assert abs(rel) <= MEMORY_TOL[True], rel
 
 
