@@ -159,6 +159,8 @@ def plan_restore(target: Any, saved_shapes: dict[str, tuple[int, ...]], vocab: t
       vocabulary padding  the padded vocabulary depends on mesh.tensor (config_lib.padded_vocab);
                           padding rows are never read by the model (token ids < vocab_size,
                           padded logits masked), so they are dropped or zero-filled.
+      ZeRO-1 padding      optimizer state padded to a multiple of the data-parallel size
+                          (train_state.zero1_layout); the padding is zero: dropped or zero-filled.
       layer split         interleaved pipelines hold block arrays as [V, L / V, ...]: such an
                           array is read in its saved shape, then reshaped (`finish_restore`).
 
@@ -186,8 +188,11 @@ def plan_restore(target: Any, saved_shapes: dict[str, tuple[int, ...]], vocab: t
             sharding = _layer_split_sharding(leaf, saved, *split)
             return (jax.ShapeDtypeStruct(saved, leaf.dtype, sharding=sharding),
                     ocp.ArrayRestoreArgs(sharding=sharding, global_shape=saved, dtype=leaf.dtype))
+        # ZeRO-1 pads optimizer state that no data-parallel size divides (train_state.zero1_layout);
+        # its padding is always zero, so it too is dropped or zero-filled.
+        zero1_padding = name.startswith('opt_state/')
         padded_only = len(saved) == len(leaf.shape) and all(
-            s == t or (s, t) == vocab for s, t in zip(saved, leaf.shape))
+            s == t or (s, t) == vocab or zero1_padding for s, t in zip(saved, leaf.shape))
         if saved != leaf.shape and not padded_only:
             raise CheckpointError(f'checkpoint {where}: array {name!r} has shape {saved}, the config needs '
                                   f'{leaf.shape}. Fix: use the config the checkpoint was written with.')

@@ -90,6 +90,16 @@ def data_parallel_axes(rules: Rules) -> tuple[str, ...]:
     return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
 
 
+def without_axis(rules: Rules, axis: str) -> Rules:
+    """The rules with mesh `axis` removed everywhere: for code inside a shard_map manual over it."""
+    out = []
+    for name, target in rules:
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        axes = tuple(a for a in axes if a != axis)
+        out.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(out)
+
+
 @contextlib.contextmanager
 def use_rules(rules: Rules) -> Iterator[None]:
     """Activates logical rules for `constrain` while tracing (with a mesh set by jax.set_mesh)."""

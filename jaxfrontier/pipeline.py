@@ -197,13 +197,11 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ts.ModelDef, schedule: 
     return engine
 
 
-def make_pipeline_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout, split_micro, dropout_key_fn):
-    """`loss_and_grads(params, tokens, step)` of a pipelined layout; same contract as train.py's."""
+def make_pipeline_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout, dropout_key_fn):
+    """`(params, micro_abt, step) -> (mean loss, grads)` of a pipelined layout (train.py lays out the result)."""
     schedule = build_schedule(c)
-    dp = config_lib.data_parallel_size(c)
 
-    def loss_and_grads(params, tokens_gt, step):
-        micro_abt = split_micro(tokens_gt, c.train.accum_steps, dp)
+    def pipeline_grads(params, micro_abt, step):
         blocks, shared = _split_shared(params)
         engine = make_engine(c, layout.model_def, schedule, lambda m: dropout_key_fn(c, step, m))
         block_spec = jax.tree.map(lambda _: P(None, AXIS) if schedule.virtual > 1 else P(AXIS), blocks)
@@ -211,10 +209,9 @@ def make_pipeline_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateL
         run = jax.shard_map(engine, in_specs=(block_spec, shared_spec, P()),
                             out_specs=(P(), block_spec, shared_spec), axis_names={AXIS}, check_vma=False)
         loss, g_blocks, g_shared = run(blocks, shared, micro_abt)
-        grads = {'blocks': g_blocks, **g_shared}
-        return loss, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
+        return loss, {'blocks': g_blocks, **g_shared}
 
-    return loss_and_grads
+    return pipeline_grads
 
 
 def schedule_branch_weights(schedule: schedules.Schedule):

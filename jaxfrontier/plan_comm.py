@@ -9,14 +9,18 @@ comparison with the compiled HLO is in tests/test_planner.py; docs/planner.md ha
             the vocabulary-parallel embedding's psum (fp32) and the head's input gradient.
   fsdp      every weight all-gathered before its forward and again for its backward (fp32,
             as stored); gradients reduce-scattered (all-reduce + slice on XLA:CPU).
-  data      gradients all-reduced on their fsdp shard; with ZeRO-1 reduce-scattered into the
-            optimizer layout and the updated parameters all-gathered once per step.
+  data      with several micro-batches (or a pipeline) and no dropout, gradients are
+            accumulated per replica and all-reduced over `data` once per step
+            (jaxfrontier/reduction.py); otherwise all-reduced on their fsdp shard once per
+            micro-batch. With ZeRO-1 they are then sliced into the optimizer layout and the
+            updated parameters all-gathered once per step.
   pipeline  each micro-batch's activations sent forward and their gradient sent back at
             every stage boundary (per virtual stage with the interleaved schedule).
 
-Gradient reductions run once per micro-batch: `train.make_loss_and_grads` constrains the
-running gradient sum to the update layout at every accumulation step. A tied embedding's
-gradient is reduced twice (its head and its lookup contributions are separate sums).
+Reductions over fsdp (and over data when not once) run once per micro-batch: the running
+gradient sum keeps the parameters' (or, per micro-batch, the update) layout at every
+accumulation step. A tied embedding's gradient is reduced twice (its head and its lookup
+contributions are separate sums).
 """
 
 from __future__ import annotations
@@ -102,15 +106,22 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
 
     Counts are per device, averaged over pipeline stages: a pipeline runs the embedding on
     its first stage and the head on its last, and sums their gradients over stages once.
+    With `layout.reduce_once` (jaxfrontier/reduction.py) the `data` axis leaves the
+    per-micro-batch reductions: each replica accumulates locally (gradients in the
+    parameters' layout) and one all-reduce over `data` per step follows.
     """
     sizes = layout.mesh_shape
     dp_axes = tuple(a for a in mesh_lib.data_parallel_axes(rules) if sizes[a] > 1)
+    once = layout.reduce_once and 'data' in dp_axes
+    per_mb_axes = tuple(a for a in dp_axes if not (once and a == 'data'))
     m, p = layout.accum_steps, layout.pipeline
     for pl in pm.param_layouts(specs, layout, rules):
         spec, local = pl.spec, pl.local * pm.PARAM_BYTES
-        sharded = tuple(a for a in dp_axes if a in pm.shard_axes(pl.param_spec))
-        extra = tuple(a for a in dp_axes if a in pm.shard_axes(pl.update_spec) and a not in sharded)
-        rest = tuple(a for a in dp_axes if a not in sharded and a not in extra)
+        sharded = tuple(a for a in per_mb_axes if a in pm.shard_axes(pl.param_spec))
+        zero1_axes = tuple(a for a in dp_axes if a in pm.shard_axes(pl.update_spec) and a not in sharded)
+        # Inside the loop gradients meet the optimizer layout only when reduced per micro-batch.
+        extra = () if once else zero1_axes
+        rest = tuple(a for a in per_mb_axes if a not in sharded and a not in extra)
         gathered = local * math.prod(sizes[a] for a in sharded)
         group = 'block weights' if spec.is_block else 'embedding and head'
         uses = m * (2 if spec.is_block else 1 / p)  # blocks: before the forward and again for the backward
@@ -120,17 +131,20 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
             t.add('shared gradients summed over stages', 'all-reduce', ('pipeline',), local, 1, per_micro_batch=False)
         per_stage = 1 if spec.is_block else 1 / p
         reductions = m * per_stage * (2 if spec.path == 'wte' else 1)  # tied: head and lookup sum apart
-        if spec.path in ('wte', 'wpe'):  # the lookup's gradient is summed over every replica at once
-            t.add('embedding gradient', 'all-reduce', dp_axes, gathered, m * per_stage)
+        if spec.path in ('wte', 'wpe') and per_mb_axes:  # the lookup's gradient is summed over every replica at once
+            t.add('embedding gradient', 'all-reduce', per_mb_axes, gathered, m * per_stage)
             reductions -= m * per_stage
         what = f'gradients of {group}'
         if sharded:
             t.add(what, 'reduce-scatter', sharded, gathered, reductions)
         if extra:
             t.add(what + ' (ZeRO-1)', 'reduce-scatter', extra, local, reductions)
-            t.add('ZeRO-1 parameter gather', 'all-gather', extra, local, 1, per_micro_batch=False)
+        if zero1_axes:
+            t.add('ZeRO-1 parameter gather', 'all-gather', zero1_axes, local, 1, per_micro_batch=False)
         if rest:
             t.add(what, 'all-reduce', rest, local, reductions)
+        if once:  # every stage holds the shared gradients after their sum over stages
+            t.add(what + ' (once per step)', 'all-reduce', ('data',), local, 1, per_micro_batch=False)
 
 
 def communication(shape, layout, rules, specs, hw: hw_lib.Hardware, compute_mb_s: float) -> tuple[Transfer, ...]:

@@ -48,13 +48,19 @@ class Layout:
     schedule: str = '1f1b'
     virtual_stages: int = 1
     zero1: bool = False
+    dropout: bool = False  # dropout > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
         return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
                    micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
-                   zero1=bool(c.sharding.zero1))
+                   zero1=bool(c.sharding.zero1), dropout=c.model.dropout_rate > 0)
+
+    @property
+    def reduce_once(self) -> bool:
+        """Gradients cross `data` once per step (jaxfrontier/reduction.py; default rules)."""
+        return self.data > 1 and not self.dropout and (self.accum_steps > 1 or self.pipeline > 1)
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -206,12 +212,12 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
         if unsharded > 0.01:
             out.append(f'ZeRO-1 leaves {unsharded:.0%} of the optimizer state unsharded: no dimension of those '
                        f'weights is divisible by the data-parallel size {lay.dp} (train_state.zero1_spec)')
-    reductions = [t for t in p.transfers if t.per_micro_batch and t.what.startswith(('gradients', 'embedding grad'))]
+    reductions = [t for t in p.transfers if t.per_micro_batch and 'data' in t.axes
+                  and t.what.startswith(('gradients', 'embedding grad'))]
     if lay.accum_steps > 1 and reductions:
-        where = ('inside every backward unit of the pipeline' if lay.pipeline > 1 else
-                 'train.py constrains the running sum to the update layout at every accumulation step')
+        why = 'dropout is on' if lay.dropout else 'the sharding rules put parameters on `data`'
         exposed = sum(t.exposed_s for t in reductions)
-        out.append(f'gradients are reduced over the data-parallel axes once per micro-batch ({where}): '
+        out.append(f'gradients are reduced over `data` once per micro-batch because {why} (jaxfrontier/reduction.py): '
                    f'{exposed:.2f} s exposed per step; once per step would cut the bytes {lay.accum_steps}-fold')
     if lay.pipeline > 1 and lay.remat != 'full':
         out.append(f'inside a pipeline every remat policy acts as per-layer full recomputation (model.remat='
@@ -257,11 +263,11 @@ def format_plan(p: Plan) -> str:
         f'  Megatron formula f=3 / f={4 if f.megatron_hw > f.megatron_model else 3}     '
         f'{_si(f.megatron_model, "FLOP")} / {_si(f.megatron_hw, "FLOP")}',
         'communication per device per step:',
-        f'  {"what":<40s} {"collective":<18s} {"axes":<11s} {"link":<8s} {"bytes":>11s} {"count":>8s} '
+        f'  {"what":<46s} {"collective":<18s} {"axes":<11s} {"link":<8s} {"bytes":>11s} {"count":>8s} '
         f'{"wire s":>9s} {"exposed s":>9s}',
     ]
     for tr in p.transfers:
-        lines.append(f'  {tr.what:<40s} {tr.kind:<18s} {"x".join(tr.axes):<11s} {tr.level:<8s} '
+        lines.append(f'  {tr.what:<46s} {tr.kind:<18s} {"x".join(tr.axes):<11s} {tr.level:<8s} '
                      f'{_si(tr.payload_bytes, "B"):>11s} {tr.count:>8,.0f} {tr.time_s:>9.3f} {tr.exposed_s:>9.3f}')
     lines += [
         'time per step (roofline + communication model, docs/planner.md):',

@@ -26,6 +26,7 @@ from jaxfrontier import data as data_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import metrics as metrics_lib
 from jaxfrontier import pipeline
+from jaxfrontier import reduction
 from jaxfrontier import train_state as ts
 
 State = dict[str, Any]
@@ -50,42 +51,60 @@ def _dropout_key(c: ml_collections.ConfigDict, step: jax.Array, micro: jax.Array
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), micro)
 
 
-def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    """Returns `loss_and_grads(params, tokens, step) -> (loss, grads)` over the accumulation steps.
+def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs):
+    """`(params, micro_abt, step) -> (mean loss, mean grads)` over the micro-batches (no pipeline).
 
-    The loss is the mean over all tokens of the global batch; gradients are averaged over the
-    micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
+    The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
     """
-    if c.mesh.pipeline > 1:
-        return pipeline.make_pipeline_loss_and_grads(c, layout, split_micro_batches, _dropout_key)
-    accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
-    model_def = layout.model_def
+    accum, model_def = c.train.accum_steps, layout.model_def
 
     def micro_loss(params, tokens_bt, key):
         return model_def.bind(params).loss(tokens_bt[:, :-1], tokens_bt[:, 1:], key)
 
     grad_fn = jax.value_and_grad(micro_loss)
+    constrain = lambda tree: jax.lax.with_sharding_constraint(tree, grad_specs)  # noqa: E731
 
-    def to_update_layout(tree):
-        return jax.lax.with_sharding_constraint(tree, layout.update_shardings)
-
-    def loss_and_grads(params, tokens_gt, step):
-        micro_abt = split_micro_batches(tokens_gt, accum, dp)
+    def accumulate(params, micro_abt, step):
         if accum == 1:
-            loss, grads = grad_fn(params, micro_abt[0], _dropout_key(c, step, 0))
-            return loss, to_update_layout(grads)
+            return grad_fn(params, micro_abt[0], _dropout_key(c, step, 0))
 
         def body(carry, xs):
             loss_sum, grad_sum = carry
             tokens_bt, index = xs
             loss, grads = grad_fn(params, tokens_bt, _dropout_key(c, step, index))
-            grad_sum = to_update_layout(jax.tree.map(jnp.add, grad_sum, grads))
-            return (loss_sum + loss, grad_sum), None
+            return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), None
 
-        zeros = to_update_layout(jax.tree.map(jnp.zeros_like, params))
+        zeros = constrain(jax.tree.map(jnp.zeros_like, params))
         (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
                                                (micro_abt, jnp.arange(accum)))
         return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
+
+    return accumulate
+
+
+def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+    """Returns `loss_and_grads(params, tokens, step) -> (loss, grads)` over the accumulation steps.
+
+    The loss is the mean over all tokens of the global batch; gradients are averaged over the
+    micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
+    Where reduction.reduce_once holds, each data-parallel replica accumulates its own rows'
+    gradients and they cross the `data` axis once per step (jaxfrontier/reduction.py).
+    """
+    accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
+    once = reduction.reduce_once(c, layout.rules, layout.param_shardings)
+    if c.mesh.pipeline > 1:
+        micro_fn = pipeline.make_pipeline_grads(c, layout, _dropout_key)
+    else:
+        # Per micro-batch reduction: gradients meet the optimizer layout (ZeRO-1: a reduce-scatter)
+        # in every step. Reduced once: they stay where the parameters are until the end.
+        specs = layout.param_shardings if once else layout.update_shardings
+        micro_fn = _accumulate(c, layout, jax.tree.map(lambda s: s.spec, specs))
+    if once:
+        micro_fn = reduction.data_local(micro_fn, layout.rules)
+
+    def loss_and_grads(params, tokens_gt, step):
+        loss, grads = micro_fn(params, split_micro_batches(tokens_gt, accum, dp), step)
+        return loss, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
 
     return loss_and_grads
 

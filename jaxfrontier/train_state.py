@@ -17,6 +17,7 @@ Placement:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -87,25 +88,78 @@ def make_optimizer(c: ml_collections.ConfigDict) -> tuple[optax.GradientTransfor
     return tx, schedule
 
 
-def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> P:
-    """Adds the data-parallel axes a spec does not use yet to its first divisible dimension."""
+def _entry_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
+                 dp_axes: tuple[str, ...]) -> tuple[P, tuple[int, ...]]:
+    """ZeRO-1: the spec (and shape) of a parameter's optimizer state, sharded over the data axes.
+
+    Adds the data-parallel axes the parameter's spec does not use yet to its first dimension
+    they divide. Where none does (the paper's 1T layout: data 6 and no weight dimension
+    divisible by 6), the optimizer state is padded with zeros along the dimension that needs
+    the least padding, as Megatron's distributed optimizer pads its flat buffer: JAX shards
+    only evenly. Returns (spec, padded shape); the shape is `shape` when no padding is needed.
+    """
     used = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
     extra = tuple(a for a in dp_axes if a not in used and mesh.shape[a] > 1)
     if not extra:
-        return spec
+        return spec, tuple(shape)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     extra_size = 1
     for a in extra:
         extra_size *= mesh.shape[a]
+    options = []  # (cost, dimension)
     for i, entry in enumerate(entries):
-        current = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        current_size = 1
-        for a in current:
-            current_size *= mesh.shape[a]
-        if shape[i] % (current_size * extra_size) == 0:
-            entries[i] = current + extra if len(current + extra) > 1 else (current + extra)[0]
-            return P(*entries)
-    return spec
+        current_size = math.prod(mesh.shape[a] for a in _entry_axes(entry))
+        multiple = current_size * extra_size
+        if shape[i] % multiple == 0:
+            options = [(0.0, i)]  # the first divisible dimension: no padding
+            break
+        # Padding relative to the dimension; padding a dimension that is already sharded moves
+        # data between its shards (the padded shards straddle the old boundaries): 5 % penalty.
+        options.append((-shape[i] % multiple / shape[i] + (0.05 if current_size > 1 else 0.0), i))
+    _, i = min(options)
+    pad = -shape[i] % math.prod(mesh.shape[a] for a in (*_entry_axes(entries[i]), *extra))
+    current = _entry_axes(entries[i])
+    entries[i] = current + extra if len(current + extra) > 1 else (current + extra)[0]
+    padded = tuple(n + pad if d == i else n for d, n in enumerate(shape))
+    return P(*entries), padded
+
+
+def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> P:
+    """The optimizer-state spec of `zero1_layout` (over the padded shape where it pads)."""
+    return zero1_layout(spec, shape, mesh, dp_axes)[0]
+
+
+def _pad_to(x: jax.Array, shape: tuple[int, ...], sharding) -> jax.Array:
+    if x.shape == shape:
+        return x
+    x = jnp.pad(x, [(0, t - n) for n, t in zip(x.shape, shape)])
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def padded_optimizer(tx: optax.GradientTransformation, padded_shapes: Params,
+                     padded_shardings: Params | None) -> optax.GradientTransformation:
+    """`tx` over zero-padded copies of parameters and gradients; updates cut back to size.
+
+    Padding stays exactly zero in the Adam moments (zero gradients, zero parameters) and adds
+    nothing to the global gradient norm, so the update equals the unpadded one.
+    """
+    def pad(tree):
+        shardings = padded_shardings if padded_shardings is not None else jax.tree.map(lambda _: None, tree)
+        return jax.tree.map(lambda x, s, sh: _pad_to(x, tuple(s), sh), tree, padded_shapes, shardings,
+                            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x))
+
+    def init(params):
+        return tx.init(pad(params))
+
+    def update(grads, state, params=None):
+        updates, state = tx.update(pad(grads), state, None if params is None else pad(params))
+        return jax.tree.map(lambda u, g: u[tuple(slice(0, n) for n in g.shape)], updates, grads), state
+
+    return optax.GradientTransformation(init, update)
 
 
 def split_virtual(params: Params, virtual: int) -> Params:
@@ -165,17 +219,28 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
     param_shardings = mesh_lib.tree_shardings(split_virtual_specs(model_def.logical_specs(), virtual), mesh, rules)
     if c.sharding.zero1:
         dp_axes = mesh_lib.data_parallel_axes(rules)
+        zero1 = jax.tree.map(lambda s, a: zero1_layout(s.spec, a.shape, mesh, dp_axes), param_shardings,
+                             abstract_params)
+        is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], P)  # noqa: E731
+        padded_shapes = jax.tree.map(lambda z: z[1], zero1, is_leaf=is_pair)
+        opt_param_shardings = jax.tree.map(lambda z: NamedSharding(mesh, z[0]), zero1, is_leaf=is_pair)
+        # Gradients of padded parameters meet the optimizer in their own layout (padded inside tx).
         update_shardings = jax.tree.map(
-            lambda s, a: NamedSharding(mesh, zero1_spec(s.spec, a.shape, mesh, dp_axes)),
-            param_shardings, abstract_params)
+            lambda z, s, a: NamedSharding(mesh, z[0]) if z[1] == tuple(a.shape) else s,
+            zero1, param_shardings, abstract_params, is_leaf=is_pair)
+        opt_params = jax.tree.map(lambda a, shape: jax.ShapeDtypeStruct(shape, a.dtype), abstract_params,
+                                  padded_shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     else:
-        update_shardings = param_shardings
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+        update_shardings = opt_param_shardings = param_shardings
+        opt_params = abstract_params
+    abstract_opt = jax.eval_shape(tx.init, opt_params)
     replicated = NamedSharding(mesh, P())
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, update_shardings,
+        tx, lambda _, s: s, abstract_opt, opt_param_shardings,
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding))
+    if opt_params is not abstract_params and jax.tree.leaves(opt_params) != jax.tree.leaves(abstract_params):
+        tx = padded_optimizer(tx, padded_shapes, opt_param_shardings)
     abstract_state = {
         'step': jax.ShapeDtypeStruct((), jnp.int32),
         'params': abstract_params,

@@ -245,6 +245,45 @@ def test_restore_with_other_vocab_padding(vocab300):
             np.testing.assert_array_equal(value, saved[name])
 
 
+@pytest.mark.slow
+def test_padded_zero1_state_restores_and_continues(tmp_path):
+    """ZeRO-1 over data 8 with d_model 36 pads the Adam moments of weights that have no dimension
+    divisible by 8 (w_qkv [2, 36, 3, 4, 9], the norms [2, 36]).
+
+    Trained 3 steps on data 8, restored on one device (no padding): the moments are the saved
+    ones without their (zero) padding, and the next step has the loss the padded run had.
+    """
+    def config(data, steps):
+        c = make_config(data=data, fsdp=1, tensor=1, steps=steps, d_model=36)
+        c.sharding.zero1 = True
+        return c
+
+    workdir = str(tmp_path / 'run')
+    padded = config(8, steps=4)
+    mu = layout_for(padded).abstract_state['opt_state'][1][0].mu
+    assert mu['blocks']['attn']['w_qkv'].shape != (2, 36, 3, 4, 9)
+    train.train_and_evaluate(padded, workdir)
+    saved = read_numpy(f'{workdir}/checkpoints/3', 'opt_state')
+
+    single = config(1, steps=4)
+    layout = layout_for(single)
+    state = ckpt_lib.Checkpointer(single, workdir).restore(layout, step=3)
+    restored = flat_numpy(state['opt_state'])
+    padded_names = [n for n in saved if saved[n].shape != restored[n].shape]
+    assert padded_names
+    for name, value in restored.items():
+        cut = saved[name][tuple(slice(0, n) for n in value.shape)]
+        np.testing.assert_array_equal(value, cut, err_msg=name)
+        assert np.count_nonzero(saved[name]) == np.count_nonzero(cut), name  # the padding was zero
+
+    train_step, _, batch_sharding = train.compile_steps(single, layout)
+    source, _ = data_lib.make_datasets(single, '')
+    batch = data_lib.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
+    with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
+        _, metrics = train_step(state, batch)
+    np.testing.assert_allclose(float(metrics['train/loss']), losses(workdir)[4], rtol=LOSS_RTOL)
+
+
 def in_model_order(flat):
     """Block arrays of an interleaved layout, [V, L / V, ...], back in their saved [L, ...] form."""
     return {k: v.reshape(-1, *v.shape[2:]) if 'blocks/' in k and v.ndim > 2 and v.shape[0] == 2 and v.shape[1] == 2

@@ -1,0 +1,64 @@
+"""When gradients cross the data-parallel axis: once per step, not once per micro-batch.
+
+With the `data` axis left to XLA's automatic partitioning, the weight gradient of every
+micro-batch is born replicated over `data`, so XLA all-reduces it inside every accumulation
+step (and inside every backward unit of a pipeline): M all-reduces of the full gradients per
+step. For the paper's 1T layout (M = 512) that is 4 TB per device per step.
+
+Instead, the accumulation loop (train.py) or the pipeline's tick loop (pipeline.py) runs
+inside `jax.shard_map(..., axis_names={'data', ...})`: each data-parallel replica sums the
+gradients of its own rows locally, and one `pmean` over `data` after the loop reduces them —
+M times fewer bytes. `fsdp`, `tensor` (and `pipeline` outside the pipeline's own map) stay
+automatic inside, so FSDP still reduce-scatters per micro-batch, as ZeRO-3 must (its gradients
+are sharded like its parameters).
+
+Not used when dropout is on: the masks are drawn for the whole micro-batch from one key
+(layout-independent); a replica drawing for its rows alone would draw different ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+from jax.sharding import PartitionSpec as P
+
+from jaxfrontier import mesh as mesh_lib
+
+AXIS = 'data'
+
+
+def _uses_axis(spec: P, axis: str) -> bool:
+    return any(axis == e or (isinstance(e, tuple) and axis in e) for e in spec)
+
+
+def reduce_once(c: ml_collections.ConfigDict, rules: mesh_lib.Rules, param_shardings) -> bool:
+    """True when gradients are summed locally over micro-batches and reduced over `data` once."""
+    if c.mesh.data == 1 or c.model.dropout_rate > 0.0 or AXIS not in mesh_lib.data_parallel_axes(rules):
+        return False
+    if c.train.accum_steps == 1 and c.mesh.pipeline == 1:
+        return False  # one micro-batch: one reduction either way
+    # Parameters must be replicated over `data` (the default rules); ZeRO-1 only shards the optimizer state.
+    return not any(_uses_axis(s.spec, AXIS) for s in jax.tree.leaves(param_shardings))
+
+
+def local_rules(rules: mesh_lib.Rules) -> mesh_lib.Rules:
+    """The logical rules inside the data-manual region (`data` is no longer an automatic axis)."""
+    return mesh_lib.without_axis(rules, AXIS)
+
+
+def data_local(fn, rules: mesh_lib.Rules):
+    """`fn(params, micro_abt, step) -> (loss, grads)` run per data-parallel replica, reduced once.
+
+    micro_abt's rows are split over `data` (each replica keeps the rows it already holds:
+    train.split_micro_batches lays rows out data-major); loss and gradients are averaged over
+    the replicas with one `pmean` each.
+    """
+    inner_rules = local_rules(rules)
+
+    def local(params, micro_abt, step):
+        with mesh_lib.use_rules(inner_rules):
+            loss, grads = fn(params, micro_abt, step)
+        return jax.lax.pmean(loss, AXIS), jax.lax.pmean(grads, AXIS)
+
+    return jax.shard_map(local, in_specs=(P(), P(None, AXIS), P()), out_specs=(P(), P()),
+                         axis_names={AXIS}, check_vma=False)
