@@ -37,6 +37,8 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jaxfrontier import config as config_lib
 from jaxfrontier import hlo_collectives
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier import pipeline
+from jaxfrontier import pipeline_1f1b
 from jaxfrontier import schedules
 from jaxfrontier import train
 from jaxfrontier import train_state as ts
@@ -99,7 +101,9 @@ def pipeline_branch_weights(c: ml_collections.ConfigDict):
     """
     if c.mesh.pipeline == 1:
         return None
-    s = schedules.build(c.pipeline.schedule, c.mesh.pipeline, c.train.accum_steps, c.pipeline.virtual_stages)
+    s = pipeline.build_schedule(c)
+    if isinstance(s, schedules.Staggered):
+        return pipeline_1f1b.hlo_branch_weights(s)
     kinds = {3: s.f_table[..., 0], 5: s.b_table[..., 0]}
     return lambda n: [float(np.mean(kinds[n] == b)) for b in range(n)]
 

@@ -35,9 +35,15 @@ DEFAULT_RULES = (
 
 ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
+# Staggered 1F1B (pipeline_1f1b.py): model.remat -> what the recomputation keeps for the
+# backward half-slot (one chunk, one micro-batch). `full` keeps the weight matmuls' outputs:
+# keeping only layer inputs would leave the whole recomputation to the backward half-slot
+# (3 forward-equivalents against the forward half-slot's 2).
+STAGGERED_RESIDUALS = {'full': 'save_dots_no_batch', 'save_dots_no_batch': 'save_dots_no_batch',
+                       'save_dots': 'save_dots', 'none': 'none'}
 DTYPES = ('float32', 'bfloat16', 'float16')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
-PIPELINE_SCHEDULES = ('gpipe', '1f1b', 'interleaved')  # jaxfrontier/schedules.py
+PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
 MESH_AXES = ('pipeline', 'data', 'fsdp', 'tensor')
 
@@ -113,7 +119,16 @@ def base_config() -> ml_collections.ConfigDict:
         )
     )
 
-    c.pipeline = ml_collections.ConfigDict(dict(schedule='1f1b', virtual_stages=1))
+    c.pipeline = ml_collections.ConfigDict(
+        dict(
+            schedule='1f1b',  # gpipe | 1f1b | 1f1b_lockstep | interleaved (jaxfrontier/schedules.py)
+            virtual_stages=1,  # chunks per stage (interleaved only)
+            # Stashed stage inputs and the activations/gradients sent between stages are split
+            # over `tensor` along the tokens (Megatron's sequence-parallel stash and scatter-gather
+            # send): stash memory and pipeline traffic / TP, one all-gather over tensor per use.
+            shard_activations=True,
+        )
+    )
 
     c.optim = ml_collections.ConfigDict(
         dict(
@@ -425,6 +440,8 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
     p, v, m = c.mesh.pipeline, c.pipeline.virtual_stages, c.train.accum_steps
     _require(c.pipeline.schedule in PIPELINE_SCHEDULES, 'pipeline.schedule', c.pipeline.schedule,
              'unknown pipeline schedule', f'use one of {PIPELINE_SCHEDULES}')
+    _require(isinstance(c.pipeline.shard_activations, bool), 'pipeline.shard_activations',
+             c.pipeline.shard_activations, 'must be True or False', 'set pipeline.shard_activations=True (the default)')
     _require(isinstance(v, int) and v >= 1, 'pipeline.virtual_stages', v, 'must be an integer >= 1',
              'set pipeline.virtual_stages to 1, or to 2+ with the interleaved schedule')
     if p == 1:

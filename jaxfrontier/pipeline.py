@@ -31,14 +31,15 @@ import ml_collections
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxfrontier import config as config_lib
+from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import schedules
 from jaxfrontier import train_state as ts
 
 AXIS = 'pipeline'
 
 
-def build_schedule(c: ml_collections.ConfigDict) -> schedules.Schedule:
+def build_schedule(c: ml_collections.ConfigDict) -> schedules.Schedule | schedules.Staggered:
+    """1F1B runs staggered (pipeline_1f1b.py); GPipe and interleaved on the lockstep tick executor."""
     return schedules.build(c.pipeline.schedule, c.mesh.pipeline, c.train.accum_steps, c.pipeline.virtual_stages)
 
 
@@ -47,7 +48,7 @@ def _split_shared(params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return params['blocks'], shared
 
 
-class _ChunkOps:
+class ChunkOps:
     """Forward and backward units of one chunk (Lc layers), as functions of explicit arrays.
 
     Forward units run the chunk and return its output and every layer's input (the stash);
@@ -55,11 +56,13 @@ class _ChunkOps:
     `jax.vjp`. All units of a `lax.switch` share one signature:
     forward (chunk, shared, tokens, stash_lx, m, c) -> (y, stash_lx);
     backward (chunk, shared, tokens, stash_lx, g, m, c) -> (g_chunk, g_shared, g_x, loss).
+    Stash slots, y, g and g_x are held split over `tensor` (`TokenSplit`) between units.
     """
 
-    def __init__(self, model_def: ts.ModelDef, seq_len: int, layers_per_chunk: int, num_micro: int, dropout_key_fn):
+    def __init__(self, model_def: ts.ModelDef, seq_len: int, layers_per_chunk: int, num_micro: int, dropout_key_fn,
+                 tokens: TokenSplit):
         self.model_def, self.seq_len, self.lc = model_def, seq_len, layers_per_chunk
-        self.num_micro, self.dropout_key_fn = num_micro, dropout_key_fn
+        self.num_micro, self.dropout_key_fn, self.tokens = num_micro, dropout_key_fn, tokens
 
     def _model(self, chunk, shared):
         return self.model_def.bind({'blocks': chunk, **shared})
@@ -81,13 +84,15 @@ class _ChunkOps:
 
         return jax.lax.scan(body, x, (stacked, keys))
 
-    def _backward(self, chunk, shared, stash_lx, g, m, c):
-        """Reverse pass over the layers from their stashed inputs; (g_chunk, g_input)."""
+    def _backward(self, chunk, shared, stash_lx, g, m, c, stashed=True):
+        """Reverse pass over the layers from their inputs (split, when `stashed`); (g_chunk, g_input)."""
         graphdef, stacked = nnx.split(self._model(chunk, shared).blocks)
         keys = self._layer_keys(m, c)
+        gather = self.tokens.gather if stashed else (lambda x: x)
 
         def body(g_out, xs):
             layer, x, key = xs
+            x = gather(x)  # one all-gather per layer, just before its recomputation
             _, pull = jax.vjp(lambda ly, h: nnx.merge(graphdef, ly)(h, self.seq_len, key), layer, x)
             g_layer, g_in = pull(g_out)
             return g_in, g_layer
@@ -110,45 +115,90 @@ class _ChunkOps:
 
     def f_first(self, chunk, shared, tokens, stash_lx, m, c):
         x = self._model(chunk, shared).embed(tokens[:, :-1], self.dropout_key_fn(m))
-        return self._forward(chunk, shared, x.astype(stash_lx.dtype), m, c)
+        y, stash = self._forward(chunk, shared, x.astype(stash_lx.dtype), m, c)
+        return self.tokens.split(y), self.tokens.split(stash)
 
     def f_mid(self, chunk, shared, tokens, stash_lx, m, c):
-        return self._forward(chunk, shared, stash_lx[0], m, c)
+        y, stash = self._forward(chunk, shared, self.tokens.gather(stash_lx[0]), m, c)
+        return self.tokens.split(y), self.tokens.split(stash)
 
     def b_none(self, chunk, shared, tokens, stash_lx, g, m, c):
         zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
         return zeros(chunk), zeros(shared), jnp.zeros_like(g), jnp.zeros((), jnp.float32)
 
     def b_first(self, chunk, shared, tokens, stash_lx, g, m, c):
-        g_chunk, g_x = self._backward(chunk, shared, stash_lx, g, m, c)
+        g_chunk, g_x = self._backward(chunk, shared, stash_lx, self.tokens.gather(g), m, c)
         _, pull = self._embed_vjp(chunk, shared, tokens, m)
         (g_shared,) = pull(g_x.astype(stash_lx.dtype))
         return g_chunk, g_shared, jnp.zeros_like(g), jnp.zeros((), jnp.float32)
 
     def b_mid(self, chunk, shared, tokens, stash_lx, g, m, c):
-        g_chunk, g_x = self._backward(chunk, shared, stash_lx, g, m, c)
-        return g_chunk, jax.tree.map(jnp.zeros_like, shared), g_x, jnp.zeros((), jnp.float32)
+        g_chunk, g_x = self._backward(chunk, shared, stash_lx, self.tokens.gather(g), m, c)
+        return g_chunk, jax.tree.map(jnp.zeros_like, shared), self.tokens.split(g_x), jnp.zeros((), jnp.float32)
 
     def b_last(self, chunk, shared, tokens, stash_lx, g, m, c):
-        y, stash_lx = self._forward(chunk, shared, stash_lx[0], m, c)
+        y, stash_lx = self._forward(chunk, shared, self.tokens.gather(stash_lx[0]), m, c)
         loss, g_shared, g_y = self._loss_vjp(chunk, shared, y, tokens)
-        g_chunk, g_x = self._backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c)
-        return g_chunk, g_shared, g_x, loss
+        g_chunk, g_x = self._backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c, stashed=False)
+        return g_chunk, g_shared, self.tokens.split(g_x), loss
 
     def b_only(self, chunk, shared, tokens, stash_lx, g, m, c):
         x, embed_pull = self._embed_vjp(chunk, shared, tokens, m)
         y, stash_lx = self._forward(chunk, shared, x.astype(g.dtype), m, c)
         loss, g_head, g_y = self._loss_vjp(chunk, shared, y, tokens)
-        g_chunk, g_x = self._backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c)
+        g_chunk, g_x = self._backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c, stashed=False)
         (g_embed,) = embed_pull(g_x.astype(x.dtype))
         return g_chunk, jax.tree.map(jnp.add, g_head, g_embed), jnp.zeros_like(g), loss
+
+
+class TokenSplit:
+    """Activations that wait (the stash) or travel (the sends between stages), split over `tensor`.
+
+    Every tensor-parallel rank holds the whole [tokens, d] activations between layers; a copy
+    that waits or travels needs only 1/TP of it (Megatron's sequence-parallel stash and
+    scatter-gather sends). `split` cuts the rank's slice of the tokens locally; `gather`
+    all-gathers it over `tensor` (within a node) where a unit uses it. Both are explicit
+    collectives in a nested `shard_map`, so XLA's sharding propagation cannot carry the split
+    into the layers (it did, with a sharding constraint: several all-gathers per layer).
+    Off (identity) with `pipeline.shard_activations=False`, without tensor parallelism, or when
+    the tokens are also split over an automatic batch axis (fsdp).
+    """
+
+    def __init__(self, enabled: bool):
+        batch = mesh_lib.active_axes('batch')
+        tensor = tuple(a for a in (mesh_lib.active_axes('heads') or ()) if a not in (batch or ()))
+        self.axes = tensor if enabled and batch == () and tensor else ()
+
+    def _spec(self, ndim: int) -> P:
+        return P(*([None] * (ndim - 2)), self.axes if len(self.axes) > 1 else self.axes[0], None)
+
+    def split(self, x: jax.Array) -> jax.Array:
+        if not self.axes:
+            return x
+        size = jax.sharding.get_abstract_mesh().shape
+        parts = int(np.prod([size[a] for a in self.axes]))
+
+        def local(a):
+            n = a.shape[-2] // parts
+            return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(self.axes) * n, n, axis=a.ndim - 2)
+
+        return jax.shard_map(local, in_specs=P(), out_specs=self._spec(x.ndim), axis_names=set(self.axes),
+                             check_vma=False)(x)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        if not self.axes:
+            return x
+        return jax.shard_map(lambda a: jax.lax.all_gather(a, self.axes, axis=a.ndim - 2, tiled=True),
+                             in_specs=self._spec(x.ndim), out_specs=P(), axis_names=set(self.axes),
+                             check_vma=False)(x)
 
 
 def make_engine(c: ml_collections.ConfigDict, model_def: ts.ModelDef, schedule: schedules.Schedule, dropout_key_fn):
     """The per-stage tick loop: (local blocks, shared, micro tokens) -> (loss, grads)."""
     p_size, v_size = schedule.num_stages, schedule.virtual
     lc = c.model.num_layers // (p_size * v_size)
-    ops = _ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn)
+    ops = ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn,
+                    TokenSplit(c.pipeline.shard_activations))
     f_ops = [ops.f_none, ops.f_first, ops.f_mid]
     b_ops = [ops.b_none, ops.b_first, ops.b_mid, ops.b_last, ops.b_only]
     dtype = jnp.dtype(c.model.dtype)
@@ -177,7 +227,7 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ts.ModelDef, schedule: 
                                                grad[b_gslot], b_m, b_v * p_size + stage)
             g_chunks = jax.tree.map(lambda acc, g: acc.at[b_v].add(g.astype(acc.dtype)), g_chunks, gc)
             g_shared = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), g_shared, gs)
-            y_in = jax.lax.ppermute(y.astype(dtype), AXIS, ring_fwd)
+            y_in = jax.lax.ppermute(y.astype(dtype), AXIS, ring_fwd)  # split over tensor: 1/TP on the wire
             g_in = jax.lax.ppermute(g_x.astype(dtype), AXIS, ring_bwd)
             f_valid, f_to = recv_f[t, stage]
             g_valid, g_to = recv_b[t, stage]
@@ -185,8 +235,8 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ts.ModelDef, schedule: 
             grad = grad.at[g_to].set(jnp.where(g_valid > 0, g_in, grad[g_to]))
             return (stash, grad, g_chunks, g_shared, loss_sum + loss), None
 
-        carry = (jnp.zeros((schedule.act_slots, lc, *x_zero.shape), dtype),
-                 jnp.zeros((schedule.grad_slots, *x_zero.shape), dtype),
+        carry = (ops.tokens.split(jnp.zeros((schedule.act_slots, lc, *x_zero.shape), dtype)),
+                 ops.tokens.split(jnp.zeros((schedule.grad_slots, *x_zero.shape), dtype)),
                  jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), chunks),
                  jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shared),
                  jnp.zeros((), jnp.float32))
@@ -203,7 +253,11 @@ def make_pipeline_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout, dr
 
     def pipeline_grads(params, micro_abt, step):
         blocks, shared = _split_shared(params)
-        engine = make_engine(c, layout.model_def, schedule, lambda m: dropout_key_fn(c, step, m))
+        if isinstance(schedule, schedules.Staggered):
+            from jaxfrontier import pipeline_1f1b  # pylint: disable=g-import-not-at-top  (it imports this module)
+            engine = pipeline_1f1b.make_engine(c, layout.model_def, schedule, lambda m: dropout_key_fn(c, step, m))
+        else:
+            engine = make_engine(c, layout.model_def, schedule, lambda m: dropout_key_fn(c, step, m))
         block_spec = jax.tree.map(lambda _: P(None, AXIS) if schedule.virtual > 1 else P(AXIS), blocks)
         shared_spec = jax.tree.map(lambda _: P(), shared)
         run = jax.shard_map(engine, in_specs=(block_spec, shared_spec, P()),
@@ -220,6 +274,9 @@ def schedule_branch_weights(schedule: schedules.Schedule):
     Weight of branch b = (stages x ticks running b) / ticks, since the tick scan already
     multiplies its body by the number of ticks; the total is summed over all stages.
     """
+    if isinstance(schedule, schedules.Staggered):
+        from jaxfrontier import pipeline_1f1b  # pylint: disable=g-import-not-at-top
+        return pipeline_1f1b.branch_weights(schedule)
     tables = (schedule.f_table[..., 0], schedule.b_table[..., 0])
 
     def weights(occurrence: int, n_branches: int) -> list[float]:

@@ -15,7 +15,10 @@ comparison with the compiled HLO is in tests/test_planner.py; docs/planner.md ha
             micro-batch. With ZeRO-1 they are then sliced into the optimizer layout and the
             updated parameters all-gathered once per step.
   pipeline  each micro-batch's activations sent forward and their gradient sent back at
-            every stage boundary (per virtual stage with the interleaved schedule).
+            every stage boundary (per virtual stage with the interleaved schedule), split over
+            tensor (1/TP each) with `pipeline.shard_activations`, which also all-gathers over
+            tensor each stashed layer input before its recomputation, and the received
+            activation and gradient before use.
 
 Reductions over fsdp (and over data when not once) run once per micro-batch: the running
 gradient sum keeps the parameters' (or, per micro-batch, the update) layout at every
@@ -90,6 +93,8 @@ def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
     act = layout.micro_batch * shape.seq_len * shape.d_model
     if layout.tensor > 1:
         per_layer = 4 + (1 if pm.effective_remat(layout) == 'full' else 0)  # recompute: all but the last
+        if pm.staggered(layout):  # forward, recomputation (all of it) and backward; the last stage: no forward
+            per_layer = (6 * (p - 1) + 4) / p
         t.add('activations (Megatron f/g)', 'all-reduce', ('tensor',), act * dtype_bytes,
               m * shape.num_layers / p * per_layer)
         t.add('vocabulary-parallel embedding (fp32)', 'all-reduce', ('tensor',), act * 4, m / p)
@@ -97,8 +102,18 @@ def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
     if p > 1:
         v = layout.virtual_stages if layout.schedule == 'interleaved' else 1
         ticks = pm.pipeline_slots(layout.schedule, p, m, v).ticks
-        t.add('stage activations and their gradients', 'collective-permute', ('pipeline',), act * dtype_bytes,
-              2 * ticks)
+        split = layout.split_tokens
+        staggered = layout.schedule == '1f1b'  # one message per half-slot; lockstep: two per tick
+        sends = (ticks // 2 if p == 2 else ticks) if staggered else 2 * ticks  # P = 2: every other half-slot
+        t.add('stage activations and their gradients', 'collective-permute', ('pipeline',),
+              act * dtype_bytes / split, sends)
+        if split > 1:  # pipeline.TokenSplit
+            if staggered:  # per micro-batch: forward input, recomputation input, received gradient
+                gathers = m * 3 * (p - 1) / p  # stage 0 embeds (no forward gather); the last stage gathers one
+            else:  # the stashed layer inputs and the received activation and gradient of each unit
+                gathers = m * (p * v - 1) / p * (shape.num_layers / (p * v) + 2)
+            t.add('stashed activations gathered (token split)', 'all-gather', ('tensor',), act * dtype_bytes,
+                  gathers)
 
 
 def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
@@ -150,7 +165,8 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
 def communication(shape, layout, rules, specs, hw: hw_lib.Hardware, compute_mb_s: float) -> tuple[Transfer, ...]:
     """Every transfer of one step with its link level, wire time and exposed time.
 
-    Overlap (docs/planner.md): tensor all-reduces and pipeline sends are exposed; FSDP gathers
+    Overlap (docs/planner.md): tensor all-reduces, the token split's gathers and pipeline sends
+    are exposed; FSDP gathers
     hide behind compute and show only their excess plus one layer's gather; gradient
     reductions hide behind the backward pass (2/3 of the compute) except the last layer's;
     the ZeRO-1 gather and the pipeline's sum of shared gradients are exposed.
@@ -167,7 +183,7 @@ def communication(shape, layout, rules, specs, hw: hw_lib.Hardware, compute_mb_s
         group = math.prod(layout.mesh_shape[a] for a in axes)
         level = _level(mesh_items, axes, hw.devices_per_package, hw.devices_per_node)
         time_s = wire_time_s(kind, payload, count, group, level, hw)
-        if kind == 'all-gather' and per_mb:
+        if kind == 'all-gather' and per_mb and what.startswith('FSDP'):
             exposed = max(0.0, time_s - compute_s) + time_s / max(count, 1.0)
         elif per_mb and what.startswith(('gradients', 'embedding gradient')):
             exposed = max(time_s - compute_s * 2 / 3, time_s / max(layers, 1.0))

@@ -163,8 +163,11 @@ class PipelineSlots:
 
 
 def pipeline_slots(schedule: str, p: int, m: int, v: int = 1) -> PipelineSlots:
-    """Slots and ticks of the tick executor (pipeline.py): GPipe stashes all M micro-batches,
-    1F1B at most 2P - 1, interleaved at most V P + P - 1 chunks."""
+    """Slots and ticks of the pipeline executors: GPipe stashes all M micro-batches, lockstep
+    1F1B at most 2P - 1, interleaved at most V P + P - 1 chunks (each of them every layer's
+    input); staggered 1F1B (pipeline_1f1b.py) P chunk inputs, over 2M + 2P - 2 half-slots."""
+    if schedule == '1f1b':
+        return PipelineSlots(p, 1, 2 * m + 2 * p - 2, (p - 1) / (m + p - 1))
     if schedule == 'gpipe':
         slots, ticks = m, 2 * m + 2 * p - 3
     else:
@@ -244,13 +247,18 @@ def _plain_memory(shape, layout, states: dict[str, float], attention: str) -> tu
 
 
 def _pipeline_memory(shape, layout, states: dict[str, float], attention: str) -> tuple[float, float, float, str]:
-    """The same for `pipeline.py`'s tick executor (every policy acts as per-layer full remat).
+    """The same for the pipeline executors (every policy acts as per-layer full remat).
 
     Gradients: fp32 accumulators of the stage's blocks and of the shared (embedding, head)
     parameters, plus one unit's gradients of a chunk and of the shared parameters.
-    Activations: the stash carry (slots x chunk layers x [tokens, d]) and the received
-    gradient slots. Temporaries: a backward unit's stash of its chunk's layer inputs plus one
-    layer's recomputed residuals or the head's backward; or Adam's update.
+    Activations, lockstep executor (pipeline.py): the stash carry (slots x chunk layers x
+    [tokens, d]) and the received gradient slots. Staggered 1F1B (pipeline_1f1b.py): P chunk
+    inputs and the message buffer, plus one chunk's `jax.vjp` residuals (the `none` policy's
+    set) carried from the recomputation to the backward, and the last stage's own output
+    gradient. The stash and messages are split over tensor (`Layout.split_tokens`).
+    Temporaries: a backward unit's working set (lockstep: its chunk's layer inputs plus one
+    layer's recomputed residuals; staggered: the new residual set being built while the
+    carried one is live, or one layer's backward buffers) or the head's backward; or Adam's update.
     """
     v = layout.virtual_stages if layout.schedule == 'interleaved' else 1
     slots = pipeline_slots(layout.schedule, layout.pipeline, layout.accum_steps, v)
@@ -259,11 +267,19 @@ def _pipeline_memory(shape, layout, states: dict[str, float], attention: str) ->
     act = a['n'] * a['d'] * (4 if shape.dtype == 'float32' else 2)
     block, shared = states['block_params'], states['params'] - states['block_params']
     grads = block + block / v + 2 * shared
-    acts = slots.act_slots * chunk_layers * act + slots.grad_slots * act
     _, head = layer_bytes(shape, layout, 'none', attention)
     head_ws = head + 2 * a['n'] * a['v'] * 4
-    temps = max(chunk_layers * act + max(layer_working_bytes(shape, layout, attention), head_ws), states['update'])
-    detail = f'{layout.schedule}: {slots.act_slots} stashed chunk inputs of {chunk_layers} layers'
+    if staggered(layout):
+        residuals = chunk_layers * layer_bytes(shape, layout, effective_remat(layout), attention)[0]
+        acts = (slots.act_slots * act + act) / layout.split_tokens + act + residuals
+        working = max(residuals, backward_working_bytes(shape, layout, attention), head_ws) + \
+            gathered_layer_bytes(shape, layout)
+        detail = f'1f1b: {slots.act_slots} stashed chunk inputs + one chunk\'s residuals ({chunk_layers} layers)'
+    else:
+        acts = (slots.act_slots * chunk_layers * act + slots.grad_slots * act) / layout.split_tokens
+        working = chunk_layers * act + max(layer_working_bytes(shape, layout, attention), head_ws)
+        detail = f'{layout.schedule}: {slots.act_slots} stashed chunk inputs of {chunk_layers} layers'
+    temps = max(working, states['update'])
     return grads, acts, temps, detail
 
 
@@ -309,8 +325,17 @@ def forward_flops(shape) -> tuple[float, float]:
     return float(layer), float(2 * s * d * v)
 
 
+def staggered(layout) -> bool:
+    """The staggered 1F1B executor (pipeline_1f1b.py) runs this layout."""
+    return layout.pipeline > 1 and layout.schedule == '1f1b'
+
+
 def effective_remat(layout) -> str:
-    """The remat policy that runs: inside a pipeline every policy acts as per-layer `full`."""
+    """The remat policy that runs: the lockstep pipeline executor makes every policy per-layer
+    `full`; staggered 1F1B recomputes every chunk but its last stage's in its forward half-slot
+    and keeps `config.STAGGERED_RESIDUALS[remat]` for the backward."""
+    if staggered(layout):
+        return config_lib.STAGGERED_RESIDUALS[layout.remat]
     return 'full' if layout.pipeline > 1 else layout.remat
 
 
@@ -325,9 +350,15 @@ def flops(shape, layout) -> Flops:
     full = layer - 2 * shape.seq_len * shape.d_model * shape.mlp_dim
     recompute = {'none': 0.0, 'full': full, 'save_dots': 0.0, 'save_dots_no_batch': float(attention)}
     hardware = model + b * L * recompute[effective_remat(layout)]
+    if staggered(layout):
+        # Staggered 1F1B recomputes whole chunks under one `jax.vjp` of the layer scan (the scan
+        # carry computes every layer's output, the last one's too) and the last stage nothing:
+        # its one forward keeps the residuals for its backward. The backward then recomputes
+        # what the residual policy did not keep (save_dots_no_batch: the attention core).
+        hardware = model + b * (L - L // layout.pipeline) * layer + b * L * recompute[effective_remat(layout)]
     kw = dict(global_batch=b, seq_len=shape.seq_len, num_layers=L, d_model=shape.d_model, vocab_size=shape.vocab_size)
     return Flops(model, hardware, metrics.model_flops_per_step(**kw),
-                 metrics.megatron_flops_per_step(**kw, recompute=effective_remat(layout) != 'none'),
+                 metrics.megatron_flops_per_step(**kw, recompute=staggered(layout) or effective_remat(layout) != 'none'),
                  layer * layout.micro_batch, head * layout.micro_batch)
 
 

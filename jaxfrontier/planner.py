@@ -49,13 +49,20 @@ class Layout:
     virtual_stages: int = 1
     zero1: bool = False
     dropout: bool = False  # dropout > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
+    shard_activations: bool = True  # pipeline.shard_activations
+
+    @property
+    def split_tokens(self) -> int:
+        """Parts the pipeline's stash and sends are split into over `tensor` (pipeline.TokenSplit)."""
+        return self.tensor if self.pipeline > 1 and self.shard_activations and self.fsdp == 1 else 1
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
         return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
                    micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
-                   zero1=bool(c.sharding.zero1), dropout=c.model.dropout_rate > 0)
+                   zero1=bool(c.sharding.zero1), dropout=c.model.dropout_rate > 0,
+                   shard_activations=bool(c.pipeline.shard_activations))
 
     @property
     def reduce_once(self) -> bool:
@@ -87,6 +94,7 @@ class Layout:
         c.model.remat = self.remat
         c.pipeline.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
         c.sharding.zero1 = self.zero1
+        c.pipeline.shard_activations = self.shard_activations
         return c
 
     def describe(self) -> str:
@@ -219,7 +227,7 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
         exposed = sum(t.exposed_s for t in reductions)
         out.append(f'gradients are reduced over `data` once per micro-batch because {why} (jaxfrontier/reduction.py): '
                    f'{exposed:.2f} s exposed per step; once per step would cut the bytes {lay.accum_steps}-fold')
-    if lay.pipeline > 1 and lay.remat != 'full':
+    if lay.pipeline > 1 and lay.remat != 'full' and not plan_model.staggered(lay):
         out.append(f'inside a pipeline every remat policy acts as per-layer full recomputation (model.remat='
                    f'{lay.remat} is ignored)')
     return tuple(out)

@@ -10,13 +10,17 @@ recomputation, as Megatron does with pipelines), and the last chunk's forward is
 its backward, where the loss is computed.
 
 Schedules (the tick of each unit; everything else follows):
-  gpipe        F(m, p) at m + p; all backwards after the last forward.
-  1f1b         F(m, p) at m + p and B(m, p) at m + 2P - 2 - p: after a warm-up of P - 1
-               ticks every stage does one forward and one backward per tick, so a stage
-               holds at most 2(P - p) - 1 micro-batches' stashes (independent of M), where
-               GPipe holds M.
-  interleaved  1f1b over V chunks per stage, micro-batches in groups of P (Megatron's
-               order), so the warm-up and drain are made of chunk-sized ticks.
+  gpipe          F(m, p) at m + p; all backwards after the last forward.
+  1f1b_lockstep  F(m, p) at m + p and B(m, p) at m + 2P - 2 - p: after a warm-up of P - 1
+                 ticks every stage does one forward and one backward per tick, so a stage
+                 holds at most 2(P - p) - 1 micro-batches' stashes (independent of M), where
+                 GPipe holds M. A hop costs a whole tick in both directions.
+  interleaved    1f1b over V chunks per stage, micro-batches in groups of P (Megatron's
+                 order), so the warm-up and drain are made of chunk-sized ticks.
+  1f1b           staggered (`Staggered`, below; executor pipeline_1f1b.py): half-slots in
+                 which neighbouring stages alternate between forward and backward work, so a
+                 hop costs half a slot and stage p holds at most P - p chunk inputs, as
+                 asynchronous 1F1B does.
 
 `build` checks every dependency (a unit runs strictly after the unit it needs, one tick for
 the ring transfer) and at most one F and one B per stage per tick, then assigns buffer slots
@@ -77,7 +81,7 @@ def _unit_ticks(name: str, p_size: int, m_size: int, v_size: int) -> tuple[dict,
     """(forward tick, backward tick) of every unit (m, c) for the named schedule."""
     fwd, bwd = {}, {}
     c_last = p_size * v_size - 1
-    if name in ('1f1b', 'interleaved'):
+    if name in ('1f1b_lockstep', 'interleaved'):
         k_f = k_b = 0
         for g in range(-(-m_size // p_size)):
             group = [m for m in range(g * p_size, (g + 1) * p_size) if m < m_size]
@@ -139,8 +143,13 @@ def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
     return slot_of, max(1, len(free_at))
 
 
-def build(name: str, num_stages: int, num_micro: int, virtual: int = 1) -> Schedule:
-    """Builds and checks the tick tables of a schedule."""
+def build(name: str, num_stages: int, num_micro: int, virtual: int = 1) -> Schedule | Staggered:
+    """Builds and checks the tables of a schedule: half-slot tables for `1f1b` (staggered,
+    pipeline_1f1b.py), tick tables for the lockstep executor's (pipeline.py)."""
+    if name == '1f1b':
+        if virtual != 1:
+            raise ValueError(f'schedule {name!r} has one chunk per stage; virtual stages need interleaved')
+        return staggered_1f1b(num_stages, num_micro)
     p_size, m_size, v_size = num_stages, num_micro, virtual
     if name != 'interleaved' and v_size != 1:
         raise ValueError(f'schedule {name!r} has one chunk per stage; virtual stages need interleaved')
@@ -193,3 +202,127 @@ def layer_order(num_layers: int, num_stages: int, virtual: int) -> np.ndarray:
     order = [(v * num_stages + p) * per_chunk + j
              for p in range(num_stages) for v in range(virtual) for j in range(per_chunk)]
     return np.asarray(order, np.int32)
+
+
+# --------------------------------------------------------------------------- staggered 1F1B
+# A kinds: what a stage does in its A half-slot (a forward, a recomputation, or both).
+A_NONE, A_F_FIRST, A_F_MID, A_R, A_R_LAST, A_F_FIRST_R, A_F_MID_R = range(7)
+# B kinds: the backward of the chunk from the residuals its A half-slot left.
+BS_NONE, BS_FIRST, BS_MID, BS_LAST = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Staggered:
+    """Half-slot tables of the staggered 1F1B executor (pipeline_1f1b.py), one chunk per stage.
+
+    Time runs in half-slots s. Stage p works on forwards in half-slots with s - p even (A) and
+    on backwards when s - p is odd (B), so neighbouring stages are always in opposite phases
+    and a message (an activation forward from an A stage, a gradient back from a B stage)
+    sent at the end of one half-slot is used in the next: one half-slot per hop in both
+    directions, as in asynchronous 1F1B. A half-slot costs two forward-equivalents on every
+    busy stage: A = forward of micro-batch m (1) + recomputation, with residuals, of the
+    micro-batch whose backward is next (1); B = that backward (2).
+
+      F(m, p) = 2m + p          (p < P - 1; stashes the chunk input in slot m mod P)
+      R(m, p) = 2m + 2P - 2 - p (recompute from the stash; p = P - 1: from the received
+                                 activation, with head, loss and its gradient)
+      B(m, p) = 2m + 2P - 1 - p
+
+    A stage's stash lives from F to R: stage p holds at most P - p chunk inputs (P slots).
+    Tables are indexed [half-slot, stage]: a (kind, forward m, recompute m, forward stash
+    slot, recompute stash slot) and b (kind, m).
+    """
+
+    num_stages: int
+    num_micro: int
+    a_table: np.ndarray
+    b_table: np.ndarray
+
+    name = '1f1b'
+    virtual = 1
+
+    @property
+    def num_half_slots(self) -> int:
+        return self.a_table.shape[0]
+
+    @property
+    def num_ticks(self) -> int:
+        """Steps of the executor's time (half-slots), for logs and cost models."""
+        return self.num_half_slots
+
+    @property
+    def act_slots(self) -> int:
+        return self.num_stages
+
+    grad_slots = 1  # the one message buffer
+
+    @property
+    def bubble(self) -> float:
+        p, m = self.num_stages, self.num_micro
+        return (p - 1) / (m + p - 1)
+
+    def max_stashed_inputs(self) -> int:
+        """Largest number of chunk inputs any stage holds at once (checked: at most P - p)."""
+        worst = 0
+        for p in range(self.num_stages - 1):
+            live, best = set(), 0
+            for s in range(self.num_half_slots):
+                kind, m_f, m_r = self.a_table[s, p, :3]
+                if kind in (A_R, A_F_FIRST_R, A_F_MID_R):
+                    live.discard(int(m_r))
+                if kind in (A_F_FIRST, A_F_MID, A_F_FIRST_R, A_F_MID_R):
+                    live.add(int(m_f))
+                best = max(best, len(live))
+            worst = max(worst, best)
+        return worst
+
+
+def staggered_1f1b(num_stages: int, num_micro: int) -> Staggered:
+    """Builds and checks the half-slot tables of staggered 1F1B (see `Staggered`)."""
+    p_size, m_size = num_stages, num_micro
+    n = 2 * m_size + 2 * p_size - 2  # the last backward, B(M - 1, 0), runs in half-slot n - 1
+    a = np.zeros((n, p_size, 5), np.int32)
+    b = np.zeros((n, p_size, 2), np.int32)
+    last = p_size - 1
+    for m in range(m_size):
+        for p in range(p_size):
+            s_b = 2 * m + 2 * p_size - 1 - p
+            s_r = s_b - 1
+            assert (s_r - p) % 2 == 0 and (s_b - p) % 2 == 1
+            kind, m_f, m_r, slot_f, slot_r = a[s_r, p]
+            assert kind in (A_NONE, A_F_FIRST, A_F_MID), ('two recomputations in a half-slot', m, p)
+            if p == last:
+                assert kind == A_NONE
+                a[s_r, p] = (A_R_LAST, 0, m, 0, 0)
+            else:
+                a[s_r, p] = ({A_NONE: A_R, A_F_FIRST: A_F_FIRST_R, A_F_MID: A_F_MID_R}[kind], m_f, m,
+                             slot_f, m % p_size)
+            assert b[s_b, p, 0] == BS_NONE
+            b[s_b, p] = (BS_FIRST if p == 0 else BS_LAST if p == last else BS_MID, m)
+            if p < last:
+                s_f = 2 * m + p
+                kind, _, m_r, _, slot_r = a[s_f, p]
+                assert kind in (A_NONE, A_R), ('two forwards in a half-slot', m, p)
+                a[s_f, p] = ((A_F_FIRST if p == 0 else A_F_MID) if kind == A_NONE else
+                             (A_F_FIRST_R if p == 0 else A_F_MID_R), m, m_r, m % p_size, slot_r)
+    # Dependencies: a forward uses the activation sent in the previous half-slot; a backward the
+    # gradient sent in the previous half-slot (or, on the last stage, its own recomputation).
+    for m in range(m_size):
+        for p in range(1, p_size):
+            assert 2 * m + p - 1 >= 0
+        for p in range(p_size - 1):
+            assert 2 * m + 2 * p_size - 1 - p == (2 * m + 2 * p_size - 1 - (p + 1)) + 1
+    sched = Staggered(p_size, m_size, a, b)
+    assert sched.max_stashed_inputs() <= p_size
+    return sched
+
+
+def exchange_pairs(num_stages: int, half: int) -> list[tuple[int, int]]:
+    """The one `ppermute` after a half-slot of parity `half`: A stages (p = half mod 2) send
+    forward to p + 1, B stages back to p - 1; neighbours swap."""
+    pairs = []
+    for p in range(num_stages):
+        to = p + 1 if (p - half) % 2 == 0 else p - 1
+        if 0 <= to < num_stages:
+            pairs.append((p, to))
+    return pairs

@@ -1,0 +1,261 @@
+"""Staggered 1F1B: at most P stashed stage inputs per stage, no arithmetic in bubbles.
+
+The lockstep tick executor (pipeline.py) runs one forward and one backward unit per stage per
+tick, so a hop between stages costs a whole tick in both directions and stage p holds
+2(P - p) - 1 micro-batches. Asynchronous 1F1B holds P - p because a forward hop costs one
+forward and a backward hop one backward. This executor reproduces that timing in SPMD
+lockstep (schedules.Staggered): time runs in half-slots; neighbouring stages are always in
+opposite phases (A: forward work, B: backward work), and one `ppermute` after every
+half-slot swaps neighbours' messages, so every hop costs one half-slot.
+
+For the half-slots to cost the same on every busy stage, the backward's recomputation moves
+into the A phase: A = forward of micro-batch m (a plain forward; its input is stashed) +
+recomputation, from the stash, of the chunk whose backward comes next, keeping `jax.vjp`'s
+residuals; B = the backward from those residuals. Both are two forward-equivalents, and the
+total (forward, recomputation, backward: 4 per layer) is the lockstep executor's. The
+residuals cross one half-slot in the loop carry as arrays (the `jax.vjp` closure flattened);
+the weights among them are not carried but taken from the parameters again (`Residuals`).
+
+The stash holds each micro-batch's chunk input only (not every layer's input), split over
+`tensor` like the lockstep executor's (`pipeline.TokenSplit`); the price is one chunk's
+residuals for one micro-batch, live from A to B. `model.remat` decides what they are
+(`RESIDUAL_POLICY`): `full` and `save_dots_no_batch` keep each layer's input and its weight
+matmuls' outputs, so the backward half-slot recomputes only the attention core and the
+elementwise work; `save_dots` also keeps the attention matmuls; `none` keeps everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import pipeline
+from jaxfrontier import schedules
+from jaxfrontier import train_state as ts
+from jaxfrontier.model import gpt
+
+AXIS = pipeline.AXIS
+CAST_PREFIXES = ('w_', 'b_')  # parameters the blocks use in the compute dtype (matmul weights and biases)
+
+
+def cast_chunk(chunk: dict[str, Any], dtype) -> dict[str, Any]:
+    """The chunk's matmul weights and biases in the compute dtype (their `.astype` in the model is then a no-op)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: a.astype(dtype) if str(path[-1].key).startswith(CAST_PREFIXES) else a, chunk)
+
+
+class Residuals:
+    """A chunk's `jax.vjp` residuals as loop-carriable arrays, without the weights among them.
+
+    `fn(chunk, x, m, c) -> y` is traced once abstractly (`probe`) to learn the closure's tree
+    structure and which residuals are the chunk's own weight arrays; `capture` runs the
+    forward and returns (y, the other residuals); `pullback` rebuilds the closure from those
+    and the weights.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.treedef = None
+        self.weight_of: list[int] = []  # per residual: index of the weight it is, or -1 (carried)
+        self.avals: list[jax.ShapeDtypeStruct] = []
+
+    def _split(self, pull, chunk) -> tuple[list[int], list[jax.Array], Any]:
+        leaves, treedef = jax.tree_util.tree_flatten(pull)
+        weights = jax.tree.leaves(chunk)
+        weight_of = [next((i for i, w in enumerate(weights) if r is w), -1) for r in leaves]
+        return weight_of, [r for r, i in zip(leaves, weight_of) if i < 0], treedef
+
+    def probe(self, chunk, x, m, c) -> None:
+        def trace(chunk, x, m, c):
+            _, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c), chunk, x)
+            self.weight_of, carried, self.treedef = self._split(pull, chunk)
+            return carried
+
+        self.avals = jax.eval_shape(trace, chunk, x, m, c)
+
+    def zeros(self) -> list[jax.Array]:
+        def zero(a):
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                return jax.random.wrap_key_data(jnp.zeros((*a.shape, 2), jnp.uint32))
+            return jnp.zeros(a.shape, a.dtype)
+
+        return [zero(a) for a in self.avals]
+
+    def capture(self, chunk, x, m, c) -> tuple[jax.Array, list[jax.Array]]:
+        y, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c), chunk, x)
+        weight_of, carried, _ = self._split(pull, chunk)
+        if weight_of != self.weight_of:
+            raise AssertionError('the chunk vjp residuals changed between traces')
+        return y, carried
+
+    def pullback(self, carried: list[jax.Array], chunk):
+        weights, it = jax.tree.leaves(chunk), iter(carried)
+        leaves = [next(it) if i < 0 else weights[i] for i in self.weight_of]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+class StaggeredOps:
+    """The A and B branches of one half-slot (schedules.A_* / BS_* kinds), on explicit arrays.
+
+    A (chunk, shared, tokens_f, tokens_r, stash, msg, res, g_self, m_f, m_r, slot_f, slot_r, c)
+      -> (y, stash, res, g_self, loss, g_shared);
+    B (chunk, shared, tokens_b, msg, res, g_self, m_b, c) -> (g_chunk, g_shared, g_x).
+    """
+
+    def __init__(self, ops: pipeline.ChunkOps, dtype, remat: str):
+        self.ops, self.dtype, self.tokens = ops, dtype, ops.tokens
+        self.policy = RESIDUAL_POLICY[remat]
+        self.res = Residuals(self._chunk_forward)
+
+    def _chunk_forward(self, chunk_w, x, m, c):
+        graphdef, stacked = nnx.split(self.ops._model(chunk_w, self._shared).blocks)  # pylint: disable=protected-access
+        keys = self.ops._layer_keys(m, c)  # pylint: disable=protected-access
+        seq_len = self.ops.seq_len
+
+        def body(h, xs):
+            layer, key = xs
+            return nnx.merge(graphdef, layer)(h, seq_len, key), None
+
+        if self.policy != 'none':
+            body = jax.checkpoint(body, policy=gpt.REMAT_POLICIES[self.policy], prevent_cse=False)
+        return jax.lax.scan(body, x, (stacked, keys))[0]
+
+    def bind_shared(self, shared) -> None:
+        self._shared = shared  # the model binding needs them; the blocks never read them
+
+    # ------------------------------------------------------------------ A: forward + recomputation
+    def _forward_part(self, f_kind, chunk_w, shared, tokens, stash, msg, m, c, slot):
+        if f_kind == 'none':
+            return jnp.zeros_like(msg), stash
+        if f_kind == 'first':
+            x = self.ops._model(chunk_w, shared).embed(tokens[:, :-1], self.ops.dropout_key_fn(m))  # pylint: disable=protected-access
+            x = x.astype(self.dtype)
+        else:
+            x = self.tokens.gather(msg)
+        y = self._chunk_forward(chunk_w, x, m, c)
+        return self.tokens.split(y), stash.at[slot].set(self.tokens.split(x))
+
+    def a_branch(self, f_kind: str, r_kind: str):
+        def branch(chunk, shared, tokens_f, tokens_r, stash, msg, res, g_self, m_f, m_r, slot_f, slot_r, c):
+            chunk_w = cast_chunk(chunk, self.dtype)
+            zero_shared = jax.tree.map(jnp.zeros_like, shared)
+            loss = jnp.zeros((), jnp.float32)
+            if r_kind == 'stash':  # read before this half-slot's forward stores (a different slot)
+                _, res = self.res.capture(chunk_w, self.tokens.gather(stash[slot_r]), m_r, c)
+            elif r_kind == 'last':
+                y, res = self.res.capture(chunk_w, self.tokens.gather(msg), m_r, c)
+                loss, zero_shared, g_y = self.ops._loss_vjp(chunk, shared, y, tokens_r)  # pylint: disable=protected-access
+                g_self = g_y.astype(g_self.dtype)
+            y_send, stash = self._forward_part(f_kind, chunk_w, shared, tokens_f, stash, msg, m_f, c, slot_f)
+            return y_send, stash, res, g_self, loss, zero_shared
+
+        return branch
+
+    # ------------------------------------------------------------------ B: backward from residuals
+    def b_branch(self, kind: str):
+        def branch(chunk, shared, tokens_b, msg, res, g_self, m_b, c):
+            if kind == 'none':
+                return (jax.tree.map(jnp.zeros_like, chunk), jax.tree.map(jnp.zeros_like, shared),
+                        jnp.zeros_like(msg))
+            chunk_w = cast_chunk(chunk, self.dtype)
+            g = g_self if kind == 'last' else self.tokens.gather(msg)
+            g_w, g_x = self.res.pullback(res, chunk_w)(g.astype(self.dtype))
+            g_chunk = jax.tree.map(lambda a: a.astype(jnp.float32), g_w)
+            g_shared = jax.tree.map(jnp.zeros_like, shared)
+            if kind == 'first':
+                _, pull = self.ops._embed_vjp(chunk, shared, tokens_b, m_b)  # pylint: disable=protected-access
+                (g_shared,) = pull(g_x.astype(self.dtype))
+                return g_chunk, g_shared, jnp.zeros_like(msg)
+            return g_chunk, g_shared, self.tokens.split(g_x)
+
+        return branch
+
+
+RESIDUAL_POLICY = config_lib.STAGGERED_RESIDUALS
+
+_A_KINDS = {  # schedules.A_* -> (forward part, recomputation part)
+    schedules.A_NONE: ('none', 'none'), schedules.A_F_FIRST: ('first', 'none'), schedules.A_F_MID: ('mid', 'none'),
+    schedules.A_R: ('none', 'stash'), schedules.A_R_LAST: ('none', 'last'),
+    schedules.A_F_FIRST_R: ('first', 'stash'), schedules.A_F_MID_R: ('mid', 'stash'),
+}
+_B_KINDS = {schedules.BS_NONE: 'none', schedules.BS_FIRST: 'first', schedules.BS_MID: 'mid',
+            schedules.BS_LAST: 'last'}
+
+
+def make_engine(c: ml_collections.ConfigDict, model_def: ts.ModelDef, schedule: schedules.Staggered, dropout_key_fn):
+    """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, grads); pipeline.py's contract."""
+    p_size = schedule.num_stages
+    lc = c.model.num_layers // p_size
+    dtype = jnp.dtype(c.model.dtype)
+    ops = StaggeredOps(pipeline.ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn,
+                                         pipeline.TokenSplit(c.pipeline.shard_activations)), dtype, c.model.remat)
+    a_ops = [ops.a_branch(*_A_KINDS[k]) for k in range(len(_A_KINDS))]
+    b_ops = [ops.b_branch(_B_KINDS[k]) for k in range(len(_B_KINDS))]
+    a_table, b_table = jnp.asarray(schedule.a_table), jnp.asarray(schedule.b_table)
+    pairs = [schedules.exchange_pairs(p_size, h) for h in (0, 1)]
+
+    def engine(blocks, shared, micro_tokens):
+        stage = jax.lax.axis_index(AXIS)
+        ops.bind_shared(shared)
+        rows, seq = micro_tokens.shape[1], micro_tokens.shape[2] - 1
+        x_zero = jnp.zeros((rows * seq, c.model.d_model), dtype)
+        ops.res.probe(cast_chunk(blocks, dtype), x_zero, jnp.int32(0), jnp.int32(0))
+        chunk_index = stage  # one chunk per stage
+
+        def half_slot(carry, s, h):
+            stash, msg, res, g_self, g_blocks, g_shared, loss_sum = carry
+            a_kind, m_f, m_r, slot_f, slot_r = a_table[s, stage]
+            b_kind, m_b = b_table[s, stage]
+            y, stash, res_a, g_self, loss, gs_a = jax.lax.switch(
+                a_kind, a_ops, blocks, shared, micro_tokens[m_f], micro_tokens[m_r], stash, msg, res, g_self,
+                m_f, m_r, slot_f, slot_r, chunk_index)
+            g_chunk, gs_b, g_x = jax.lax.switch(b_kind, b_ops, blocks, shared, micro_tokens[m_b], msg, res, g_self,
+                                                m_b, chunk_index)
+            g_blocks = jax.tree.map(jnp.add, g_blocks, g_chunk)
+            g_shared = jax.tree.map(lambda acc, a, b: acc + a.astype(acc.dtype) + b.astype(acc.dtype), g_shared,
+                                    gs_a, gs_b)
+            if pairs[h]:  # P = 2 has nothing to exchange after odd half-slots
+                a_stage = (s - stage) % 2 == 0
+                msg = jax.lax.ppermute(jnp.where(a_stage, y, g_x).astype(dtype), AXIS, pairs[h])
+            return (stash, msg, res_a, g_self, g_blocks, g_shared, loss_sum + loss)
+
+        def iteration(carry, i):
+            carry = half_slot(carry, 2 * i, 0)
+            return half_slot(carry, 2 * i + 1, 1), None
+
+        carry = (ops.tokens.split(jnp.zeros((schedule.act_slots, *x_zero.shape), dtype)),
+                 ops.tokens.split(x_zero), ops.res.zeros(), x_zero,
+                 jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), blocks),
+                 jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shared),
+                 jnp.zeros((), jnp.float32))
+        (*_, g_blocks, g_shared, loss_sum), _ = jax.lax.scan(iteration, carry,
+                                                             jnp.arange(schedule.num_half_slots // 2))
+        return jax.lax.psum(loss_sum, AXIS), g_blocks, jax.lax.psum(g_shared, AXIS)
+
+    return engine
+
+
+def branch_weights(schedule: schedules.Staggered):
+    """flop_count weights of the loop body's switches, in trace order A0, B0, A1, B1 (half-slot
+    parity 0 then 1): weight of branch b = (stages x half-slots of that parity running b) / iterations."""
+    iterations = schedule.num_half_slots // 2
+    tables = {0: schedule.a_table[..., 0], 1: schedule.b_table[..., 0]}
+
+    def weights(occurrence: int, n_branches: int) -> list[float]:
+        half, role = divmod(occurrence % 4, 2)
+        kinds = tables[role][half::2]
+        return [float(np.sum(kinds == b)) / iterations for b in range(n_branches)]
+
+    return weights
+
+
+def hlo_branch_weights(schedule: schedules.Staggered):
+    """hlo_collectives weights by branch count (A: 7, B: 4): share of (half-slot, stage) pairs."""
+    kinds = {len(_A_KINDS): schedule.a_table[..., 0], len(_B_KINDS): schedule.b_table[..., 0]}
+    return lambda n: [float(np.mean(kinds[n] == b)) for b in range(n)]
