@@ -105,7 +105,7 @@ class StaggeredOps:
 
     A (chunk, shared, tokens_f, tokens_r, stash, msg, res, g_self, m_f, m_r, slot_f, slot_r, c)
       -> (y, stash, res, g_self, loss, g_shared);
-    B (chunk, shared, tokens_b, msg, res, g_self, m_b, c) -> (g_chunk, g_shared, g_x).
+    B (chunk, shared, tokens_b, msg, res, g_self, acc, m_b, c) -> (acc, g_shared, g_x).
     """
 
     def __init__(self, ops: pipeline.ChunkOps, dtype, remat: str):
@@ -159,20 +159,21 @@ class StaggeredOps:
 
     # ------------------------------------------------------------------ B: backward from residuals
     def b_branch(self, kind: str):
-        def branch(chunk, shared, tokens_b, msg, res, g_self, m_b, c):
+        """Backward branches add the chunk's weight gradients into `acc` (the stage's fp32 sum)
+        themselves: returning them for an add outside would keep one more chunk-sized buffer."""
+        def branch(chunk, shared, tokens_b, msg, res, g_self, acc, m_b, c):
             if kind == 'none':
-                return (jax.tree.map(jnp.zeros_like, chunk), jax.tree.map(jnp.zeros_like, shared),
-                        jnp.zeros_like(msg))
+                return acc, jax.tree.map(jnp.zeros_like, shared), jnp.zeros_like(msg)
             chunk_w = cast_chunk(chunk, self.dtype)
             g = g_self if kind == 'last' else self.tokens.gather(msg)
             g_w, g_x = self.res.pullback(res, chunk_w)(g.astype(self.dtype))
-            g_chunk = jax.tree.map(lambda a: a.astype(jnp.float32), g_w)
+            acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g_w)
             g_shared = jax.tree.map(jnp.zeros_like, shared)
             if kind == 'first':
                 _, pull = self.ops._embed_vjp(chunk, shared, tokens_b, m_b)  # pylint: disable=protected-access
                 (g_shared,) = pull(g_x.astype(self.dtype))
-                return g_chunk, g_shared, jnp.zeros_like(msg)
-            return g_chunk, g_shared, self.tokens.split(g_x)
+                return acc, g_shared, jnp.zeros_like(msg)
+            return acc, g_shared, self.tokens.split(g_x)
 
         return branch
 
@@ -215,9 +216,8 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ts.ModelDef, schedule: 
             y, stash, res_a, g_self, loss, gs_a = jax.lax.switch(
                 a_kind, a_ops, blocks, shared, micro_tokens[m_f], micro_tokens[m_r], stash, msg, res, g_self,
                 m_f, m_r, slot_f, slot_r, chunk_index)
-            g_chunk, gs_b, g_x = jax.lax.switch(b_kind, b_ops, blocks, shared, micro_tokens[m_b], msg, res, g_self,
-                                                m_b, chunk_index)
-            g_blocks = jax.tree.map(jnp.add, g_blocks, g_chunk)
+            g_blocks, gs_b, g_x = jax.lax.switch(b_kind, b_ops, blocks, shared, micro_tokens[m_b], msg, res, g_self,
+                                                 g_blocks, m_b, chunk_index)
             g_shared = jax.tree.map(lambda acc, a, b: acc + a.astype(acc.dtype) + b.astype(acc.dtype), g_shared,
                                     gs_a, gs_b)
             if pairs[h]:  # P = 2 has nothing to exchange after odd half-slots
