@@ -113,7 +113,7 @@ def local() -> Hardware:
     for sub, name in _KIND_NAMES:
         if sub in str(device.device_kind):
             base = HARDWARE[name]
-            stats = _memory_stats(device)
+            stats = memory_stats(device)
             memory = int(stats.get('bytes_limit', base.memory_bytes))
             return dataclasses.replace(base, name='local', memory_bytes=memory,
                                        description=f'this machine: {device.device_kind} ({base.description})')
@@ -130,7 +130,8 @@ def local() -> Hardware:
         link_bytes_per_s={level: bandwidth for level in LEVELS}, link_latency_s=_LATENCY_S)
 
 
-def _memory_stats(device: Any) -> dict[str, Any]:
+def memory_stats(device: Any) -> dict[str, Any]:
+    """The device allocator's statistics ({} where the platform keeps none, e.g. the CPU)."""
     try:
         return device.memory_stats() or {}
     except Exception:  # pylint: disable=broad-except

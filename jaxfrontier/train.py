@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jaxfrontier import checkpoint as checkpoint_lib
 from jaxfrontier import config as config_lib
 from jaxfrontier import data as data_lib
+from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import metrics as metrics_lib
 from jaxfrontier import pipeline
@@ -179,8 +180,10 @@ def _memory_summary(compiled) -> dict[str, float]:
 class _Reporter:
     """Turns fetched step metrics into log records: perf numbers, NaN check, writer output."""
 
-    def __init__(self, c: ml_collections.ConfigDict, writer: metrics_lib.MetricsWriter, n_devices: int):
+    def __init__(self, c: ml_collections.ConfigDict, writer: metrics_lib.MetricsWriter, n_devices: int,
+                 first_row: dict[str, float] | None = None):
         self.c, self.writer, self.n_devices = c, writer, n_devices
+        self.first_row = dict(first_row or {})  # written once, with the first record: compile time, memory
         self.model_flops, self.hw_flops = metrics_lib.flops_per_step_from_config(c)
         self.peak, self.peak_source = metrics_lib.device_peak_flops(jax.devices()[0], c.model.dtype)
         self.tokens_per_step = c.train.global_batch * c.model.seq_len
@@ -204,6 +207,8 @@ class _Reporter:
         if eval_loss is not None:
             scalars['eval/loss'] = float(eval_loss)
         if due:
+            scalars.update(self.first_row)
+            self.first_row = {}
             self.writer.write(step, scalars)
             self.last_record = {'step': step, **scalars}
 
@@ -252,14 +257,15 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     # 5. compile
     t0 = time.perf_counter()
     train_step, eval_step, batch_sharding = compile_steps(c, layout)
+    compile_s = time.perf_counter() - t0
     memory = _memory_summary(train_step)
-    _log(f'compile: {time.perf_counter() - t0:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
+    _log(f'compile: {compile_s:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
 
     # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs; save every N
     done = int(state['step'])
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
                                        progress=c.train.progress, initial_step=done)
-    reporter = _Reporter(c, writer, jax.device_count())
+    reporter = _Reporter(c, writer, jax.device_count(), first_row={'compile/time_s': compile_s, **memory})
     preemption = checkpoint_lib.PreemptionWatcher(c.checkpoint)
     pending, stop = None, False
     try:
@@ -286,6 +292,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     finally:
         writer.close()
         checkpointer.close()
+    peaks = [hardware.memory_stats(d).get('peak_bytes_in_use') for d in jax.local_devices()]
+    if any(p is not None for p in peaks):  # accelerators: the allocator's measured peak
+        memory['memory/measured_peak_gib_per_device'] = max(p for p in peaks if p is not None) / 2**30
     record = {**reporter.last_record, **memory}
     if stop:
         record['preempted_at_step'] = done

@@ -1,0 +1,114 @@
+"""Weak and strong scaling: `python -m jaxfrontier.scaling --config=configs/X.py --device_counts=8,16,32`.
+
+The base config's model-parallel layout (tensor, pipeline, fsdp) is kept at every device count
+N; the data axis takes the rest, data = N / (tensor x pipeline x fsdp). Each point is a trial
+of the sweep machinery (`sweep_run`): its own process or `srun` step, warm-up then measured
+steps, a record in `<workdir>/results.jsonl` (reruns skip finished points).
+
+  weak    the batch per replica is fixed (train.micro_batch x train.accum_steps of the config),
+          so the global batch grows with the data-parallel size;
+  strong  the global batch is fixed (train.global_batch of the config); the accumulation steps
+          shrink as the data-parallel size grows, accum = global_batch / (micro_batch x data x fsdp).
+
+Efficiency at N devices, against the smallest count N0 that ran (docs/sweeps.md):
+  speed-up   S(N) = T(N) / T(N0)                 (T: tokens/s of the whole job)
+  efficiency E(N) = S(N) / (N / N0) = (T(N) / N) / (T(N0) / N0)
+For weak scaling E(N) = 100 % when tokens/s per device stays constant as the job and its batch
+grow (the paper: 100 % up to 1,024 and 3,072 GCDs); for strong scaling, when the same batch is
+done N / N0 times faster (the paper: 89 % and 87 %).
+Writes `scaling.md`, `scaling.csv` and `scaling.png` to --workdir.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from absl import app, flags
+
+from jaxfrontier import config as config_lib  # no JAX
+from jaxfrontier import sweep_flags as F
+from jaxfrontier import sweep_trials
+
+_COUNTS = flags.DEFINE_list('device_counts', [], 'Device counts to run, e.g. 8,16,32 (at least two).')
+_STUDY = flags.DEFINE_enum('study', 'both', ['weak', 'strong', 'both'], 'Which scaling study to run.')
+
+
+def device_counts(values: list[str]) -> list[int]:
+    """The --device_counts as sorted distinct integers; at least two, each >= 1."""
+    try:
+        counts = sorted({int(v) for v in values})
+    except ValueError:
+        raise config_lib.UserError(f'--device_counts={",".join(values)}: not integers. Fix: give device counts '
+                                   'like --device_counts=8,16,32') from None
+    if len(counts) < 2 or counts[0] < 1:
+        raise config_lib.UserError(f'--device_counts={",".join(values)}: a scaling study needs at least two device '
+                                   'counts >= 1. Fix: give e.g. --device_counts=8,16')
+    return counts
+
+
+def points(study: str, base) -> tuple[dict[str, Any], list[str]]:
+    """(point, swept names) of one study: weak fixes the batch per replica, strong the global batch."""
+    if study == 'weak':
+        return {'accum_steps': base.train.accum_steps}, ['accum_steps']  # the global batch follows
+    return {}, []  # the config's global batch; accumulation follows
+
+
+def efficiencies(records: list[dict[str, Any]], study: str) -> list[dict[str, Any]]:
+    """The study's rows: each record with speed-up and efficiency against the smallest count that ran."""
+    ran = [r for r in records if sweep_trials.objective(r, 'tokens_per_s') is not None]
+    ref = min(ran, key=lambda r: r['devices']) if ran else None
+    rows = []
+    for r in records:
+        row = dict(r, study=study, speedup=None, efficiency=None)
+        if ref is not None and r in ran:
+            row['speedup'] = r['tokens_per_s'] / ref['tokens_per_s']
+            row['efficiency'] = row['speedup'] / (r['devices'] / ref['devices'])
+        rows.append(row)
+    return rows
+
+
+def run_scaling(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> int:
+    counts = device_counts(_COUNTS.value)
+    if any(a.startswith('--config.mesh.data=') for a in user_args):
+        raise config_lib.UserError('--config.mesh.data: the data axis is derived at every device count (data = '
+                                   'N / (tensor x pipeline x fsdp)). Fix: drop the override')
+    study = F.make_study(config_spec, user_args, max(counts))
+    studies = ['weak', 'strong'] if _STUDY.value == 'both' else [_STUDY.value]
+    plans = {name: points(name, study.base) for name in studies}
+    items = {name: [study.prepare(point, n, swept) for n in counts] for name, (point, swept) in plans.items()}
+    unique = list({(i.trial_id if isinstance(i, sweep_trials.Trial) else i['trial_id']): i
+                   for group in items.values() for i in group}.values())  # weak and strong may share a point
+    records = {r['trial_id']: r for r in study.run(unique)}
+    rows = []
+    for name, group in items.items():
+        rows += efficiencies([records[i.trial_id if isinstance(i, sweep_trials.Trial) else i['trial_id']]
+                              for i in group], name)
+    from jaxfrontier import sweep_report  # pylint: disable=g-import-not-at-top  (matplotlib)
+    paths = sweep_report.write_scaling_report(study.workdir, rows,
+                                              F.describe_run(argv, 'jaxfrontier.scaling', ','.join(map(str, counts))))
+    for row in rows:
+        eff = f'{row["efficiency"]:.1%}' if row['efficiency'] is not None else row['status']
+        F.log(f'{row["study"]:>6s} {row["devices"]:>5d} devices: efficiency {eff}')
+    F.log(f'report {paths["markdown"]}')
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    spec, user_args = F.user_overrides(sys.argv)
+    F.stop_on_sigterm()
+    try:
+        return run_scaling(sys.argv, spec, user_args)
+    except config_lib.UserError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+
+
+def run() -> None:
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=F.parse_flags)
+
+
+if __name__ == '__main__':
+    run()
