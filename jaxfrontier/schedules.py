@@ -326,3 +326,57 @@ def exchange_pairs(num_stages: int, half: int) -> list[tuple[int, int]]:
         if 0 <= to < num_stages:
             pairs.append((p, to))
     return pairs
+
+
+# --------------------------------------------------------------------------- forward only (evaluation)
+E_NONE, E_FIRST, E_MID, E_LAST = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOnly:
+    """Tick tables of a forward-only pipeline pass (evaluation: no backward, no stash).
+
+    e_table [tick, stage]: (kind, micro-batch, virtual stage, input slot); recv [tick, stage]:
+    (valid, slot) for the activation arriving at the end of the tick from the previous stage.
+    """
+
+    num_stages: int
+    num_micro: int
+    virtual: int
+    e_table: np.ndarray
+    recv: np.ndarray
+    slots: int
+
+    @property
+    def num_ticks(self) -> int:
+        return self.e_table.shape[0]
+
+
+def forward_only(num_stages: int, num_micro: int, virtual: int = 1) -> ForwardOnly:
+    """Greedy list schedule of the M x C chunk forwards (C = P V; chunk c on stage c mod P):
+    each tick, every stage runs its ready unit of the earliest micro-batch. V = 1 gives the
+    GPipe wave, unit (m, c) at tick m + c."""
+    p_size, m_size, c_size = num_stages, num_micro, num_stages * virtual
+    done: dict[tuple[int, int], int] = {}
+    t = 0
+    while len(done) < m_size * c_size:
+        for q in range(p_size):
+            ready = [(m, c) for m in range(m_size) for c in range(q, c_size, p_size)
+                     if (m, c) not in done and (c == 0 or done.get((m, c - 1), t) < t)]
+            if ready:
+                done[min(ready)] = t
+        t += 1
+    slot_of, n_slots = {}, 1
+    for q in range(p_size):
+        ivs = [(done[m, c - 1], done[m, c], (m, c)) for m in range(m_size) for c in range(1, c_size) if c % p_size == q]
+        slots, n = _colour(ivs)
+        slot_of.update(slots)
+        n_slots = max(n_slots, n)
+    e_table = np.zeros((t, p_size, 4), np.int32)
+    recv = np.zeros((t, p_size, 2), np.int32)
+    for (m, c), tick in done.items():
+        kind = E_FIRST if c == 0 else E_LAST if c == c_size - 1 else E_MID
+        e_table[tick, c % p_size] = (kind, m, c // p_size, slot_of.get((m, c), 0))
+        if c < c_size - 1:
+            recv[tick, (c + 1) % p_size] = (1, slot_of[m, c + 1])
+    return ForwardOnly(p_size, m_size, virtual, e_table, recv, n_slots)

@@ -134,9 +134,8 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
 def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
     accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
-    if c.mesh.pipeline > 1:  # the pipeline computes the loss inside its tick loop
-        loss_and_grads = make_loss_and_grads(c, layout)
-        return lambda params, tokens_gt: loss_and_grads(params, tokens_gt, 0)[0]
+    if c.mesh.pipeline > 1:  # a forward-only wave through the stages (pipeline.make_pipeline_eval)
+        return pipeline.make_pipeline_eval(c, layout, split_micro_batches)
 
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)

@@ -252,3 +252,32 @@ def test_pipeline_dropout_matches_non_pipelined():
     assert_trees_close(grads, ref_grads, 'grad')
     no_dropout = make_config(layers=LAYERS, global_batch=BATCH, accum=2)
     assert abs(run_layout(no_dropout)[0] - ref_loss) > 50 * LOSS_RTOL * ref_loss  # dropout was on
+
+
+def _eval(c, tokens):
+    """(eval loss, executed matmul FLOPs of the eval step) of config `c` on `tokens`."""
+    mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
+    layout = ts.make_layout(c, mesh)
+    params = ts.init_train_state(c, layout)['params']
+    eval_step = train.make_eval_step(c, layout)
+    weights = None
+    if c.mesh.pipeline > 1:
+        schedule = schedules.forward_only(c.mesh.pipeline, c.train.accum_steps, c.pipeline.virtual_stages)
+        weights = pipeline.eval_branch_weights(schedule)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+        loss = float(jax.jit(eval_step)(params, tokens))
+        flops = flop_count.executed_dot_flops(eval_step, abstract, jax.ShapeDtypeStruct(tokens.shape, tokens.dtype),
+                                              branch_weights=weights)
+    return loss, flops
+
+
+@pytest.mark.parametrize('schedule,p,m,virtual', [('1f1b', 2, 3, 1), ('interleaved', 2, 4, 2)])
+def test_pipeline_eval_is_forward_only(schedule, p, m, virtual):
+    """Evaluation of a pipelined model runs forward units only: the loss of the unpipelined
+    eval step, and exactly its matmul FLOPs (no backward, no recomputation, nothing in bubbles)."""
+    tokens = np.random.default_rng(0).integers(0, 250, (BATCH, 25), dtype=np.int32)
+    flat_loss, flat_flops = _eval(make_config(layers=LAYERS, global_batch=BATCH, accum=m), tokens)
+    loss, flops = _eval(pipeline_config(schedule, p, m, 'tensor', virtual), tokens)
+    np.testing.assert_allclose(loss, flat_loss, rtol=LOSS_RTOL)
+    assert flops == pytest.approx(flat_flops, rel=1e-9)
