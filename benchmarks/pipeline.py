@@ -2,11 +2,12 @@
 
   python benchmarks/pipeline.py [--quick] > pipeline.jsonl
 
-For each schedule, P in {2, 4} and M in {P, 4P, 16P} on 8 simulated CPU devices (tensor =
+For each schedule (staggered `1f1b` and `1f1b_lockstep` side by side), P in {2, 4} and M in {P, 4P, 16P} on 8 simulated CPU devices (tensor =
 8 / P), a GPT of 8 layers x 128 wide, sequence 64, micro-batch 1: JSON lines, then a table.
 executed/useful = matmul FLOPs the step executes (jaxpr count, bubbles and recomputation
 included, see jaxfrontier/flop_count.py) / those of the same step without pipeline and
-without recomputation. temp = XLA's temporary memory per device of the compiled step.
+without recomputation. temp = XLA's temporary memory per device of the compiled step;
+max_stashed_inputs = the most micro-batches whose stage input a stage holds at once.
 """
 
 import json
@@ -52,19 +53,20 @@ def step_flops(c):
 def main():
     quick = '--quick' in sys.argv
     rows = []
-    for schedule in ('gpipe', '1f1b', 'interleaved'):
+    for schedule in ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved'):
         for p in (2, 4):
             for m in ((p, 4 * p) if quick else (p, 4 * p, 16 * p)):
                 c = bench_config(schedule, p, m)
                 useful = step_flops(bench_config(schedule, 1, m, remat='none'))
                 row = {'schedule': schedule, 'P': p, 'M': m, 'V': c.pipeline.virtual_stages,
                        'bubble': pipeline.build_schedule(c).bubble,
+                       'max_stashed_inputs': pipeline.build_schedule(c).max_stashed_inputs(),
                        'executed_over_useful': step_flops(c) / useful}
                 row.update(harness.time_train_step(c, steps=3, warmup=1))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     harness.print_table(rows, ['schedule', 'P', 'M', 'V', 'median_step_s', 'executed_over_useful',
-                               'temp_gib_per_device', 'bubble', 'compile_s'])
+                               'temp_gib_per_device', 'max_stashed_inputs', 'bubble', 'compile_s'])
 
 
 if __name__ == '__main__':
