@@ -75,7 +75,7 @@ def _time_layouts(c, batch: int, pipeline: int, data: int, fsdp: int, tensor: in
             continue
         if accum < pipeline:
             continue
-        out += [dataclasses.replace(base, schedule=s) for s in ('gpipe', '1f1b')]
+        out += [dataclasses.replace(base, schedule=s) for s in ('gpipe', '1f1b', '1f1b_lockstep')]
         for v in VIRTUAL_STAGES:
             if accum % pipeline == 0 and c.model.num_layers % (pipeline * v) == 0:
                 out.append(dataclasses.replace(base, schedule='interleaved', virtual_stages=v))

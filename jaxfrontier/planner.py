@@ -158,8 +158,9 @@ def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware,
 
     Without a pipeline the micro-batches run back to back, each followed by the gradient
     accumulation. With one, a stage is busy for V M chunk units of (compute + exposed
-    communication) / V and idle for P - 1 of them (the bubble); every tick of the executor also
-    pays the two activation sends and one gradient accumulation.
+    communication) / V and idle for P - 1 of them (the bubble); the sends between stages are
+    exposed, and the lockstep executor pays one gradient accumulation per tick (staggered
+    1F1B: one per micro-batch).
     """
     per_mb = plan_model.micro_batch_compute_s(shape, layout, hw, flops)
     m, p = layout.accum_steps, layout.pipeline
@@ -174,7 +175,10 @@ def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware,
         v = layout.virtual_stages if layout.schedule == 'interleaved' else 1
         slots = plan_model.pipeline_slots(layout.schedule, p, m, v)
         bubble_s, bubble_fraction = (p - 1) / v * stage_mb_s, slots.bubble
-        overhead_s = slots.ticks * accumulate_s + permute_s
+        # The lockstep executor adds a unit's gradients (or zeros) every tick; staggered 1F1B's
+        # backward branches add into the sum themselves, M times per step.
+        accumulations = m if plan_model.staggered(layout) else slots.ticks
+        overhead_s = accumulations * accumulate_s + permute_s
     update_s = plan_model.update_s(memory, hw)
     step_s = m * stage_mb_s + bubble_s + overhead_s + exposed_step + update_s
     devices_s = step_s * layout.num_devices
