@@ -54,7 +54,10 @@ class Layout:
     @property
     def split_tokens(self) -> int:
         """Parts the pipeline's stash and sends are split into over `tensor` (pipeline.TokenSplit)."""
-        return self.tensor if self.pipeline > 1 and self.shard_activations and self.fsdp == 1 else 1
+        # Only where no automatic axis splits the tokens already: fsdp, or data when dropout keeps
+        # the data axis automatic (reduction.py).
+        tokens_whole = self.fsdp == 1 and (self.data == 1 or self.reduce_once)
+        return self.tensor if self.pipeline > 1 and self.shard_activations and tokens_whole else 1
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
