@@ -43,6 +43,7 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 from orbax.checkpoint._src.metadata import array_metadata_store  # pinned orbax < 0.13
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import train_state as ts
 
 State = dict[str, Any]
@@ -144,7 +145,7 @@ def _layer_split_sharding(leaf: jax.ShapeDtypeStruct, saved: tuple[int, ...], ks
     """Where to restore a block array in its saved [L, ...] or [V, L / V, ...] shape before the reshape:
     the target's sharding of the other dimensions, and its layer sharding on the last layer dimension."""
     mesh, spec = leaf.sharding.mesh, tuple(leaf.sharding.spec) + (None,) * len(leaf.shape)
-    axes = tuple(a for e in spec[:kt] if e is not None for a in ((e,) if isinstance(e, str) else e))
+    axes = tuple(a for e in spec[:kt] for a in mesh_lib.entry_axes(e))
     layer = [None] * ks
     if axes and saved[ks - 1] % math.prod(mesh.shape[a] for a in axes) == 0:
         layer[-1] = axes[0] if len(axes) == 1 else axes

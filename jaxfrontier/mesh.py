@@ -51,6 +51,16 @@ def mesh_from_config(c) -> Mesh:
     return make_mesh(config_lib.mesh_shape(c))
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_axes(spec) -> set[str]:
+    """Every mesh axis a PartitionSpec uses."""
+    return {a for entry in spec for a in entry_axes(entry)}
+
+
 def logical_to_spec(names: Sequence[str | None] | None, rules: Rules) -> P:
     """PartitionSpec for a tensor whose dimensions have these logical names.
 
@@ -64,8 +74,7 @@ def logical_to_spec(names: Sequence[str | None] | None, rules: Rules) -> P:
     out = []
     for name in names:
         target = table.get(name) if name is not None else None
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        axes = tuple(a for a in axes if a not in used)
+        axes = tuple(a for a in entry_axes(target) if a not in used)
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*out)
@@ -94,8 +103,7 @@ def without_axis(rules: Rules, axis: str) -> Rules:
     """The rules with mesh `axis` removed everywhere: for code inside a shard_map manual over it."""
     out = []
     for name, target in rules:
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        axes = tuple(a for a in axes if a != axis)
+        axes = tuple(a for a in entry_axes(target) if a != axis)
         out.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(out)
 
@@ -128,5 +136,4 @@ def active_axes(name: str) -> tuple[str, ...] | None:
     if rules is None or mesh.empty:
         return None
     entry = logical_to_spec((name,), rules)[0]
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return tuple(a for a in axes if mesh.shape[a] > 1)
+    return tuple(a for a in entry_axes(entry) if mesh.shape[a] > 1)

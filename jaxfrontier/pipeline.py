@@ -31,6 +31,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import schedules
 from jaxfrontier import train_state as ts
@@ -297,7 +298,7 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, layout: ts.StateLayout, spl
     p_size, v_size = schedule.num_stages, schedule.virtual
     lc = c.model.num_layers // (p_size * v_size)
     dtype = jnp.dtype(c.model.dtype)
-    dp = c.mesh.data * c.mesh.fsdp
+    dp = config_lib.data_parallel_size(c)
     ring_fwd = [(i, (i + 1) % p_size) for i in range(p_size)]
     e_table, recv = jnp.asarray(schedule.e_table), jnp.asarray(schedule.recv)
 

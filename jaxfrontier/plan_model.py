@@ -86,18 +86,13 @@ def count_params(specs: tuple[ParamSpec, ...]) -> int:
     return sum(p.size for p in specs)
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def local_size(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) -> int:
     """Elements of one device's shard (XLA pads a dimension that does not divide)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    return math.prod(-(-dim // math.prod(mesh_shape[a] for a in _axes(e))) for dim, e in zip(shape, entries))
+    return math.prod(-(-dim // math.prod(mesh_shape[a] for a in mesh_lib.entry_axes(e))) for dim, e in zip(shape, entries))
 
 
-def shard_axes(spec: Any) -> set[str]:
-    return {a for e in spec for a in _axes(e)}
+shard_axes = mesh_lib.spec_axes
 
 
 @dataclasses.dataclass(frozen=True)

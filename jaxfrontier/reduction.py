@@ -27,10 +27,6 @@ from jaxfrontier import mesh as mesh_lib
 AXIS = 'data'
 
 
-def _uses_axis(spec: P, axis: str) -> bool:
-    return any(axis == e or (isinstance(e, tuple) and axis in e) for e in spec)
-
-
 def reduce_once(c: ml_collections.ConfigDict, rules: mesh_lib.Rules, param_shardings) -> bool:
     """True when gradients are summed locally over micro-batches and reduced over `data` once."""
     if c.mesh.data == 1 or c.model.dropout_rate > 0.0 or AXIS not in mesh_lib.data_parallel_axes(rules):
@@ -38,7 +34,7 @@ def reduce_once(c: ml_collections.ConfigDict, rules: mesh_lib.Rules, param_shard
     if c.train.accum_steps == 1 and c.mesh.pipeline == 1:
         return False  # one micro-batch: one reduction either way
     # Parameters must be replicated over `data` (the default rules); ZeRO-1 only shards the optimizer state.
-    return not any(_uses_axis(s.spec, AXIS) for s in jax.tree.leaves(param_shardings))
+    return not any(AXIS in mesh_lib.spec_axes(s.spec) for s in jax.tree.leaves(param_shardings))
 
 
 def local_rules(rules: mesh_lib.Rules) -> mesh_lib.Rules:

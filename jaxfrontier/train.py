@@ -15,7 +15,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from absl import logging
 from jax.sharding import NamedSharding

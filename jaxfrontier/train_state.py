@@ -88,10 +88,6 @@ def make_optimizer(c: ml_collections.ConfigDict) -> tuple[optax.GradientTransfor
     return tx, schedule
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
                  dp_axes: tuple[str, ...]) -> tuple[P, tuple[int, ...]]:
     """ZeRO-1: the spec (and shape) of a parameter's optimizer state, sharded over the data axes.
@@ -102,7 +98,7 @@ def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
     the least padding, as Megatron's distributed optimizer pads its flat buffer: JAX shards
     only evenly. Returns (spec, padded shape); the shape is `shape` when no padding is needed.
     """
-    used = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    used = mesh_lib.spec_axes(spec)
     extra = tuple(a for a in dp_axes if a not in used and mesh.shape[a] > 1)
     if not extra:
         return spec, tuple(shape)
@@ -112,7 +108,7 @@ def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
         extra_size *= mesh.shape[a]
     options = []  # (cost, dimension)
     for i, entry in enumerate(entries):
-        current_size = math.prod(mesh.shape[a] for a in _entry_axes(entry))
+        current_size = math.prod(mesh.shape[a] for a in mesh_lib.entry_axes(entry))
         multiple = current_size * extra_size
         if shape[i] % multiple == 0:
             options = [(0.0, i)]  # the first divisible dimension: no padding
@@ -121,8 +117,8 @@ def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
         # data between its shards (the padded shards straddle the old boundaries): 5 % penalty.
         options.append((-shape[i] % multiple / shape[i] + (0.05 if current_size > 1 else 0.0), i))
     _, i = min(options)
-    pad = -shape[i] % math.prod(mesh.shape[a] for a in (*_entry_axes(entries[i]), *extra))
-    current = _entry_axes(entries[i])
+    pad = -shape[i] % math.prod(mesh.shape[a] for a in (*mesh_lib.entry_axes(entries[i]), *extra))
+    current = mesh_lib.entry_axes(entries[i])
     entries[i] = current + extra if len(current + extra) > 1 else (current + extra)[0]
     padded = tuple(n + pad if d == i else n for d, n in enumerate(shape))
     return P(*entries), padded
