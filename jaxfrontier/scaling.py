@@ -21,10 +21,9 @@ Writes `scaling.md`, `scaling.csv` and `scaling.png` to --workdir.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from absl import app, flags
+from absl import flags
 
 from jaxfrontier import config as config_lib  # no JAX
 from jaxfrontier import sweep_flags as F
@@ -94,20 +93,8 @@ def run_scaling(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    spec, user_args = F.user_overrides(sys.argv)
-    F.stop_on_sigterm()
-    try:
-        return run_scaling(sys.argv, spec, user_args)
-    except config_lib.UserError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-
-
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=F.parse_flags)
+    F.run_command(run_scaling)
 
 
 if __name__ == '__main__':

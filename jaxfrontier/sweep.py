@@ -13,10 +13,9 @@ optimisation with DeepHyper (`pip install -e '.[tune]'`). Details: docs/sweeps.m
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from absl import app, flags
+from absl import flags
 
 from jaxfrontier import config as config_lib  # no JAX
 from jaxfrontier import sweep_flags, sweep_run, sweep_space, sweep_trials
@@ -115,20 +114,8 @@ def run_sweep(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> 
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    spec, user_args = F.user_overrides(sys.argv)
-    F.stop_on_sigterm()
-    try:
-        return run_sweep(sys.argv, spec, user_args)
-    except config_lib.UserError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-
-
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=F.parse_flags)
+    F.run_command(run_sweep)
 
 
 if __name__ == '__main__':

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 from jaxfrontier import config as config_lib  # no JAX
@@ -125,6 +125,26 @@ def parse_flags(argv: list[str]) -> list[str]:
     except OSError as e:
         fail(' '.join(f'--config: {e}'.split()))
     return rest
+
+
+def run_command(body) -> None:
+    """The absl entry point of `jaxfrontier.sweep` and `jaxfrontier.scaling`.
+
+    `body(argv, config_spec, user_args) -> exit status` runs after flag parsing; a UserError
+    is one line `error: ...` and exit 2; SIGTERM ends it through its cleanup.
+    """
+    def main(argv: list[str]) -> int:
+        if len(argv) > 1:
+            raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+        spec, user_args = user_overrides(sys.argv)
+        stop_on_sigterm()
+        try:
+            return body(sys.argv, spec, user_args)
+        except config_lib.UserError as e:
+            print(f'error: {e}', file=sys.stderr)
+            return 2
+
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
 
 
 def stop_on_sigterm() -> None:
