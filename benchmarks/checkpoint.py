@@ -6,7 +6,7 @@ The train state (parameters + two Adam moments, fp32) of a GPT of 6 layers x 102
 32,768-token vocabulary: 1.22 GiB over 8 simulated CPU devices with fsdp 8 (every device
 holds 1/8; nothing replicated). `--quick` uses 2 layers x 512 (0.26 GiB) to check the script.
 
-Measured through jaxfrontier.checkpoint.Checkpointer, the code the training loop runs, after
+Measured through jaxfrontier.training.checkpoint.Checkpointer, the code the training loop runs, after
 one warm-up of each operation (first-call costs excluded), median of 3:
 
   blocked_s   time `save()` holds the loop: with async_save, until the arrays are copied off
@@ -35,10 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 
 import harness  # noqa: E402
-from jaxfrontier import checkpoint as ckpt_lib  # noqa: E402
+from jaxfrontier.training import checkpoint as ckpt_lib  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
-from jaxfrontier import train_state as ts  # noqa: E402
+from jaxfrontier.training import state as ts  # noqa: E402
 
 REPEATS = 3
 

@@ -17,11 +17,13 @@ import ml_collections
 import numpy as np
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import data as data_lib
+from jaxfrontier.data import dataset as data_lib
+from jaxfrontier import flops as flops_lib
+from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import metrics as metrics_lib
-from jaxfrontier import train
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import metrics as metrics_lib
+from jaxfrontier.training import loop as train
+from jaxfrontier.training import state as ts
 
 
 def time_train_step(c: ml_collections.ConfigDict, steps: int = 5, warmup: int = 2) -> dict[str, Any]:
@@ -47,8 +49,8 @@ def time_train_step(c: ml_collections.ConfigDict, steps: int = 5, warmup: int = 
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    model_flops, hw_flops = metrics_lib.flops_per_step_from_config(c)
-    peak, peak_source = metrics_lib.device_peak_flops(jax.devices()[0], c.model.dtype)
+    model_flops, hw_flops = flops_lib.flops_per_step_from_config(c)
+    peak, peak_source = hardware.device_peak_flops(jax.devices()[0], c.model.dtype)
     out = {
         'devices': n,
         'mesh': {k: int(v) for k, v in config_lib.mesh_shape(c).items()},

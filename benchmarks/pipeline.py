@@ -5,7 +5,7 @@
 For each schedule (staggered `1f1b` and `1f1b_lockstep` side by side), P in {2, 4} and M in {P, 4P, 16P} on 8 simulated CPU devices (tensor =
 8 / P), a GPT of 8 layers x 128 wide, sequence 64, micro-batch 1: JSON lines, then a table.
 executed/useful = matmul FLOPs the step executes (jaxpr count, bubbles and recomputation
-included, see jaxfrontier/flop_count.py) / those of the same step without pipeline and
+included, see jaxfrontier/plan/flop_count.py) / those of the same step without pipeline and
 without recomputation. temp = XLA's temporary memory per device of the compiled step;
 max_stashed_inputs = the most micro-batches whose stage input a stage holds at once.
 """
@@ -23,11 +23,11 @@ import jax.numpy as jnp  # noqa: E402
 
 import harness  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
-from jaxfrontier import flop_count  # noqa: E402
+from jaxfrontier.plan import flop_count  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier import pipeline  # noqa: E402
-from jaxfrontier import train  # noqa: E402
-from jaxfrontier import train_state as ts  # noqa: E402
+from jaxfrontier.training import loop as train  # noqa: E402
+from jaxfrontier.training import state as ts  # noqa: E402
 
 
 def bench_config(schedule, p, m, remat='full'):

@@ -14,7 +14,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, 'tests'), os.path.join(ROOT, 'configs')]
 
-from jaxfrontier import compile_check, planner  # noqa: E402  pylint: disable=wrong-import-position
+from jaxfrontier.plan import compile_check  # noqa: E402  pylint: disable=wrong-import-position
+from jaxfrontier.plan import planner
 from test_planner import make_config, paper_config  # noqa: E402  pylint: disable=wrong-import-position
 
 LAYOUTS = [

@@ -26,9 +26,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
 
-from jaxfrontier import compile_check  # noqa: E402  pylint: disable=wrong-import-position
-from jaxfrontier import plan_search  # noqa: E402  pylint: disable=wrong-import-position
-from jaxfrontier import planner  # noqa: E402  pylint: disable=wrong-import-position
+from jaxfrontier.plan import compile_check  # noqa: E402  pylint: disable=wrong-import-position
+from jaxfrontier.plan import search as plan_search  # noqa: E402  pylint: disable=wrong-import-position
+from jaxfrontier.plan import planner  # noqa: E402  pylint: disable=wrong-import-position
 
 SEARCH_DEVICES = {'22b': 32, '175b': 1024, '1t': 3072}
 GIB = 2**30

@@ -18,6 +18,8 @@ from typing import Any
 
 import ml_collections
 
+from jaxfrontier.errors import UserError  # noqa: F401  (config_lib.UserError: the same class)
+
 # Logical axis name -> mesh axes. Parameters and activations are annotated with the logical
 # names on the left (see jaxfrontier/model/); this table decides the layout.
 DEFAULT_RULES = (
@@ -35,7 +37,7 @@ DEFAULT_RULES = (
 
 ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
-# Staggered 1F1B (pipeline_1f1b.py): model.remat -> what the recomputation keeps for the
+# Staggered 1F1B (pipeline/staggered.py): model.remat -> what the recomputation keeps for the
 # backward half-slot (one chunk, one micro-batch). `full` keeps the weight matmuls' outputs:
 # keeping only layer inputs would leave the whole recomputation to the backward half-slot
 # (3 forward-equivalents against the forward half-slot's 2).
@@ -43,7 +45,7 @@ STAGGERED_RESIDUALS = {'full': 'save_dots_no_batch', 'save_dots_no_batch': 'save
                        'save_dots': 'save_dots', 'none': 'none'}
 DTYPES = ('float32', 'bfloat16', 'float16')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
-PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/schedules.py
+PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
 MESH_AXES = ('pipeline', 'data', 'fsdp', 'tensor')
 
@@ -57,10 +59,6 @@ MODEL_SIZES = {
     '175b': (96, 12288, 96),
     '1t': (128, 25600, 160),
 }
-
-
-class UserError(Exception):
-    """A mistake the user can fix (bad config, data or workdir): shown without a traceback."""
 
 
 class ConfigError(UserError, ValueError):
@@ -121,7 +119,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.pipeline = ml_collections.ConfigDict(
         dict(
-            schedule='1f1b',  # gpipe | 1f1b | 1f1b_lockstep | interleaved (jaxfrontier/schedules.py)
+            schedule='1f1b',  # gpipe | 1f1b | 1f1b_lockstep | interleaved (jaxfrontier/pipeline/schedules.py)
             virtual_stages=1,  # chunks per stage (interleaved only)
             # Stashed stage inputs and the activations/gradients sent between stages are split
             # over `tensor` along the tokens (Megatron's sequence-parallel stash and scatter-gather
@@ -181,7 +179,7 @@ def base_config() -> ml_collections.ConfigDict:
         )
     )
 
-    # Checkpoints in <workdir>/checkpoints (jaxfrontier/checkpoint.py, docs/checkpoints.md).
+    # Checkpoints in <workdir>/checkpoints (jaxfrontier/training/checkpoint.py, docs/checkpoints.md).
     c.checkpoint = ml_collections.ConfigDict(
         dict(
             enabled=True,  # False: never save or restore

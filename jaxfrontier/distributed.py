@@ -47,6 +47,8 @@ _PORT_BASE, _PORT_RANGE = 61440, 4096  # ephemeral ports 61440..65535, as JAX's 
 class DistributedError(RuntimeError):
     """The processes of a job could not start together, or lost one another."""
 
+    exit_code = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSettings:

@@ -13,14 +13,17 @@ divided by its devices. Sources: FRONTIER.md for Frontier; vendor data sheets el
 `matmul_efficiency` is the share of the dense peak a large bf16 GEMM reaches in practice
 (Frontier: measured 125 of 191.5 TFLOP/s); the planner's roofline uses it.
 
-The dense peaks agree with `metrics.device_peak_flops` (a test holds them together).
+This is the one device table: the trainer's MFU (`device_peak_flops`) and the planner read
+the same entries, matched to a JAX device by `match_kind`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -84,9 +87,19 @@ HARDWARE = {
         link_bytes_per_s={'package': 450e9, 'node': 450e9, 'network': 50e9}, link_latency_s=_LATENCY_S),
 }
 
-# Substrings of jax `device_kind` -> table entry ('this machine' on an accelerator).
-_KIND_NAMES = (('MI250X', 'mi250x'), ('MI300X', 'mi300x'), ('A100', 'a100'), ('H100', 'h100'), ('H200', 'h200'))
+# Substrings of jax `device_kind` -> table entry, with variants the substring must not match
+# (an H100 PCIe or NVL is not the SXM part). First match wins: longer names before prefixes.
+_KINDS = (('MI250X', (), 'mi250x'), ('MI300X', (), 'mi300x'), ('A100', (), 'a100'),
+          ('H100', ('PCIe', 'NVL'), 'h100'), ('H200', (), 'h200'))
 NAMES = tuple(HARDWARE) + ('local',)
+
+
+def match_kind(device_kind: str) -> Hardware | None:
+    """The table entry of a JAX `device_kind` string, or None for a kind the table lacks."""
+    for sub, excluded, name in _KINDS:
+        if sub in device_kind and not any(x in device_kind for x in excluded):
+            return HARDWARE[name]
+    return None
 
 
 def get(name: str) -> Hardware:
@@ -101,30 +114,27 @@ def get(name: str) -> Hardware:
 def local() -> Hardware:
     """This machine's first JAX device: a table entry for a known GPU, else measured (CPU).
 
-    A CPU device's peak is measured with `metrics.measure_cpu_matmul_peak` (seconds); its
+    A CPU device's peak is measured with `measure_cpu_matmul_peak` (seconds); its
     memory is the host's physical memory shared by the simulated CPU devices; links between
     CPU devices are memory copies, taken as 10 GB/s (a stated guess, not a measurement).
     """
-    import jax  # pylint: disable=g-import-not-at-top
-
-    from jaxfrontier import metrics  # pylint: disable=g-import-not-at-top
+    import jax  # pylint: disable=g-import-not-at-top  (the planner's tables need no JAX)
 
     device = jax.devices()[0]
-    for sub, name in _KIND_NAMES:
-        if sub in str(device.device_kind):
-            base = HARDWARE[name]
-            stats = memory_stats(device)
-            memory = int(stats.get('bytes_limit', base.memory_bytes))
-            return dataclasses.replace(base, name='local', memory_bytes=memory,
-                                       description=f'this machine: {device.device_kind} ({base.description})')
+    base = match_kind(str(device.device_kind))
+    if base is not None:
+        stats = memory_stats(device)
+        memory = int(stats.get('bytes_limit', base.memory_bytes))
+        return dataclasses.replace(base, name='local', memory_bytes=memory,
+                                   description=f'this machine: {device.device_kind} ({base.description})')
     n = len(jax.devices())
     total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
     bandwidth = 10e9
     return Hardware(
         'local', f'this machine: {n} {device.platform} device(s), {os.cpu_count()} cores, '
         f'{total / GIB:.0f} GiB shared',
-        peak_bf16_flops=metrics.measure_cpu_matmul_peak('bfloat16'),
-        peak_fp32_flops=metrics.measure_cpu_matmul_peak('float32'),
+        peak_bf16_flops=measure_cpu_matmul_peak('bfloat16'),
+        peak_fp32_flops=measure_cpu_matmul_peak('float32'),
         memory_bytes=total // n, memory_bytes_per_s=bandwidth, matmul_efficiency=1.0,
         devices_per_package=1, devices_per_node=n,
         link_bytes_per_s={level: bandwidth for level in LEVELS}, link_latency_s=_LATENCY_S)
@@ -161,3 +171,84 @@ def axis_level(mesh_shape: dict[str, int], axes: tuple[str, ...], hw: Hardware) 
 def link_bytes_per_s(hw: Hardware, level: str) -> float:
     """Per-device bandwidth of a level; 'local' (no communication) is infinite."""
     return math.inf if level == 'local' else hw.link_bytes_per_s[level]
+
+
+# --------------------------------------------------------------------------- peaks of JAX devices
+
+_PEAK_DTYPES = {'bfloat16': 'bf16', 'float16': 'bf16', 'float32': 'fp32'}
+
+
+_CPU_MATMUL_N = 1024
+
+
+def _peak_dtype(dtype: str) -> str:
+    name = getattr(dtype, 'name', str(dtype))
+    if name not in _PEAK_DTYPES:
+        raise ValueError(f'no peak FLOP/s for dtype {dtype!r}; use one of {sorted(_PEAK_DTYPES)}')
+    return name
+
+
+@functools.cache
+def measure_cpu_matmul_peak(dtype: str = 'float32') -> float:
+    """Measures matmul FLOP/s of one CPU JAX device; cached per dtype for the process.
+
+    Times a jitted n x n matmul (n = 1024) on the first CPU device (one warm-up, best of five)
+    and divides by the number of CPU devices in this process, because simulated CPU devices
+    share the same cores.
+
+    Args:
+      dtype: 'float32', 'bfloat16' or 'float16'; the matmul runs in this dtype.
+
+    Returns:
+      FLOP/s per CPU device (> 0).
+    """
+    import jax  # pylint: disable=g-import-not-at-top  (this module is read before JAX starts)
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+    name = _peak_dtype(dtype)
+    devices = jax.local_devices(backend='cpu')
+    n = _CPU_MATMUL_N
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a_nn = jax.device_put(jax.random.normal(key_a, (n, n), dtype=name), devices[0])
+    b_nn = jax.device_put(jax.random.normal(key_b, (n, n), dtype=name), devices[0])
+    matmul = jax.jit(lambda x, y: jnp.einsum('ij,jk->ik', x, y))
+    matmul(a_nn, b_nn).block_until_ready()  # compile and warm up
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        matmul(a_nn, b_nn).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best / len(devices)
+
+
+def device_peak_flops(device: Any, dtype: str) -> tuple[float, str]:
+    """Dense matrix peak FLOP/s of one JAX device for a compute dtype.
+
+    Accelerators are looked up by substring of `device.device_kind` in a table of published
+    dense peaks (float16 uses the bf16 entry). CPU devices are measured once per process with
+    `measure_cpu_matmul_peak`. Unknown kinds give NaN, so MFU shows as NaN rather than wrong.
+
+    Args:
+      device: a `jax.Device` (anything with `.platform` and `.device_kind`).
+      dtype: 'float32', 'bfloat16' or 'float16'.
+
+    Returns:
+      (peak FLOP/s, a description of where the number came from).
+    """
+    name = _peak_dtype(dtype)
+    if device.platform == 'cpu':
+        import jax  # pylint: disable=g-import-not-at-top
+
+        n_cpu = len(jax.local_devices(backend='cpu'))
+        return (measure_cpu_matmul_peak(name),
+                f'measured: jitted {_CPU_MATMUL_N}x{_CPU_MATMUL_N} {name} matmul on one CPU '
+                f'device, divided by {n_cpu} CPU devices')
+    kind = str(device.device_kind)
+    column = _PEAK_DTYPES[name]
+    hw = match_kind(kind)
+    if hw is not None:
+        return hw.peak_flops(name), f'table: {hw.description} dense {column} matrix peak (device_kind {kind!r})'
+    return math.nan, f'unknown device kind {kind!r} (platform {device.platform}): MFU is NaN'
+
+
+# --------------------------------------------------------------------------- throughput

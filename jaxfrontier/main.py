@@ -8,12 +8,12 @@ a misspelt key is rejected. JAX is imported only after the config is read, so th
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
@@ -53,20 +53,20 @@ def main(argv: list[str]) -> int:
         per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
         config_lib.set_cpu_device_count(per_process)
     except (config_lib.UserError, distributed.DistributedError) as e:
-        return _exit_code(e)
+        return cli.exit_code(e)
     logging.set_verbosity(logging.INFO)
 
     # Imported here, after the environment is final: these import JAX.
-    from jaxfrontier import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 
     try:
         if _MODE.value == 'plan':
-            from jaxfrontier import plan_report  # pylint: disable=g-import-not-at-top
+            from jaxfrontier.plan import report as plan_report  # pylint: disable=g-import-not-at-top
             print(plan_report.report(config, hardware=_HARDWARE.value, search=_SEARCH.value,
                                      search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
                                      json_path=_PLAN_JSON.value))
         elif _MODE.value == 'export':
-            from jaxfrontier import export  # pylint: disable=g-import-not-at-top
+            from jaxfrontier.training import export  # pylint: disable=g-import-not-at-top
             out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
             names = export.export_params(_WORKDIR.value, out)
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
@@ -75,56 +75,16 @@ def main(argv: list[str]) -> int:
             logging.info(distributed.describe_process(processes, os.environ))
             if processes.process_id != 0:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
-            from jaxfrontier import train  # pylint: disable=g-import-not-at-top
+            from jaxfrontier.training import loop as train  # pylint: disable=g-import-not-at-top
             train.train_and_evaluate(config, _WORKDIR.value)
     except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
-        return _exit_code(e)
+        return cli.exit_code(e)
     return 0
-
-
-def _exit_code(e: Exception) -> int:
-    """Prints a user-facing error as one line; exit 2 bad input, 3 NaN/Inf loss, 4 process group."""
-    print(f'error: {e}', file=sys.stderr)
-    if isinstance(e, distributed.DistributedError):
-        return 4
-    return 2 if isinstance(e, config_lib.UserError) else 3
-
-
-def _user_error_in_chain(e: BaseException | None):
-    """The UserError that (indirectly) caused `e`, if any (config_flags and absl re-wrap errors)."""
-    from jaxfrontier import config as config_lib  # pylint: disable=g-import-not-at-top  (no JAX)
-    while e is not None and not isinstance(e, config_lib.UserError):
-        e = e.__cause__ or e.__context__
-    return e
-
-
-def _fail(message: str) -> None:
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(2)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing; a mistake in --config or its overrides is one message (exit 2), not a traceback."""
-    if not any(re.match(r'^--?config(=|$)', a) for a in argv[1:]):
-        argv = [argv[0], f'--config={_DEFAULT_CONFIG}', *argv[1:]]
-    try:
-        rest = flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:  # an override naming no field: the config is locked
-        message = e
-        while isinstance(message, BaseException) and message.args:
-            message = message.args[0]  # AttributeError(KeyError("'stepz'\nDid you mean ..."))
-        key, _, hint = str(message).partition('\n')  # "'stepz'", 'Did you mean "steps" ...?'
-        overrides = [a.split('=', 1)[0] for a in argv[1:] if re.match(r'^--?config\.', a)]
-        named = [o for o in overrides if key.strip("'") in o.split('.')[1:]] or overrides
-        _fail(f'{", ".join(named)}: the config has no field {key}. {hint + " " if hint else ""}Fix: correct '
-              'the key; --config.* overrides can only set fields the config file defines')
-    except flags.Error as e:
-        _fail(str(_user_error_in_chain(e) or e))
-    try:
-        _CONFIG.value.get('mesh')  # a config file that failed to load raises only when used
-    except OSError as e:
-        _fail(' '.join(f'--config: {e}'.split()))
-    return rest
+    return cli.parse_config_flags(argv, _CONFIG, default_config=_DEFAULT_CONFIG)
 
 
 def run() -> None:

@@ -26,11 +26,12 @@ from typing import Any
 from absl import flags
 
 from jaxfrontier import config as config_lib  # no JAX
-from jaxfrontier import sweep_flags as F
-from jaxfrontier import sweep_trials
+from jaxfrontier.sweep import flags as F
+from jaxfrontier.sweep import trials as sweep_trials
 
 _COUNTS = flags.DEFINE_list('device_counts', [], 'Device counts to run, e.g. 8,16,32 (at least two).')
 _STUDY = flags.DEFINE_enum('study', 'both', ['weak', 'strong', 'both'], 'Which scaling study to run.')
+flags.adopt_module_key_flags(F)  # --help lists the shared sweep flags too
 
 
 def device_counts(values: list[str]) -> list[int]:
@@ -83,7 +84,7 @@ def run_scaling(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -
     for name, group in items.items():
         rows += efficiencies([records[i.trial_id if isinstance(i, sweep_trials.Trial) else i['trial_id']]
                               for i in group], name)
-    from jaxfrontier import sweep_report  # pylint: disable=g-import-not-at-top  (matplotlib)
+    from jaxfrontier.sweep import report as sweep_report  # pylint: disable=g-import-not-at-top  (matplotlib)
     paths = sweep_report.write_scaling_report(study.workdir, rows,
                                               F.describe_run(argv, 'jaxfrontier.scaling', ','.join(map(str, counts))))
     for row in rows:

@@ -26,8 +26,9 @@ from jax.sharding import NamedSharding
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import train
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import loop as train
+from jaxfrontier.training import state as ts
+from jaxfrontier.model import params as params_lib
 
 GLOBAL_BATCH, SEQ = 16, 24
 LOSS_RTOL = 2e-6
@@ -69,7 +70,7 @@ def run_layout(c):
         for batch in data:
             state, _ = step(state, batch)
     # Interleaved pipelines store blocks as [V, L / V, ...]; compare in model order [L, ...].
-    return float(loss), ts.merge_virtual(grads), ts.merge_virtual(jax.device_get(state['params']))
+    return float(loss), params_lib.merge_virtual(grads), params_lib.merge_virtual(jax.device_get(state['params']))
 
 
 def without_key_bias(params):

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import data as data_lib
-from jaxfrontier import train
+from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.training import loop as train
 from jaxfrontier.config import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,13 +25,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxfrontier import checkpoint as ckpt_lib
+from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier import config as config_lib
-from jaxfrontier import data as data_lib
-from jaxfrontier import export
+from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.training import export
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import train
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import loop as train
+from jaxfrontier.training import state as ts
 
 # A failed Orbax read (the corruption tests) leaves TensorStore callbacks aimed at the asyncio
 # loop it has closed; Python reports them as unraisable at some later test. Nothing leaks.
@@ -468,7 +468,7 @@ def test_export_and_fine_tune_from_it(runs, tmp_path):
     for source in (out, runs['straight']):
         c.checkpoint.init_params_from = source
         checkpointer = ckpt_lib.Checkpointer(c, str(tmp_path / 'finetune'))
-        state, origin = checkpointer.restore_or_init(layout, lambda: dict(fresh))
+        state, origin = checkpointer.restore_or_init(layout, lambda: dict(fresh), export.load_params)
         assert 'init_params_from' in origin
         assert_trees_equal(flat_numpy(state['params']), saved)
         assert_trees_equal(flat_numpy(state['opt_state']), flat_numpy(fresh['opt_state']))
@@ -482,11 +482,11 @@ def test_fine_tune_source_mismatch_names_field(runs, tmp_path):
         c = make_config(d_model=64)
         c.checkpoint.init_params_from = source
         with pytest.raises(config_lib.ConfigError, match='model.d_model'):
-            ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None)
+            ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None, export.load_params)
     c = make_config()
     c.checkpoint.init_params_from = str(tmp_path / 'nothing_here')
     with pytest.raises(config_lib.ConfigError, match='checkpoint.init_params_from'):
-        ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None)
+        ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None, export.load_params)
 
 
 # --------------------------------------------------------------------------- subprocesses (slow)

@@ -22,7 +22,8 @@ from absl import flags
 from ml_collections.config_flags import config_flags
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import state as ts
+from jaxfrontier.model import params as params_lib
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 # ml_collections loads config files with importlib's deprecated load_module.
@@ -70,7 +71,7 @@ def test_config_validates_and_shapes(name, arg):
     config_lib.validate(c, config_lib.num_devices(c))
 
     shape = config_lib.model_shape(c)
-    model_def = ts.ModelDef.create(shape)
+    model_def = params_lib.ModelDef.create(shape)
     params = model_def.abstract_params()
     leaves = jax.tree.leaves(params)
     assert all(x.dtype == jnp.float32 for x in leaves), 'parameters are fp32 whatever the compute dtype'
@@ -100,7 +101,7 @@ def test_config_validates_and_shapes(name, arg):
 @pytest.mark.parametrize('name', sorted(PAPER_PARAMS))
 def test_paper_model_sizes_match_frontier_md(name):
     c = load_config(name)
-    n_params = ts.count_params(ts.ModelDef.create(config_lib.model_shape(c)).abstract_params())
+    n_params = params_lib.count_params(params_lib.ModelDef.create(config_lib.model_shape(c)).abstract_params())
     assert n_params == closed_form_params(c)
     assert abs(n_params / PAPER_PARAMS[name] - 1) < 0.01, (name, n_params)
 

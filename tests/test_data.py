@@ -1,4 +1,4 @@
-"""Tests of jaxfrontier.data: token-file format and validation, sampling, sharded batches, corpora."""
+"""Tests of jaxfrontier.data.dataset: token-file format and validation, sampling, sharded batches, corpora."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import data
+from jaxfrontier.data import dataset as data
 
 SEQ_LEN, BATCH = 13, 8  # distinct sizes so a swapped axis fails
 

@@ -1,4 +1,4 @@
-"""Tests of jaxfrontier.metrics: FLOP formula, device peaks, perf arithmetic, writer, NaN guard."""
+"""Tests of jaxfrontier.training.metrics: FLOP formula, device peaks, perf arithmetic, writer, NaN guard."""
 
 import dataclasses
 import glob
@@ -10,7 +10,9 @@ import jax
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import metrics
+from jaxfrontier import flops as flops_lib
+from jaxfrontier import hardware
+from jaxfrontier.training import metrics
 
 # GPT-3 175B as trained by Megatron-LM: B = 1536 sequences, s = 2048, l = 96, h = 12288,
 # V = 51200 (GPT-2's 50257 padded).
@@ -35,7 +37,7 @@ def test_megatron_flops_175b_matches_expanded_terms():
     expected = 4 * blocks + 3 * logits
     assert expected == 96 * B * S * L * H**2 + 16 * B * S**2 * L * H + 6 * B * S * H * V
     assert expected == 4_510_970_753_323_106_304  # ~4.51 EFLOP per step, computed by hand
-    got = metrics.megatron_flops_per_step(B, S, L, H, V, recompute=True)
+    got = flops_lib.megatron_flops_per_step(B, S, L, H, V, recompute=True)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
@@ -43,15 +45,15 @@ def test_megatron_flops_without_recompute_and_model_flops():
     blocks, logits = _matmul_flops_forward(B, S, L, H, V)
     # f = 3 multiplies the whole formula, so the logits term becomes 3/4 of 3 passes.
     expected = 3 * blocks + 3 * logits * 3 / 4
-    no_remat = metrics.megatron_flops_per_step(B, S, L, H, V, recompute=False)
+    no_remat = flops_lib.megatron_flops_per_step(B, S, L, H, V, recompute=False)
     assert no_remat == pytest.approx(expected, rel=1e-12)
-    assert metrics.model_flops_per_step(B, S, L, H, V) == pytest.approx(expected, rel=1e-12)
+    assert flops_lib.model_flops_per_step(B, S, L, H, V) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize('shape', [(1536, 2048, 96, 12288, 51200), (3, 7, 5, 11, 13)])
 def test_recompute_ratio_is_four_thirds(shape):
-    f4 = metrics.megatron_flops_per_step(*shape, recompute=True)
-    f3 = metrics.megatron_flops_per_step(*shape, recompute=False)
+    f4 = flops_lib.megatron_flops_per_step(*shape, recompute=True)
+    f3 = flops_lib.megatron_flops_per_step(*shape, recompute=False)
     assert f4 / f3 == pytest.approx(4 / 3, rel=1e-12)
 
 
@@ -61,11 +63,11 @@ def test_flops_per_step_from_config_uses_padded_vocab_and_remat():
     c.model.vocab_size, c.mesh.tensor, c.train.global_batch = 50257, 2, 6
     assert config_lib.padded_vocab(c) == 50432  # multiple of 128 * 2
     c.model.remat = 'full'
-    model, hw = metrics.flops_per_step_from_config(c)
-    assert model == pytest.approx(metrics.model_flops_per_step(6, 24, 3, 40, 50432), rel=1e-12)
-    assert hw == pytest.approx(metrics.megatron_flops_per_step(6, 24, 3, 40, 50432, True), rel=1e-12)
+    model, hw = flops_lib.flops_per_step_from_config(c)
+    assert model == pytest.approx(flops_lib.model_flops_per_step(6, 24, 3, 40, 50432), rel=1e-12)
+    assert hw == pytest.approx(flops_lib.megatron_flops_per_step(6, 24, 3, 40, 50432, True), rel=1e-12)
     c.model.remat = 'none'
-    model_none, hw_none = metrics.flops_per_step_from_config(c)
+    model_none, hw_none = flops_lib.flops_per_step_from_config(c)
     assert model_none == model and hw_none == pytest.approx(model, rel=1e-12)
 
 
@@ -109,28 +111,28 @@ class FakeDevice:
     ('NVIDIA H200', 'float16', 989.4e12),
 ])
 def test_device_peak_table(kind, dtype, peak):
-    got, source = metrics.device_peak_flops(FakeDevice('gpu', kind), dtype)
+    got, source = hardware.device_peak_flops(FakeDevice('gpu', kind), dtype)
     assert got == peak
     assert 'table' in source
 
 
 @pytest.mark.parametrize('kind', ['NVIDIA GeForce RTX 4090', 'NVIDIA H100 PCIe', 'TPU v5 lite'])
 def test_unknown_device_kind_is_nan(kind):
-    got, source = metrics.device_peak_flops(FakeDevice('gpu', kind), 'bfloat16')
+    got, source = hardware.device_peak_flops(FakeDevice('gpu', kind), 'bfloat16')
     assert math.isnan(got)
     assert source.startswith('unknown device kind')
 
 
 def test_unknown_dtype_raises():
     with pytest.raises(ValueError, match='int8'):
-        metrics.device_peak_flops(FakeDevice('gpu', 'NVIDIA H200'), 'int8')
+        hardware.device_peak_flops(FakeDevice('gpu', 'NVIDIA H200'), 'int8')
 
 
 def test_cpu_peak_is_measured_positive_and_cached():
-    peak = metrics.measure_cpu_matmul_peak('float32')
+    peak = hardware.measure_cpu_matmul_peak('float32')
     assert math.isfinite(peak) and peak > 0
-    assert metrics.measure_cpu_matmul_peak('float32') == peak  # cached, not re-measured
-    got, source = metrics.device_peak_flops(jax.devices('cpu')[0], 'float32')
+    assert hardware.measure_cpu_matmul_peak('float32') == peak  # cached, not re-measured
+    got, source = hardware.device_peak_flops(jax.devices('cpu')[0], 'float32')
     assert got == peak
     assert 'measured' in source and f'{len(jax.local_devices(backend="cpu"))} CPU devices' in source
 

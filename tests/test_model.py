@@ -18,11 +18,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import train
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import loop as train
+from jaxfrontier.training import state as ts
 from jaxfrontier.model import attention as attention_lib
 from jaxfrontier.model.gpt import cross_entropy
 from jaxfrontier.model.layers import dropout, embedding_lookup
+from jaxfrontier.model import params as params_lib
 
 RTOL, ATOL = 1e-5, 1e-6
 BATCH, SEQ = 3, 16
@@ -43,7 +44,7 @@ def params_and_tokens():
     Drawn with numpy rather than the model's init: no compile, and non-zero biases and
     LayerNorm offsets, so every parameter's path through the model is exercised.
     """
-    abstract = ts.ModelDef.create(config_lib.model_shape(tiny_config())).abstract_params()
+    abstract = params_lib.ModelDef.create(config_lib.model_shape(tiny_config())).abstract_params()
     rng = np.random.default_rng(0)
 
     def draw(path, x):
@@ -63,7 +64,7 @@ def gpt_loss_and_grads(attention='xla', remat='none', dropout_rate=0.0, scan_unr
 @functools.lru_cache(maxsize=None)
 def _gpt_loss_and_grads(attention, remat, dropout_rate, scan_unroll):
     c = tiny_config(attention=attention, remat=remat, dropout_rate=dropout_rate, scan_unroll=scan_unroll)
-    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    model_def = params_lib.ModelDef.create(config_lib.model_shape(c))
     params, tokens = params_and_tokens()
 
     def loss_fn(p, t):
@@ -202,7 +203,7 @@ def test_dropout_keeps_expectation():
 
 def test_gpt_dropout_depends_on_key_only():
     c = tiny_config(dropout_rate=0.2)
-    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    model_def = params_lib.ModelDef.create(config_lib.model_shape(c))
     params, tokens = params_and_tokens()
     loss_fn = jax.jit(lambda p, t, key: model_def.bind(p).loss(t[:, :-1], t[:, 1:], key))
     loss_a, loss_a2, loss_b = (float(loss_fn(params, tokens, jax.random.key(s))) for s in (7, 7, 8))
@@ -333,7 +334,7 @@ def test_vocab_parallel_embedding_lookup_matches_take(shape):
 
 def test_bf16_compute_keeps_fp32_params_and_loss():
     c = tiny_config(dtype='bfloat16')
-    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    model_def = params_lib.ModelDef.create(config_lib.model_shape(c))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(model_def.abstract_params()))
     params, tokens = params_and_tokens()
 

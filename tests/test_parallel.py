@@ -8,10 +8,10 @@ what they are (Adam's eps, the key bias) are in layout_check.py.
 import jax
 import pytest
 
-from jaxfrontier import compile_check
+from jaxfrontier.plan import compile_check
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import state as ts
 from layout_check import check_against_reference, make_config, run_layout
 
 
@@ -58,7 +58,7 @@ def test_zero1_shards_optimizer_state_not_params():
 @pytest.mark.slow
 def test_padded_zero1_matches_single_device():
     """ZeRO-1 over data 3: no dimension of d_model 64, 8 heads or vocabulary 256 divides by 3,
-    so the optimizer state is padded (train_state.zero1_layout); the run is still exact."""
+    so the optimizer state is padded (layout_lib.zero1_layout); the run is still exact."""
     reference = run_layout(make_config(global_batch=24))
     check_against_reference(run_layout(make_config(data=3, tensor=2, zero1=True, accum=2, global_batch=24)),
                             reference)
@@ -73,6 +73,6 @@ def _data_reduction_bytes(accum):
 
 def test_gradients_cross_data_once_per_step():
     """Accumulation sums each replica's gradients locally: the bytes reduced over `data` per step
-    do not grow with the number of micro-batches (jaxfrontier/reduction.py)."""
+    do not grow with the number of micro-batches (jaxfrontier/training/reduction.py)."""
     two, eight = _data_reduction_bytes(2), _data_reduction_bytes(8)
     assert two > 0 and abs(eight / two - 1) < 0.02, (two, eight)

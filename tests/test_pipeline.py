@@ -11,14 +11,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxfrontier import compile_check
+from jaxfrontier.plan import compile_check
 from jaxfrontier import config as config_lib
-from jaxfrontier import flop_count
+from jaxfrontier.plan import flop_count
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
-from jaxfrontier import schedules
-from jaxfrontier import train
-from jaxfrontier import train_state as ts
+from jaxfrontier.pipeline import schedules
+from jaxfrontier.training import loop as train
+from jaxfrontier.training import state as ts
 from layout_check import LOSS_RTOL, assert_trees_close, check_against_reference, make_config, run_layout
 
 LAYERS, BATCH = 8, 24

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import sweep_space
-from jaxfrontier import sweep_trials
+from jaxfrontier.sweep import space as sweep_space
+from jaxfrontier.sweep import trials as sweep_trials
 from processes import REPO, subprocess_env
 from test_slurm import job_env, sbatch, slurm  # noqa: F401  (slurm: the loopback cluster fixture)
 
@@ -128,7 +128,8 @@ def test_results_store_appends_reloads_and_resumes(tmp_path):
 
 
 def test_study_records_decisions_once_and_keeps_measurements(tmp_path):
-    from jaxfrontier import sweep_launch, sweep_run
+    from jaxfrontier.sweep import launch as sweep_launch
+    from jaxfrontier.sweep import run as sweep_run
     study = sweep_run.Study(workdir=str(tmp_path), config_spec='configs/tiny.py', base=tiny_base(), user_args=(),
                             warmup=1, steps=1, launcher=sweep_launch.LocalLauncher([sys.executable]), trial_env={})
     invalid = study.prepare({'tensor': 3}, 8, ['tensor'])
@@ -194,7 +195,7 @@ def test_measurement_is_the_mean_over_the_measured_steps():
     (['--space=tensor=1,2', '--config.mesh.tensor=2'], 'is swept, but --config.mesh.tensor also fixes it'),
     (['--space=tensor=3,5', '--noplan_filter'], 'no point of the search space has a valid layout on 8 devices'),
     (['--space=tensor=1', '--config.train.steps=9'], 'the sweep sets it for every trial'),
-    (['--space=tensor=1', '--config.train.stepz=9'], 'names no field of the config'),
+    (['--space=tensor=1', '--config.train.stepz=9'], 'the config has no field'),
 ])
 def test_bad_input_is_one_line_and_runs_nothing(tmp_path, args, message):
     proc = sweep(tmp_path / 'w', *args, timeout=120)

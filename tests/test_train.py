@@ -6,8 +6,8 @@ import os
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import metrics as metrics_lib
-from jaxfrontier import train
+from jaxfrontier.training import metrics as metrics_lib
+from jaxfrontier.training import loop as train
 from ml_collections import config_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

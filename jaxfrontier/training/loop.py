@@ -19,15 +19,18 @@ import optax
 from absl import logging
 from jax.sharding import NamedSharding
 
-from jaxfrontier import checkpoint as checkpoint_lib
+from jaxfrontier.training import checkpoint as checkpoint_lib
+from jaxfrontier.training import export
 from jaxfrontier import config as config_lib
-from jaxfrontier import data as data_lib
+from jaxfrontier.data import dataset as data_lib
+from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import metrics as metrics_lib
+from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier import pipeline
-from jaxfrontier import reduction
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import reduction
+from jaxfrontier.training import state as ts
+from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
 
@@ -88,12 +91,12 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     The loss is the mean over all tokens of the global batch; gradients are averaged over the
     micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
     Where reduction.reduce_once holds, each data-parallel replica accumulates its own rows'
-    gradients and they cross the `data` axis once per step (jaxfrontier/reduction.py).
+    gradients and they cross the `data` axis once per step (jaxfrontier/training/reduction.py).
     """
     accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
     once = reduction.reduce_once(c, layout.rules, layout.param_shardings)
     if c.mesh.pipeline > 1:
-        micro_fn = pipeline.make_pipeline_grads(c, layout, _dropout_key)
+        micro_fn = pipeline.make_pipeline_grads(c, layout.model_def, _dropout_key)
     else:
         # Per micro-batch reduction: gradients meet the optimizer layout (ZeRO-1: a reduce-scatter)
         # in every step. Reduced once: they stay where the parameters are until the end.
@@ -134,7 +137,7 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
     accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
     if c.mesh.pipeline > 1:  # a forward-only wave through the stages (pipeline.make_pipeline_eval)
-        return pipeline.make_pipeline_eval(c, layout, split_micro_batches)
+        return pipeline.make_pipeline_eval(c, layout.model_def, split_micro_batches)
 
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)
@@ -182,8 +185,8 @@ class _Reporter:
                  first_row: dict[str, float] | None = None):
         self.c, self.writer, self.n_devices = c, writer, n_devices
         self.first_row = dict(first_row or {})  # written once, with the first record: compile time, memory
-        self.model_flops, self.hw_flops = metrics_lib.flops_per_step_from_config(c)
-        self.peak, self.peak_source = metrics_lib.device_peak_flops(jax.devices()[0], c.model.dtype)
+        self.model_flops, self.hw_flops = flops_lib.flops_per_step_from_config(c)
+        self.peak, self.peak_source = hardware.device_peak_flops(jax.devices()[0], c.model.dtype)
         self.tokens_per_step = c.train.global_batch * c.model.seq_len
         self.constants = {'pipeline/bubble': pipeline.build_schedule(c).bubble} if c.mesh.pipeline > 1 else {}
         self.last_time, self.last_step, self.last_record = None, None, {}
@@ -249,8 +252,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
              f'M={sched.num_micro} micro-batches, {sched.num_ticks} ticks, bubble {sched.bubble:.1%}, '
              f'at most {sched.act_slots} stashed micro-batches per stage')
     checkpointer = checkpoint_lib.Checkpointer(c, workdir)
-    state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout))
-    _log(f'state: {ts.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
+    state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout),
+                                                   export.load_params)
+    _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
 
     # 5. compile
     t0 = time.perf_counter()

@@ -27,8 +27,9 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
-from jaxfrontier import plan_comm
-from jaxfrontier import plan_model
+from jaxfrontier import layout as layout_lib
+from jaxfrontier.plan import comm as plan_comm
+from jaxfrontier.plan import estimate as plan_model
 
 RESERVED_FRACTION = plan_model.RESERVED_FRACTION
 GIB = hw_lib.GIB
@@ -54,10 +55,12 @@ class Layout:
     @property
     def split_tokens(self) -> int:
         """Parts the pipeline's stash and sends are split into over `tensor` (pipeline.TokenSplit)."""
-        # Only where no automatic axis splits the tokens already: fsdp, or data when dropout keeps
-        # the data axis automatic (reduction.py).
-        tokens_whole = self.fsdp == 1 and (self.data == 1 or self.reduce_once)
-        return self.tensor if self.pipeline > 1 and self.shard_activations and tokens_whole else 1
+        if self.pipeline == 1:
+            return 1
+        # The batch's automatic axes: fsdp, and data unless the pipeline runs data-manual.
+        batch = tuple(a for a, n in (('data', 0 if self.reduce_once else self.data), ('fsdp', self.fsdp)) if n > 1)
+        axes = layout_lib.token_split_axes(self.shard_activations, batch, ('tensor',) if self.tensor > 1 else ())
+        return self.tensor if axes else 1
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
@@ -69,8 +72,9 @@ class Layout:
 
     @property
     def reduce_once(self) -> bool:
-        """Gradients cross `data` once per step (jaxfrontier/reduction.py; default rules)."""
-        return self.data > 1 and not self.dropout and (self.accum_steps > 1 or self.pipeline > 1)
+        """Gradients cross `data` once per step (jaxfrontier/training/reduction.py; default rules)."""
+        return layout_lib.reduce_once(data=self.data, dropout=self.dropout, accum_steps=self.accum_steps,
+                                      pipeline=self.pipeline)
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -226,13 +230,13 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
         unsharded = sum(x.local for x in pls if x.update_local == x.local) / sum(x.local for x in pls)
         if unsharded > 0.01:
             out.append(f'ZeRO-1 leaves {unsharded:.0%} of the optimizer state unsharded: no dimension of those '
-                       f'weights is divisible by the data-parallel size {lay.dp} (train_state.zero1_spec)')
+                       f'weights is divisible by the data-parallel size {lay.dp} (layout_lib.zero1_spec)')
     reductions = [t for t in p.transfers if t.per_micro_batch and 'data' in t.axes
                   and t.what.startswith(('gradients', 'embedding grad'))]
     if lay.accum_steps > 1 and reductions:
         why = 'dropout is on' if lay.dropout else 'the sharding rules put parameters on `data`'
         exposed = sum(t.exposed_s for t in reductions)
-        out.append(f'gradients are reduced over `data` once per micro-batch because {why} (jaxfrontier/reduction.py): '
+        out.append(f'gradients are reduced over `data` once per micro-batch because {why} (jaxfrontier/training/reduction.py): '
                    f'{exposed:.2f} s exposed per step; once per step would cut the bytes {lay.accum_steps}-fold')
     if lay.pipeline > 1 and lay.remat != 'full' and not plan_model.staggered(lay):
         out.append(f'inside a pipeline every remat policy acts as per-layer full recomputation (model.remat='

@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 import ml_collections
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import sweep_space
-from jaxfrontier import sweep_trials
-from jaxfrontier.sweep_trials import Trial
+from jaxfrontier.sweep import space as sweep_space
+from jaxfrontier.sweep import trials as sweep_trials
+from jaxfrontier.sweep.trials import Trial
 
 # Fields every trial sets: the measurement needs them; the user chooses them with sweep flags.
 FIXED = {'train.steps': '--warmup and --steps', 'train.log_every': '(every step is logged)'}

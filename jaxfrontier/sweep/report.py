@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from jaxfrontier import sweep_trials  # pylint: disable=wrong-import-position
+from jaxfrontier.sweep import trials as sweep_trials  # pylint: disable=wrong-import-position
 
 # (record field, Markdown header, format)
 COLUMNS = (

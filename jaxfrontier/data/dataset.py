@@ -130,7 +130,7 @@ def _bad(path: Any, problem: str, fix: str) -> NoReturn:
     raise ConfigError('data.path', os.fspath(path), problem, fix)
 
 
-_REWRITE = 'write the file with jaxfrontier.data.write_token_file (format: docs/data.md)'
+_REWRITE = 'write the file with jaxfrontier.data.dataset.write_token_file (format: docs/data.md)'
 
 
 def _read_header(path: Any, header_path: str) -> dict[str, Any]:

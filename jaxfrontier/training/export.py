@@ -26,9 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxfrontier import checkpoint as ckpt_lib
+from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier import config as config_lib
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import state as ts
 
 FORMAT = 'jaxfrontier-params'
 _SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'int32': 'I32'}
@@ -141,7 +141,7 @@ def export_params(source: str, out_path: str) -> dict[str, tuple[int, ...]]:
     saved = _param_shapes(step_dir)
     merge = _virtual_stages(meta['config']) > 1
     shapes = {name: ((shape[0] * shape[1], *shape[2:]) if merge and name.startswith('blocks/') else shape, dtype)
-              for name, (shape, dtype) in saved.items()}  # model order [L, ...] (train_state.merge_virtual)
+              for name, (shape, dtype) in saved.items()}  # model order [L, ...] (params_lib.merge_virtual)
     metadata = {'format': FORMAT, 'step': str(meta['step']), 'source': step_dir,
                 'config': json.dumps(meta['config'], sort_keys=True),
                 'vocab_size': str(meta['config']['model']['vocab_size'])}

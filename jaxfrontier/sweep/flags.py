@@ -18,9 +18,11 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX
 from jaxfrontier import hardware as hw_lib  # no JAX at import
-from jaxfrontier import sweep_launch, sweep_run
+from jaxfrontier.sweep import launch as sweep_launch
+from jaxfrontier.sweep import run as sweep_run
 
 CONFIG = config_flags.DEFINE_config_file('config', None, 'Base config file (configs/*.py[:arg]); --config.x=y '
                                          'overrides apply to every trial.', lock_config=True)
@@ -75,7 +77,7 @@ def make_study(config_spec: str, user_args: tuple[str, ...], max_devices: int) -
         # The planner imports JAX: keep this process off the GPUs its trials use.
         os.environ['JAX_PLATFORMS'] = 'cpu'
         config_lib.set_cpu_device_count(max_devices if cpu else 1)
-        from jaxfrontier import sweep_plan  # pylint: disable=g-import-not-at-top
+        from jaxfrontier.sweep import plan as sweep_plan  # pylint: disable=g-import-not-at-top
         predict = sweep_plan.predictor(HARDWARE.value, cpu)
     os.makedirs(WORKDIR.value, exist_ok=True)
     return sweep_run.Study(workdir=WORKDIR.value, config_spec=config_spec, base=base, user_args=user_args,
@@ -110,21 +112,8 @@ def user_overrides(argv: list[str]) -> tuple[str, tuple[str, ...]]:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing; a bad flag or --config override is one line (exit 2), not a traceback."""
-    if not any(re.match(r'^--?config(=|$)', a) for a in argv[1:]):
-        fail('--config is required: the base config of every trial, e.g. --config=configs/tiny.py')
-    try:
-        rest = flags.FLAGS(argv)
-        CONFIG.value.get('mesh')  # a config file that failed to load raises only when used
-    except (AttributeError, KeyError) as e:
-        fail(f'a --config.* override names no field of the config ({e}). Fix: correct the key')
-    except flags.Error as e:
-        cause = e
-        while cause is not None and not isinstance(cause, config_lib.UserError):
-            cause = cause.__cause__ or cause.__context__
-        fail(' '.join(str(cause or e).split()))
-    except OSError as e:
-        fail(' '.join(f'--config: {e}'.split()))
-    return rest
+    return cli.parse_config_flags(
+        argv, CONFIG, required='--config is required: the base config of every trial, e.g. --config=configs/tiny.py')
 
 
 def run_command(body) -> None:
@@ -152,6 +141,4 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def fail(message: str) -> None:
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(2)
+fail = cli.fail

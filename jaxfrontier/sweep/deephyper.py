@@ -18,9 +18,9 @@ import os
 from typing import Any
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import sweep_space
-from jaxfrontier import sweep_trials
-from jaxfrontier.sweep_run import Study
+from jaxfrontier.sweep import space as sweep_space
+from jaxfrontier.sweep import trials as sweep_trials
+from jaxfrontier.sweep.run import Study
 
 
 def _hpo():

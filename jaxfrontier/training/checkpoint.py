@@ -7,7 +7,7 @@ A run's checkpoints live in `<workdir>/checkpoints/<step>/`, each with two items
   meta/   JSON: the format version, the step, the data position and the resolved config.
 
 Nothing else is needed to continue exactly: batches are a pure function of (seed, step)
-(jaxfrontier/data.py) and so is the dropout randomness (jaxfrontier/train.py), so the step
+(jaxfrontier/data/dataset.py) and so is the dropout randomness (jaxfrontier/training/loop.py), so the step
 *is* the data position and the RNG state.
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-<time>/` and renames it to `<step>/`
@@ -44,7 +44,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store  # pinned orbax 
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import train_state as ts
+from jaxfrontier.training import state as ts
 
 State = dict[str, Any]
 
@@ -130,7 +130,7 @@ def layer_split(name: str, saved: tuple[int, ...], target: tuple[int, ...]) -> t
     """(saved, target) numbers of leading layer dimensions when a block array differs only in them.
 
     Interleaved pipelines store block arrays [V, L / V, ...] instead of [L, ...], in the same
-    layer order (train_state.split_virtual), so the two convert by a reshape.
+    layer order (params_lib.split_virtual), so the two convert by a reshape.
     """
     if not (name.startswith('blocks/') or '/blocks/' in name):
         return None
@@ -161,7 +161,7 @@ def plan_restore(target: Any, saved_shapes: dict[str, tuple[int, ...]], vocab: t
                           padding rows are never read by the model (token ids < vocab_size,
                           padded logits masked), so they are dropped or zero-filled.
       ZeRO-1 padding      optimizer state padded to a multiple of the data-parallel size
-                          (train_state.zero1_layout); the padding is zero: dropped or zero-filled.
+                          (layout_lib.zero1_layout); the padding is zero: dropped or zero-filled.
       layer split         interleaved pipelines hold block arrays as [V, L / V, ...]: such an
                           array is read in its saved shape, then reshaped (`finish_restore`).
 
@@ -189,7 +189,7 @@ def plan_restore(target: Any, saved_shapes: dict[str, tuple[int, ...]], vocab: t
             sharding = _layer_split_sharding(leaf, saved, *split)
             return (jax.ShapeDtypeStruct(saved, leaf.dtype, sharding=sharding),
                     ocp.ArrayRestoreArgs(sharding=sharding, global_shape=saved, dtype=leaf.dtype))
-        # ZeRO-1 pads optimizer state that no data-parallel size divides (train_state.zero1_layout);
+        # ZeRO-1 pads optimizer state that no data-parallel size divides (layout_lib.zero1_layout);
         # its padding is always zero, so it too is dropped or zero-filled.
         zero1_padding = name.startswith('opt_state/')
         padded_only = len(saved) == len(leaf.shape) and all(
@@ -234,7 +234,7 @@ class Checkpointer:
     Usage, in the order the training loop calls it:
 
         ckpt = Checkpointer(config, workdir)
-        state, origin = ckpt.restore_or_init(layout, init_fn)
+        state, origin = ckpt.restore_or_init(layout, init_fn, export.load_params)
         ...  state, metrics = train_step(state, batch); ckpt.save(step, state)
         ckpt.save(final_step, state, force=True); ckpt.close()
 
@@ -327,8 +327,13 @@ class Checkpointer:
             raise corrupted_error(self.directory, step, e) from e
         return finish_restore(restored, reshaped)
 
-    def restore_or_init(self, layout: ts.StateLayout, init_fn: Callable[[], State]) -> tuple[State, str]:
+    def restore_or_init(self, layout: ts.StateLayout, init_fn: Callable[[], State],
+                        load_params: Callable[[str, ml_collections.ConfigDict, ts.StateLayout], Any] | None = None,
+                        ) -> tuple[State, str]:
         """The newest checkpoint of this run, else `init_fn()` (with config.checkpoint.init_params_from).
+
+        `load_params(source, config, layout)` reads config.checkpoint.init_params_from
+        (`export.load_params`, passed in: export builds on this module, not the reverse).
 
         Returns:
           (state, a one-line description of where it came from).
@@ -340,8 +345,9 @@ class Checkpointer:
         source = self.cc.init_params_from
         if not source:
             return state, 'initialised from scratch'
-        from jaxfrontier import export  # pylint: disable=g-import-not-at-top  (export imports this module)
-        state['params'] = export.load_params(source, self.c, layout)
+        if load_params is None:
+            raise ValueError('checkpoint.init_params_from is set but no load_params was given')
+        state['params'] = load_params(source, self.c, layout)
         return state, f'parameters from {source} (checkpoint.init_params_from), fresh optimizer state'
 
     # ------------------------------------------------------------------ save

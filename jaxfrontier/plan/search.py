@@ -18,7 +18,7 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
-from jaxfrontier import planner
+from jaxfrontier.plan import planner
 
 MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (2, 4)

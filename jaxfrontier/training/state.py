@@ -17,51 +17,18 @@ Placement:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.model.gpt import GPT
-
-Params = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelDef:
-    """The model's structure without values: binds a params dict back into a GPT module."""
-
-    graphdef: nnx.GraphDef
-    abstract_state: nnx.State
-
-    @classmethod
-    def create(cls, shape: config_lib.ModelShape) -> 'ModelDef':
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(shape, rngs=nnx.Rngs(0))))
-        return cls(graphdef, state)
-
-    def bind(self, params: Params) -> GPT:
-        state = jax.tree.map(lambda x: x, self.abstract_state)
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)
-
-    def logical_specs(self) -> Params:
-        return nnx.to_pure_dict(nnx.get_partition_spec(self.abstract_state))
-
-    def abstract_params(self) -> Params:
-        return nnx.to_pure_dict(self.abstract_state)
-
-
-def init_params(shape: config_lib.ModelShape, key: jax.Array) -> Params:
-    return nnx.to_pure_dict(nnx.state(GPT(shape, rngs=nnx.Rngs(params=key))))
-
-
+from jaxfrontier import layout as layout_lib
+from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual, split_virtual_specs
 def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
     """Linear warm-up from 0 to optim.lr, then cosine decay to optim.min_lr."""
     o = c.optim
@@ -86,47 +53,6 @@ def make_optimizer(c: ml_collections.ConfigDict) -> tuple[optax.GradientTransfor
         optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_decay_mask),
     )
     return tx, schedule
-
-
-def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
-                 dp_axes: tuple[str, ...]) -> tuple[P, tuple[int, ...]]:
-    """ZeRO-1: the spec (and shape) of a parameter's optimizer state, sharded over the data axes.
-
-    Adds the data-parallel axes the parameter's spec does not use yet to its first dimension
-    they divide. Where none does (the paper's 1T layout: data 6 and no weight dimension
-    divisible by 6), the optimizer state is padded with zeros along the dimension that needs
-    the least padding, as Megatron's distributed optimizer pads its flat buffer: JAX shards
-    only evenly. Returns (spec, padded shape); the shape is `shape` when no padding is needed.
-    """
-    used = mesh_lib.spec_axes(spec)
-    extra = tuple(a for a in dp_axes if a not in used and mesh.shape[a] > 1)
-    if not extra:
-        return spec, tuple(shape)
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    extra_size = 1
-    for a in extra:
-        extra_size *= mesh.shape[a]
-    options = []  # (cost, dimension)
-    for i, entry in enumerate(entries):
-        current_size = math.prod(mesh.shape[a] for a in mesh_lib.entry_axes(entry))
-        multiple = current_size * extra_size
-        if shape[i] % multiple == 0:
-            options = [(0.0, i)]  # the first divisible dimension: no padding
-            break
-        # Padding relative to the dimension; padding a dimension that is already sharded moves
-        # data between its shards (the padded shards straddle the old boundaries): 5 % penalty.
-        options.append((-shape[i] % multiple / shape[i] + (0.05 if current_size > 1 else 0.0), i))
-    _, i = min(options)
-    pad = -shape[i] % math.prod(mesh.shape[a] for a in (*mesh_lib.entry_axes(entries[i]), *extra))
-    current = mesh_lib.entry_axes(entries[i])
-    entries[i] = current + extra if len(current + extra) > 1 else (current + extra)[0]
-    padded = tuple(n + pad if d == i else n for d, n in enumerate(shape))
-    return P(*entries), padded
-
-
-def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> P:
-    """The optimizer-state spec of `zero1_layout` (over the padded shape where it pads)."""
-    return zero1_layout(spec, shape, mesh, dp_axes)[0]
 
 
 def _pad_to(x: jax.Array, shape: tuple[int, ...], sharding) -> jax.Array:
@@ -158,38 +84,6 @@ def padded_optimizer(tx: optax.GradientTransformation, padded_shapes: Params,
     return optax.GradientTransformation(init, update)
 
 
-def split_virtual(params: Params, virtual: int) -> Params:
-    """Interleaved pipelines: block leaves [L, ...] -> [V, L / V, ...] (a reshape, same order).
-
-    Layer l = (v P + p) Lc + j lands at [v, p Lc + j], so sharding the second axis over
-    `pipeline` gives stage p exactly its chunks p, P + p, ... (round-robin) in model order.
-    """
-    if virtual == 1:
-        return params
-
-    def split(a):
-        shape = (virtual, a.shape[0] // virtual, *a.shape[1:])
-        return jax.ShapeDtypeStruct(shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.reshape(shape)
-
-    return {**params, 'blocks': jax.tree.map(split, params['blocks'])}
-
-
-def merge_virtual(params: Params) -> Params:
-    """Inverse of split_virtual: block leaves back to [L, ...] (model order)."""
-    blocks = params['blocks']
-    ln = blocks['ln1']['scale']
-    if ln.ndim == 2:  # [L, d]: not split
-        return params
-    return {**params, 'blocks': jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), blocks)}
-
-
-def split_virtual_specs(specs: Params, virtual: int) -> Params:
-    if virtual == 1:
-        return specs
-    blocks = jax.tree.map(lambda s: P('virtual', *s), specs['blocks'], is_leaf=lambda x: isinstance(x, P))
-    return {**specs, 'blocks': blocks}
-
-
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """Everything needed to build, place and update the train state on one mesh."""
@@ -215,7 +109,7 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
     param_shardings = mesh_lib.tree_shardings(split_virtual_specs(model_def.logical_specs(), virtual), mesh, rules)
     if c.sharding.zero1:
         dp_axes = mesh_lib.data_parallel_axes(rules)
-        zero1 = jax.tree.map(lambda s, a: zero1_layout(s.spec, a.shape, mesh, dp_axes), param_shardings,
+        zero1 = jax.tree.map(lambda s, a: layout_lib.zero1_layout(s.spec, a.shape, mesh, dp_axes), param_shardings,
                              abstract_params)
         is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], P)  # noqa: E731
         padded_shapes = jax.tree.map(lambda z: z[1], zero1, is_leaf=is_pair)
@@ -258,7 +152,3 @@ def init_train_state(c: ml_collections.ConfigDict, layout: StateLayout) -> dict[
 
     with jax.set_mesh(layout.mesh):
         return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(c.seed))
-
-
-def count_params(params: Params) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(params))

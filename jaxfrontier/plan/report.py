@@ -19,11 +19,11 @@ from typing import Any
 
 import ml_collections
 
-from jaxfrontier import compile_check
+from jaxfrontier.plan import compile_check
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
-from jaxfrontier import plan_search
-from jaxfrontier import planner
+from jaxfrontier.plan import search as plan_search
+from jaxfrontier.plan import planner
 
 
 def lower_check(c: ml_collections.ConfigDict) -> tuple[str, dict[str, Any]]:

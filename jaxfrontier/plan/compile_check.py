@@ -35,13 +35,13 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import hlo_collectives
+from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
-from jaxfrontier import pipeline_1f1b
-from jaxfrontier import schedules
-from jaxfrontier import train
-from jaxfrontier import train_state as ts
+from jaxfrontier.pipeline import staggered as pipeline_1f1b
+from jaxfrontier.pipeline import schedules
+from jaxfrontier.training import loop as train
+from jaxfrontier.training import state as ts
 
 MAX_CPU_DEVICES = 2048
 
@@ -158,7 +158,7 @@ def cpu_result(c: ml_collections.ConfigDict) -> CpuResult:
 _CHILD = """
 import json, sys
 import ml_collections
-from jaxfrontier import compile_check
+from jaxfrontier.plan import compile_check
 c = ml_collections.ConfigDict(json.loads(sys.stdin.read()))
 print('RESULT ' + compile_check.cpu_result(c).to_json())
 """

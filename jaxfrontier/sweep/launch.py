@@ -17,7 +17,7 @@ import subprocess
 from typing import Mapping, Sequence
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.sweep_trials import Trial
+from jaxfrontier.sweep.trials import Trial
 
 
 class LocalLauncher:

@@ -22,19 +22,18 @@ import jax
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
+from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 
-AXIS = 'data'
+AXIS = layout_lib.DATA
 
 
 def reduce_once(c: ml_collections.ConfigDict, rules: mesh_lib.Rules, param_shardings) -> bool:
-    """True when gradients are summed locally over micro-batches and reduced over `data` once."""
-    if c.mesh.data == 1 or c.model.dropout_rate > 0.0 or AXIS not in mesh_lib.data_parallel_axes(rules):
-        return False
-    if c.train.accum_steps == 1 and c.mesh.pipeline == 1:
-        return False  # one micro-batch: one reduction either way
-    # Parameters must be replicated over `data` (the default rules); ZeRO-1 only shards the optimizer state.
-    return not any(AXIS in mesh_lib.spec_axes(s.spec) for s in jax.tree.leaves(param_shardings))
+    """`layout.reduce_once` for a config, its rules and its parameters' shardings."""
+    return layout_lib.reduce_once(
+        data=c.mesh.data, dropout=c.model.dropout_rate > 0.0, accum_steps=c.train.accum_steps,
+        pipeline=c.mesh.pipeline, data_is_batch_axis=AXIS in mesh_lib.data_parallel_axes(rules),
+        params_over_data=any(AXIS in mesh_lib.spec_axes(s.spec) for s in jax.tree.leaves(param_shardings)))
 
 
 def local_rules(rules: mesh_lib.Rules) -> mesh_lib.Rules:

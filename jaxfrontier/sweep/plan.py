@@ -25,7 +25,7 @@ def predictor(hardware: str, cpu: bool) -> Callable[[ml_collections.ConfigDict, 
         raise config_lib.UserError(
             '--hardware=local: the trials run on GPUs, and the sweep process must not take one to look. Fix: '
             f'name the device with --hardware (one of {", ".join(hw_lib.HARDWARE)}), or pass --noplan_filter')
-    from jaxfrontier import planner  # pylint: disable=g-import-not-at-top  (imports JAX)
+    from jaxfrontier.plan import planner  # pylint: disable=g-import-not-at-top  (imports JAX)
 
     hw = hw_lib.get(hardware)
     host_bytes = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')

@@ -11,7 +11,7 @@ comparison with the compiled HLO is in tests/test_planner.py; docs/planner.md ha
             as stored); gradients reduce-scattered (all-reduce + slice on XLA:CPU).
   data      with several micro-batches (or a pipeline) and no dropout, gradients are
             accumulated per replica and all-reduced over `data` once per step
-            (jaxfrontier/reduction.py); otherwise all-reduced on their fsdp shard once per
+            (jaxfrontier/training/reduction.py); otherwise all-reduced on their fsdp shard once per
             micro-batch. With ZeRO-1 they are then sliced into the optimizer layout and the
             updated parameters all-gathered once per step.
   pipeline  each micro-batch's activations sent forward and their gradient sent back at
@@ -34,7 +34,7 @@ import math
 
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import plan_model as pm
+from jaxfrontier.plan import estimate as pm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
 
     Counts are per device, averaged over pipeline stages: a pipeline runs the embedding on
     its first stage and the head on its last, and sums their gradients over stages once.
-    With `layout.reduce_once` (jaxfrontier/reduction.py) the `data` axis leaves the
+    With `layout.reduce_once` (jaxfrontier/training/reduction.py) the `data` axis leaves the
     per-micro-batch reductions: each replica accumulates locally (gradients in the
     parameters' layout) and one all-reduce over `data` per step follows.
     """

@@ -18,7 +18,10 @@ from typing import Any
 from absl import flags
 
 from jaxfrontier import config as config_lib  # no JAX
-from jaxfrontier import sweep_flags, sweep_run, sweep_space, sweep_trials
+from jaxfrontier.sweep import flags as sweep_flags
+from jaxfrontier.sweep import run as sweep_run
+from jaxfrontier.sweep import space as sweep_space
+from jaxfrontier.sweep import trials as sweep_trials
 
 OBJECTIVES = ('tokens_per_s', 'tokens_per_s_per_device', 'tflops_per_device', 'mfu', 'hw_tflops_per_device')
 
@@ -94,7 +97,7 @@ def run_sweep(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> 
     if _REPORT_ONLY.value:
         records = [r for r in study.store.records.values() if r.get('devices') == devices]
     elif _METHOD.value == 'deephyper':
-        from jaxfrontier import sweep_deephyper  # pylint: disable=g-import-not-at-top  (optional extra)
+        from jaxfrontier.sweep import deephyper as sweep_deephyper  # pylint: disable=g-import-not-at-top  (optional extra)
         records = sweep_deephyper.search(study, space, devices, _MAX_TRIALS.value, _SEED.value, _OBJECTIVE.value)
     else:
         points = sweep_space.grid(space) if _METHOD.value == 'grid' else sweep_space.random_order(space, _SEED.value)
@@ -103,7 +106,7 @@ def run_sweep(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> 
         F.log(f'{len(points)} points, {len(items)} taken; {to_run} trials to run, '
               f'{len(items) - to_run} already recorded or not runnable')
         records = study.run(items)
-    from jaxfrontier import sweep_report  # pylint: disable=g-import-not-at-top  (matplotlib)
+    from jaxfrontier.sweep import report as sweep_report  # pylint: disable=g-import-not-at-top  (matplotlib)
     paths = sweep_report.write_sweep_report(workdir, records, space, _OBJECTIVE.value,
                                             F.describe_run(argv, 'jaxfrontier.sweep', str(devices)))
     F.log(', '.join(f'{n} {s}' for s, n in sweep_report.counts(records).items()) + f'; report {paths["markdown"]}')

@@ -17,7 +17,7 @@ Schedules (the tick of each unit; everything else follows):
                  GPipe holds M. A hop costs a whole tick in both directions.
   interleaved    1f1b over V chunks per stage, micro-batches in groups of P (Megatron's
                  order), so the warm-up and drain are made of chunk-sized ticks.
-  1f1b           staggered (`Staggered`, below; executor pipeline_1f1b.py): half-slots in
+  1f1b           staggered (`Staggered`, below; executor pipeline/staggered.py): half-slots in
                  which neighbouring stages alternate between forward and backward work, so a
                  hop costs half a slot and stage p holds at most P - p chunk inputs, as
                  asynchronous 1F1B does.
@@ -145,7 +145,7 @@ def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
 
 def build(name: str, num_stages: int, num_micro: int, virtual: int = 1) -> Schedule | Staggered:
     """Builds and checks the tables of a schedule: half-slot tables for `1f1b` (staggered,
-    pipeline_1f1b.py), tick tables for the lockstep executor's (pipeline.py)."""
+    pipeline/staggered.py), tick tables for the lockstep executor's (pipeline.py)."""
     if name == '1f1b':
         if virtual != 1:
             raise ValueError(f'schedule {name!r} has one chunk per stage; virtual stages need interleaved')
@@ -213,7 +213,7 @@ BS_NONE, BS_FIRST, BS_MID, BS_LAST = range(4)
 
 @dataclasses.dataclass(frozen=True)
 class Staggered:
-    """Half-slot tables of the staggered 1F1B executor (pipeline_1f1b.py), one chunk per stage.
+    """Half-slot tables of the staggered 1F1B executor (pipeline/staggered.py), one chunk per stage.
 
     Time runs in half-slots s. Stage p works on forwards in half-slots with s - p even (A) and
     on backwards when s - p is odd (B), so neighbouring stages are always in opposite phases

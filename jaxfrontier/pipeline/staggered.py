@@ -17,7 +17,7 @@ residuals cross one half-slot in the loop carry as arrays (the `jax.vjp` closure
 the weights among them are not carried but taken from the parameters again (`Residuals`).
 
 The stash holds each micro-batch's chunk input only (not every layer's input), split over
-`tensor` like the lockstep executor's (`pipeline.TokenSplit`); the price is one chunk's
+`tensor` like the lockstep executor's (`TokenSplit`); the price is one chunk's
 residuals for one micro-batch, live from A to B. `model.remat` decides what they are
 (`RESIDUAL_POLICY`): `full` and `save_dots_no_batch` keep each layer's input and its weight
 matmuls' outputs, so the backward half-slot recomputes only the attention core and the
@@ -35,12 +35,11 @@ import numpy as np
 from flax import nnx
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import pipeline
-from jaxfrontier import schedules
-from jaxfrontier import train_state as ts
+from jaxfrontier.model.params import ModelDef
+from jaxfrontier.pipeline import schedules
+from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit
 from jaxfrontier.model import gpt
 
-AXIS = pipeline.AXIS
 CAST_PREFIXES = ('w_', 'b_')  # parameters the blocks use in the compute dtype (matmul weights and biases)
 
 
@@ -108,14 +107,14 @@ class StaggeredOps:
     B (chunk, shared, tokens_b, msg, res, g_self, acc, m_b, c) -> (acc, g_shared, g_x).
     """
 
-    def __init__(self, ops: pipeline.ChunkOps, dtype, remat: str):
+    def __init__(self, ops: ChunkOps, dtype, remat: str):
         self.ops, self.dtype, self.tokens = ops, dtype, ops.tokens
         self.policy = RESIDUAL_POLICY[remat]
         self.res = Residuals(self._chunk_forward)
 
     def _chunk_forward(self, chunk_w, x, m, c):
-        graphdef, stacked = nnx.split(self.ops._model(chunk_w, self._shared).blocks)  # pylint: disable=protected-access
-        keys = self.ops._layer_keys(m, c)  # pylint: disable=protected-access
+        graphdef, stacked = nnx.split(self.ops.model(chunk_w, self._shared).blocks)
+        keys = self.ops.layer_keys(m, c)
         seq_len = self.ops.seq_len
 
         def body(h, xs):
@@ -134,7 +133,7 @@ class StaggeredOps:
         if f_kind == 'none':
             return jnp.zeros_like(msg), stash
         if f_kind == 'first':
-            x = self.ops._model(chunk_w, shared).embed(tokens[:, :-1], self.ops.dropout_key_fn(m))  # pylint: disable=protected-access
+            x = self.ops.model(chunk_w, shared).embed(tokens[:, :-1], self.ops.dropout_key_fn(m))
             x = x.astype(self.dtype)
         else:
             x = self.tokens.gather(msg)
@@ -150,7 +149,7 @@ class StaggeredOps:
                 _, res = self.res.capture(chunk_w, self.tokens.gather(stash[slot_r]), m_r, c)
             elif r_kind == 'last':
                 y, res = self.res.capture(chunk_w, self.tokens.gather(msg), m_r, c)
-                loss, zero_shared, g_y = self.ops._loss_vjp(chunk, shared, y, tokens_r)  # pylint: disable=protected-access
+                loss, zero_shared, g_y = self.ops.loss_vjp(chunk, shared, y, tokens_r)
                 g_self = g_y.astype(g_self.dtype)
             y_send, stash = self._forward_part(f_kind, chunk_w, shared, tokens_f, stash, msg, m_f, c, slot_f)
             return y_send, stash, res, g_self, loss, zero_shared
@@ -170,7 +169,7 @@ class StaggeredOps:
             acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g_w)
             g_shared = jax.tree.map(jnp.zeros_like, shared)
             if kind == 'first':
-                _, pull = self.ops._embed_vjp(chunk, shared, tokens_b, m_b)  # pylint: disable=protected-access
+                _, pull = self.ops.embed_vjp(chunk, shared, tokens_b, m_b)
                 (g_shared,) = pull(g_x.astype(self.dtype))
                 return acc, g_shared, jnp.zeros_like(msg)
             return acc, g_shared, self.tokens.split(g_x)
@@ -189,13 +188,13 @@ _B_KINDS = {schedules.BS_NONE: 'none', schedules.BS_FIRST: 'first', schedules.BS
             schedules.BS_LAST: 'last'}
 
 
-def make_engine(c: ml_collections.ConfigDict, model_def: ts.ModelDef, schedule: schedules.Staggered, dropout_key_fn):
+def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: schedules.Staggered, dropout_key_fn):
     """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, grads); pipeline.py's contract."""
     p_size = schedule.num_stages
     lc = c.model.num_layers // p_size
     dtype = jnp.dtype(c.model.dtype)
-    ops = StaggeredOps(pipeline.ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                                         pipeline.TokenSplit(c.pipeline.shard_activations)), dtype, c.model.remat)
+    ops = StaggeredOps(ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn,
+                                         TokenSplit(c.pipeline.shard_activations)), dtype, c.model.remat)
     a_ops = [ops.a_branch(*_A_KINDS[k]) for k in range(len(_A_KINDS))]
     b_ops = [ops.b_branch(_B_KINDS[k]) for k in range(len(_B_KINDS))]
     a_table, b_table = jnp.asarray(schedule.a_table), jnp.asarray(schedule.b_table)

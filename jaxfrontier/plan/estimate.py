@@ -12,12 +12,12 @@ import math
 import types
 from typing import Any
 
-from jaxfrontier import activations
+from jaxfrontier.plan import activations
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier import metrics
-from jaxfrontier import train_state
+from jaxfrontier import flops as flops_lib
+from jaxfrontier import layout as layout_lib
 
 # Share of device memory kept free for the runtime, the allocator's fragmentation and
 # collective buffers: a layout "fits" when the estimate is within the rest.
@@ -52,7 +52,7 @@ def param_specs(s: config_lib.ModelShape, virtual: int = 1) -> tuple[ParamSpec, 
     """Every parameter of `model.gpt.GPT` (mirrors the model; tested against eval_shape).
 
     With `virtual` > 1 (interleaved pipelines) block parameters are stored [V, L / V, ...]
-    (`train_state.split_virtual`).
+    (`params_lib.split_virtual`).
     """
     L, d, h, k, f, v = s.num_layers, s.d_model, s.num_heads, s.head_dim, s.mlp_dim, s.vocab_size
     block = [
@@ -113,7 +113,7 @@ def param_layouts(specs: tuple[ParamSpec, ...], layout, rules) -> tuple[ParamLay
     out = []
     for p in specs:
         spec = mesh_lib.logical_to_spec(p.names, rules)
-        update = train_state.zero1_spec(spec, p.shape, mesh, dp_axes) if layout.zero1 else spec
+        update = layout_lib.zero1_spec(spec, p.shape, mesh, dp_axes) if layout.zero1 else spec
         out.append(ParamLayout(p, spec, update, local_size(p.shape, spec, layout.mesh_shape),
                                local_size(p.shape, update, layout.mesh_shape)))
     return tuple(out)
@@ -160,7 +160,7 @@ class PipelineSlots:
 def pipeline_slots(schedule: str, p: int, m: int, v: int = 1) -> PipelineSlots:
     """Slots and ticks of the pipeline executors: GPipe stashes all M micro-batches, lockstep
     1F1B at most 2P - 1, interleaved at most V P + P - 1 chunks (each of them every layer's
-    input); staggered 1F1B (pipeline_1f1b.py) P chunk inputs, over 2M + 2P - 2 half-slots."""
+    input); staggered 1F1B (pipeline/staggered.py) P chunk inputs, over 2M + 2P - 2 half-slots."""
     if schedule == '1f1b':
         return PipelineSlots(p, 1, 2 * m + 2 * p - 2, (p - 1) / (m + p - 1))
     if schedule == 'gpipe':
@@ -247,7 +247,7 @@ def _pipeline_memory(shape, layout, states: dict[str, float], attention: str) ->
     Gradients: fp32 accumulators of the stage's blocks and of the shared (embedding, head)
     parameters, plus one unit's gradients of a chunk and of the shared parameters.
     Activations, lockstep executor (pipeline.py): the stash carry (slots x chunk layers x
-    [tokens, d]) and the received gradient slots. Staggered 1F1B (pipeline_1f1b.py): P chunk
+    [tokens, d]) and the received gradient slots. Staggered 1F1B (pipeline/staggered.py): P chunk
     inputs and the message buffer, plus one chunk's `jax.vjp` residuals (the `none` policy's
     set) carried from the recomputation to the backward, and the last stage's own output
     gradient. The stash and messages are split over tensor (`Layout.split_tokens`).
@@ -304,7 +304,7 @@ class Flops:
 
     model: float  # matmuls of forward + backward, no recomputation (basis of MFU)
     hardware: float  # plus what the remat policy recomputes
-    megatron_model: float  # Megatron's formula, f = 3 (metrics.model_flops_per_step)
+    megatron_model: float  # Megatron's formula, f = 3 (flops_lib.model_flops_per_step)
     megatron_hw: float  # Megatron's formula, f = 4 with recomputation (the paper's counter)
     layer_forward: float  # one layer's forward matmuls for one micro-batch of one replica
     head_forward: float
@@ -321,7 +321,7 @@ def forward_flops(shape) -> tuple[float, float]:
 
 
 def staggered(layout) -> bool:
-    """The staggered 1F1B executor (pipeline_1f1b.py) runs this layout."""
+    """The staggered 1F1B executor (pipeline/staggered.py) runs this layout."""
     return layout.pipeline > 1 and layout.schedule == '1f1b'
 
 
@@ -352,8 +352,8 @@ def flops(shape, layout) -> Flops:
         # what the residual policy did not keep (save_dots_no_batch: the attention core).
         hardware = model + b * (L - L // layout.pipeline) * layer + b * L * recompute[effective_remat(layout)]
     kw = dict(global_batch=b, seq_len=shape.seq_len, num_layers=L, d_model=shape.d_model, vocab_size=shape.vocab_size)
-    return Flops(model, hardware, metrics.model_flops_per_step(**kw),
-                 metrics.megatron_flops_per_step(**kw, recompute=staggered(layout) or effective_remat(layout) != 'none'),
+    return Flops(model, hardware, flops_lib.model_flops_per_step(**kw),
+                 flops_lib.megatron_flops_per_step(**kw, recompute=staggered(layout) or effective_remat(layout) != 'none'),
                  layer * layout.micro_batch, head * layout.micro_batch)
 
 

@@ -1,0 +1,84 @@
+"""What every command-line entry point shares: flag parsing with one-line errors, exit codes.
+
+`python -m jaxfrontier.main`, `.sweep` and `.scaling` parse absl flags with a `--config`
+config file (`ml_collections.config_flags`, locked). A mistake in a flag, the config file or
+a `--config.*` override is one line `error: ...` and exit 2, never a traceback; `--help`
+prints the flags without needing any other flag. No JAX import here.
+
+Exit codes: 0 done, 2 a mistake the user can fix (`errors.UserError`), 3 a non-finite loss,
+4 the process group could not be formed.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import NoReturn
+
+from absl import flags
+
+from jaxfrontier import errors
+
+HELP_FLAGS = ('-h', '--help', '-help', '--helpshort', '--helpfull', '--helpxml', '-?')
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr, exit 2."""
+    print(f'error: {" ".join(str(message).split())}', file=sys.stderr)
+    sys.exit(2)
+
+
+def user_error_in_chain(e: BaseException | None) -> errors.UserError | None:
+    """The UserError that (indirectly) caused `e`, if any (config_flags and absl re-wrap errors)."""
+    while e is not None and not isinstance(e, errors.UserError):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def exit_code(e: Exception) -> int:
+    """Prints a user-facing error as one line; returns 2 (bad input), 3 (NaN/Inf loss) or 4 (process group)."""
+    print(f'error: {e}', file=sys.stderr)
+    return getattr(e, 'exit_code', 2 if isinstance(e, errors.UserError) else 3)
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in HELP_FLAGS or a.startswith('--helpfull') for a in argv[1:])
+
+
+def parse_config_flags(argv: list[str], config_flag, *, default_config: str | None = None,
+                       required: str = '') -> list[str]:
+    """absl flag parsing of a command with a `--config` file; every mistake is one line, exit 2.
+
+    Args:
+      argv: sys.argv.
+      config_flag: the `config_flags.DEFINE_config_file` holder.
+      default_config: added as `--config=` when absent (and help is not asked for).
+      required: when there is no default, the message for a missing --config.
+
+    Returns:
+      The arguments absl leaves over.
+    """
+    has_config = any(re.match(r'^--?config(=|$)', a) for a in argv[1:])
+    if not has_config and not wants_help(argv):
+        if default_config is None:
+            fail(required)
+        argv = [argv[0], f'--config={default_config}', *argv[1:]]
+    try:
+        rest = flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:  # an override naming no field: the config is locked
+        message = e
+        while isinstance(message, BaseException) and message.args:
+            message = message.args[0]  # AttributeError(KeyError("'stepz'\nDid you mean ..."))
+        key, _, hint = str(message).partition('\n')  # "'stepz'", 'Did you mean "steps" ...?'
+        overrides = [a.split('=', 1)[0] for a in argv[1:] if re.match(r'^--?config\.', a)]
+        named = [o for o in overrides if key.strip("'") in o.split('.')[1:]] or overrides
+        fail(f'{", ".join(named) or "--config"}: the config has no field {key}. {hint + " " if hint else ""}Fix: '
+             'correct the key; --config.* overrides can only set fields the config file defines')
+    except flags.Error as e:
+        fail(str(user_error_in_chain(e) or e))
+    if config_flag.value is not None:
+        try:
+            config_flag.value.get('mesh')  # a config file that failed to load raises only when used
+        except OSError as e:
+            fail(f'--config: {e}')
+    return rest

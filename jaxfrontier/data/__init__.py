@@ -1,0 +1,1 @@
+"""Data: token files, the built-in corpus, synthetic data, deterministic batches."""

@@ -1,0 +1,85 @@
+"""FLOP counts of one optimizer step: the convention every reported number uses (no JAX).
+
+FLOP convention (used for every number this module reports):
+  * Megatron's formula (Narayanan et al. 2021, eq. 3, as printed by Megatron-DeepSpeed and by
+    Dash et al. 2024 on Frontier):
+    `24 * f * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))`.
+  * Only matrix multiplies are counted (2 FLOPs per multiply-add). Causal attention is counted
+    as full (s x s) attention, although half of it is masked. Layer norms, softmax, GeLU,
+    biases, dropout, the embedding lookup and the optimizer update are ignored.
+  * The MLP is assumed to be 4h wide (that is where the 24 comes from).
+  * V is the padded vocabulary (`config.padded_vocab`), as in Megatron.
+  * Model FLOPs use f = 3 (forward + backward), whatever the remat policy: that is what the
+    user gets, and it is the basis of MFU. Megatron's hardware FLOPs use f = 4 when
+    activations are recomputed (one extra forward), f = 3 otherwise; this is the figure the
+    paper reported as TFLOP/s per GCD and is reported here under a `megatron_hw` name.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from jaxfrontier import config as config_lib
+
+def _megatron_formula(f: int, global_batch: int, seq_len: int, num_layers: int, d_model: int,
+                      vocab_size: int) -> float:
+    b, s, l, h, v = (float(x) for x in (global_batch, seq_len, num_layers, d_model, vocab_size))
+    return 24.0 * f * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+
+
+def megatron_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int,
+                            vocab_size: int, recompute: bool) -> float:
+    """Megatron's hardware FLOPs of one optimizer step (the paper's TFLOP/s counter).
+
+    `24 * f * B * s * l * h**2 * (1 + s/(6h) + V/(16 l h))` with f = 4 when activations are
+    recomputed (forward, recomputed forward, backward = 2 forwards), f = 3 otherwise. Counts
+    matmuls only; causal attention is counted as full attention; layer norms, softmax and
+    other element-wise work are ignored; the MLP is 4h wide. Because f also multiplies the
+    logits term, that term is counted at f/4 of 3 passes (Megatron-DeepSpeed's convention).
+
+    Args:
+      global_batch: B, sequences per optimizer step (all accumulation steps and replicas).
+      seq_len: s, tokens per sequence.
+      num_layers: l, transformer blocks.
+      d_model: h, hidden size.
+      vocab_size: V, the padded vocabulary.
+      recompute: whether activations are recomputed in the backward pass.
+
+    Returns:
+      FLOPs per step, as a float.
+    """
+    return _megatron_formula(4 if recompute else 3, global_batch, seq_len, num_layers, d_model,
+                             vocab_size)
+
+
+def model_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int,
+                         vocab_size: int) -> float:
+    """Model FLOPs of one optimizer step: Megatron's formula with f = 3 always (basis of MFU).
+
+    Same convention as `megatron_flops_per_step` (matmuls only, causal attention counted as
+    full, layer norms/softmax ignored, padded vocabulary V), but recomputation is never
+    counted: this is the useful work of forward + backward, independent of the remat policy.
+    """
+    return _megatron_formula(3, global_batch, seq_len, num_layers, d_model, vocab_size)
+
+
+def flops_per_step_from_config(config: ml_collections.ConfigDict) -> tuple[float, float]:
+    """Returns (model_flops, megatron_hw_flops) per optimizer step for a jaxfrontier config.
+
+    Uses the padded vocabulary and counts recomputation (f = 4) in the hardware figure when
+    `config.model.remat != 'none'`. See the module docstring for the convention.
+    """
+    m = config.model
+    shape = dict(global_batch=config.train.global_batch, seq_len=m.seq_len,
+                 num_layers=m.num_layers, d_model=m.d_model,
+                 vocab_size=config_lib.padded_vocab(config))
+    return (model_flops_per_step(**shape),
+            megatron_flops_per_step(**shape, recompute=m.remat != 'none'))
+
+
+# --------------------------------------------------------------------------- device peaks
+
+# (device_kind substring, variants it must not match, dense bf16 peak, dense fp32 peak) per
+# JAX device. First match wins, so longer names must come before their prefixes.
+# fp32 is the plain (non-TF32) matrix peak; note XLA may use TF32 for fp32 dots on NVIDIA
+# GPUs under the default precision, so fp32 MFU there can exceed what the table suggests.

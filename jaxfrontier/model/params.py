@@ -1,0 +1,85 @@
+"""The model's parameters as a plain pytree: bind them to the NNX GPT, build them, reshape them.
+
+`params` is a nested dict of fp32 arrays (the model's `nnx.State` as a pure dict): easy to
+checkpoint, export and reshard. `ModelDef` binds such a dict back into a `GPT` module inside
+traced code; `split_virtual` / `merge_virtual` reshape the stacked blocks for interleaved
+pipelines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxfrontier import config as config_lib
+from jaxfrontier.model.gpt import GPT
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """The model's structure without values: binds a params dict back into a GPT module."""
+
+    graphdef: nnx.GraphDef
+    abstract_state: nnx.State
+
+    @classmethod
+    def create(cls, shape: config_lib.ModelShape) -> 'ModelDef':
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(shape, rngs=nnx.Rngs(0))))
+        return cls(graphdef, state)
+
+    def bind(self, params: Params) -> GPT:
+        state = jax.tree.map(lambda x: x, self.abstract_state)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    def logical_specs(self) -> Params:
+        return nnx.to_pure_dict(nnx.get_partition_spec(self.abstract_state))
+
+    def abstract_params(self) -> Params:
+        return nnx.to_pure_dict(self.abstract_state)
+
+
+def init_params(shape: config_lib.ModelShape, key: jax.Array) -> Params:
+    return nnx.to_pure_dict(nnx.state(GPT(shape, rngs=nnx.Rngs(params=key))))
+
+
+def split_virtual(params: Params, virtual: int) -> Params:
+    """Interleaved pipelines: block leaves [L, ...] -> [V, L / V, ...] (a reshape, same order).
+
+    Layer l = (v P + p) Lc + j lands at [v, p Lc + j], so sharding the second axis over
+    `pipeline` gives stage p exactly its chunks p, P + p, ... (round-robin) in model order.
+    """
+    if virtual == 1:
+        return params
+
+    def split(a):
+        shape = (virtual, a.shape[0] // virtual, *a.shape[1:])
+        return jax.ShapeDtypeStruct(shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.reshape(shape)
+
+    return {**params, 'blocks': jax.tree.map(split, params['blocks'])}
+
+
+def merge_virtual(params: Params) -> Params:
+    """Inverse of split_virtual: block leaves back to [L, ...] (model order)."""
+    blocks = params['blocks']
+    ln = blocks['ln1']['scale']
+    if ln.ndim == 2:  # [L, d]: not split
+        return params
+    return {**params, 'blocks': jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), blocks)}
+
+
+def split_virtual_specs(specs: Params, virtual: int) -> Params:
+    if virtual == 1:
+        return specs
+    blocks = jax.tree.map(lambda s: P('virtual', *s), specs['blocks'], is_leaf=lambda x: isinstance(x, P))
+    return {**specs, 'blocks': blocks}
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

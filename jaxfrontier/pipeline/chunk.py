@@ -1,0 +1,171 @@
+"""One pipeline chunk's forward and backward units, and activations split over `tensor`.
+
+Shared by the executors (lockstep.py, staggered.py, eval.py): `ChunkOps` runs a chunk of
+Lc layers as functions of explicit arrays; `TokenSplit` holds waiting and travelling
+activations split over `tensor`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxfrontier import layout as layout_lib
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model.params import ModelDef
+
+AXIS = 'pipeline'
+
+
+def split_shared(params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    shared = {k: v for k, v in params.items() if k != 'blocks'}
+    return params['blocks'], shared
+
+
+class ChunkOps:
+    """Forward and backward units of one chunk (Lc layers), as functions of explicit arrays.
+
+    Forward units run the chunk and return its output and every layer's input (the stash);
+    backward units walk the layers in reverse, recomputing each from its stashed input under
+    `jax.vjp`. All units of a `lax.switch` share one signature:
+    forward (chunk, shared, tokens, stash_lx, m, c) -> (y, stash_lx);
+    backward (chunk, shared, tokens, stash_lx, g, m, c) -> (g_chunk, g_shared, g_x, loss).
+    Stash slots, y, g and g_x are held split over `tensor` (`TokenSplit`) between units.
+    """
+
+    def __init__(self, model_def: ModelDef, seq_len: int, layers_per_chunk: int, num_micro: int, dropout_key_fn,
+                 tokens: TokenSplit):
+        self.model_def, self.seq_len, self.lc = model_def, seq_len, layers_per_chunk
+        self.num_micro, self.dropout_key_fn, self.tokens = num_micro, dropout_key_fn, tokens
+
+    def model(self, chunk, shared):
+        return self.model_def.bind({'blocks': chunk, **shared})
+
+    def layer_keys(self, m, c):
+        key = self.dropout_key_fn(m)
+        if key is None:
+            return None
+        return jax.vmap(lambda j: jax.random.fold_in(key, j))(c * self.lc + jnp.arange(self.lc))
+
+    def forward(self, chunk, shared, x, m, c):
+        """Runs the chunk from x; returns the output and each layer's input [Lc, N, d]."""
+        graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
+        keys = self.layer_keys(m, c)
+
+        def body(h, xs):
+            layer, key = xs
+            return nnx.merge(graphdef, layer)(h, self.seq_len, key), h
+
+        return jax.lax.scan(body, x, (stacked, keys))
+
+    def backward(self, chunk, shared, stash_lx, g, m, c, stashed=True):
+        """Reverse pass over the layers from their inputs (split, when `stashed`); (g_chunk, g_input)."""
+        graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
+        keys = self.layer_keys(m, c)
+        gather = self.tokens.gather if stashed else (lambda x: x)
+
+        def body(g_out, xs):
+            layer, x, key = xs
+            x = gather(x)  # one all-gather per layer, just before its recomputation
+            _, pull = jax.vjp(lambda ly, h: nnx.merge(graphdef, ly)(h, self.seq_len, key), layer, x)
+            g_layer, g_in = pull(g_out)
+            return g_in, g_layer
+
+        g_in, g_stacked = jax.lax.scan(body, g, (stacked, stash_lx, keys), reverse=True)
+        return nnx.to_pure_dict(g_stacked), g_in
+
+    def embed_vjp(self, chunk, shared, tokens, m):
+        fn = lambda sh: self.model(chunk, sh).embed(tokens[:, :-1], self.dropout_key_fn(m))
+        return jax.vjp(fn, shared)
+
+    def loss_vjp(self, chunk, shared, y, tokens):
+        fn = lambda sh, yy: self.model(chunk, sh).head_loss(yy, tokens[:, 1:]) / self.num_micro
+        loss, pull = jax.vjp(fn, shared, y)
+        g_shared, g_y = pull(jnp.ones((), jnp.float32))
+        return loss, g_shared, g_y
+
+    def f_none(self, chunk, shared, tokens, stash_lx, m, c):
+        return stash_lx[0], stash_lx
+
+    def f_first(self, chunk, shared, tokens, stash_lx, m, c):
+        x = self.model(chunk, shared).embed(tokens[:, :-1], self.dropout_key_fn(m))
+        y, stash = self.forward(chunk, shared, x.astype(stash_lx.dtype), m, c)
+        return self.tokens.split(y), self.tokens.split(stash)
+
+    def f_mid(self, chunk, shared, tokens, stash_lx, m, c):
+        y, stash = self.forward(chunk, shared, self.tokens.gather(stash_lx[0]), m, c)
+        return self.tokens.split(y), self.tokens.split(stash)
+
+    def b_none(self, chunk, shared, tokens, stash_lx, g, m, c):
+        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+        return zeros(chunk), zeros(shared), jnp.zeros_like(g), jnp.zeros((), jnp.float32)
+
+    def b_first(self, chunk, shared, tokens, stash_lx, g, m, c):
+        g_chunk, g_x = self.backward(chunk, shared, stash_lx, self.tokens.gather(g), m, c)
+        _, pull = self.embed_vjp(chunk, shared, tokens, m)
+        (g_shared,) = pull(g_x.astype(stash_lx.dtype))
+        return g_chunk, g_shared, jnp.zeros_like(g), jnp.zeros((), jnp.float32)
+
+    def b_mid(self, chunk, shared, tokens, stash_lx, g, m, c):
+        g_chunk, g_x = self.backward(chunk, shared, stash_lx, self.tokens.gather(g), m, c)
+        return g_chunk, jax.tree.map(jnp.zeros_like, shared), self.tokens.split(g_x), jnp.zeros((), jnp.float32)
+
+    def b_last(self, chunk, shared, tokens, stash_lx, g, m, c):
+        y, stash_lx = self.forward(chunk, shared, self.tokens.gather(stash_lx[0]), m, c)
+        loss, g_shared, g_y = self.loss_vjp(chunk, shared, y, tokens)
+        g_chunk, g_x = self.backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c, stashed=False)
+        return g_chunk, g_shared, self.tokens.split(g_x), loss
+
+    def b_only(self, chunk, shared, tokens, stash_lx, g, m, c):
+        x, embed_pull = self.embed_vjp(chunk, shared, tokens, m)
+        y, stash_lx = self.forward(chunk, shared, x.astype(g.dtype), m, c)
+        loss, g_head, g_y = self.loss_vjp(chunk, shared, y, tokens)
+        g_chunk, g_x = self.backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c, stashed=False)
+        (g_embed,) = embed_pull(g_x.astype(x.dtype))
+        return g_chunk, jax.tree.map(jnp.add, g_head, g_embed), jnp.zeros_like(g), loss
+
+
+class TokenSplit:
+    """Activations that wait (the stash) or travel (the sends between stages), split over `tensor`.
+
+    Every tensor-parallel rank holds the whole [tokens, d] activations between layers; a copy
+    that waits or travels needs only 1/TP of it (Megatron's sequence-parallel stash and
+    scatter-gather sends). `split` cuts the rank's slice of the tokens locally; `gather`
+    all-gathers it over `tensor` (within a node) where a unit uses it. Both are explicit
+    collectives in a nested `shard_map`, so XLA's sharding propagation cannot carry the split
+    into the layers (it did, with a sharding constraint: several all-gathers per layer).
+    Off (identity) with `pipeline.shard_activations=False`, without tensor parallelism, or when
+    the tokens are also split over an automatic batch axis (fsdp).
+    """
+
+    def __init__(self, enabled: bool):
+        batch, heads = mesh_lib.active_axes('batch'), mesh_lib.active_axes('heads')
+        self.axes = () if batch is None else layout_lib.token_split_axes(enabled, batch, heads or ())
+
+    def _spec(self, ndim: int) -> P:
+        return P(*([None] * (ndim - 2)), self.axes if len(self.axes) > 1 else self.axes[0], None)
+
+    def split(self, x: jax.Array) -> jax.Array:
+        if not self.axes:
+            return x
+        size = jax.sharding.get_abstract_mesh().shape
+        parts = int(np.prod([size[a] for a in self.axes]))
+
+        def local(a):
+            n = a.shape[-2] // parts
+            return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(self.axes) * n, n, axis=a.ndim - 2)
+
+        return jax.shard_map(local, in_specs=P(), out_specs=self._spec(x.ndim), axis_names=set(self.axes),
+                             check_vma=False)(x)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        if not self.axes:
+            return x
+        return jax.shard_map(lambda a: jax.lax.all_gather(a, self.axes, axis=a.ndim - 2, tiled=True),
+                             in_specs=self._spec(x.ndim), out_specs=P(), axis_names=set(self.axes),
+                             check_vma=False)(x)

@@ -1,0 +1,87 @@
+"""Evaluation of a pipelined model: a forward-only wave (`schedules.forward_only`).
+
+No stash, no backward, one activation send per tick; the unpipelined eval step's loss and
+a third of the training step's FLOPs.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxfrontier import config as config_lib
+from jaxfrontier.model.params import ModelDef
+from jaxfrontier.pipeline import schedules
+from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit, split_shared
+
+
+def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_micro):
+    """`eval_loss(params, tokens) -> mean loss` of a pipelined layout: forward units only.
+
+    A wave of chunk forwards (`schedules.forward_only`): no stash, no backward, one activation
+    send per tick; a third of the training step's FLOPs.
+    """
+    schedule = schedules.forward_only(c.mesh.pipeline, c.train.accum_steps,
+                                      c.pipeline.virtual_stages if c.pipeline.schedule == 'interleaved' else 1)
+    p_size, v_size = schedule.num_stages, schedule.virtual
+    lc = c.model.num_layers // (p_size * v_size)
+    dtype = jnp.dtype(c.model.dtype)
+    dp = config_lib.data_parallel_size(c)
+    ring_fwd = [(i, (i + 1) % p_size) for i in range(p_size)]
+    e_table, recv = jnp.asarray(schedule.e_table), jnp.asarray(schedule.recv)
+
+    def engine(blocks, shared, micro_tokens):
+        ops = ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, lambda m: None,
+                       TokenSplit(c.pipeline.shard_activations))
+        stage = jax.lax.axis_index(AXIS)
+        chunks = blocks if v_size > 1 else jax.tree.map(lambda a: a[None], blocks)
+        rows, seq = micro_tokens.shape[1], micro_tokens.shape[2] - 1
+        x_zero = jnp.zeros((rows * seq, c.model.d_model), dtype)
+
+        def run(kind):
+            def unit(chunk, tokens, x_split, m, chunk_index):
+                if kind == schedules.E_NONE:
+                    return x_split, jnp.zeros((), jnp.float32)
+                model = ops.model(chunk, shared)
+                x = (model.embed(tokens[:, :-1]).astype(dtype) if kind == schedules.E_FIRST
+                     else ops.tokens.gather(x_split))
+                y, _ = ops.forward(chunk, shared, x, m, chunk_index)
+                if kind == schedules.E_LAST:
+                    return jnp.zeros_like(x_split), model.head_loss(y, tokens[:, 1:]) / schedule.num_micro
+                return ops.tokens.split(y), jnp.zeros((), jnp.float32)
+            return unit
+
+        units = [run(k) for k in (schedules.E_NONE, schedules.E_FIRST, schedules.E_MID, schedules.E_LAST)]
+
+        def tick(carry, t):
+            buf, loss_sum = carry
+            kind, m, v, slot = e_table[t, stage]
+            y, loss = jax.lax.switch(kind, units, jax.tree.map(lambda a: a[v], chunks), micro_tokens[m], buf[slot],
+                                     m, v * p_size + stage)
+            y_in = jax.lax.ppermute(y.astype(dtype), AXIS, ring_fwd)
+            valid, to = recv[t, stage]
+            buf = buf.at[to].set(jnp.where(valid > 0, y_in, buf[to]))
+            return (buf, loss_sum + loss), None
+
+        carry = (ops.tokens.split(jnp.zeros((schedule.slots, *x_zero.shape), dtype)), jnp.zeros((), jnp.float32))
+        (_, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
+        return jax.lax.psum(loss_sum, AXIS)
+
+    def eval_loss(params, tokens_gt):
+        blocks, shared = split_shared(params)
+        block_spec = jax.tree.map(lambda _: P(None, AXIS) if v_size > 1 else P(AXIS), blocks)
+        run = jax.shard_map(engine, in_specs=(block_spec, jax.tree.map(lambda _: P(), shared), P()),
+                            out_specs=P(), axis_names={AXIS}, check_vma=False)
+        return run(blocks, shared, split_micro(tokens_gt, c.train.accum_steps, dp))
+
+    return eval_loss
+
+
+def eval_branch_weights(schedule: schedules.ForwardOnly):
+    """flop_count weights of the forward-only loop's one switch."""
+    kinds = schedule.e_table[..., 0]
+    return lambda occurrence, n: [float(np.sum(kinds == b)) / schedule.num_ticks for b in range(n)]

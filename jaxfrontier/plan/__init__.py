@@ -1,0 +1,1 @@
+"""The planner (`--mode=plan`): memory, FLOP, communication and time model, search, XLA checks."""

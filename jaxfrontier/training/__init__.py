@@ -1,0 +1,1 @@
+"""Training: state and optimizer, the step and the loop, metrics, checkpoints, export."""

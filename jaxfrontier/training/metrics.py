@@ -1,0 +1,143 @@
+"""Training metrics: throughput and MFU, the metrics writer, the non-finite check.
+
+FLOP counts are `jaxfrontier/flops.py` (the convention), device peaks `jaxfrontier/hardware.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+
+
+
+
+
+def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, model_flops: float,
+                 megatron_hw_flops: float, peak_flops: float) -> dict[str, float]:
+    """Throughput and utilisation of one optimizer step, under `perf/` keys.
+
+    Args:
+      step_time_s: wall time of one optimizer step in seconds.
+      tokens_per_step: tokens in the global batch (global_batch * seq_len).
+      n_devices: JAX devices the step ran on.
+      model_flops: `model_flops_per_step` (f = 3).
+      megatron_hw_flops: `megatron_flops_per_step` (f = 4 with recomputation).
+      peak_flops: dense peak FLOP/s of one device (`device_peak_flops`).
+
+    Returns:
+      'perf/step_time_s', 'perf/tokens_per_s', 'perf/tokens_per_s_per_device',
+      'perf/model_tflops_per_device', 'perf/mfu' (model FLOPs / (time * devices * peak)) and
+      'perf/megatron_hw_tflops_per_device' (the paper's counter, recomputation included).
+    """
+    device_seconds = step_time_s * n_devices
+    return {
+        'perf/step_time_s': float(step_time_s),
+        'perf/tokens_per_s': tokens_per_step / step_time_s,
+        'perf/tokens_per_s_per_device': tokens_per_step / device_seconds,
+        'perf/model_tflops_per_device': model_flops / device_seconds / 1e12,
+        'perf/mfu': model_flops / (device_seconds * peak_flops),
+        'perf/megatron_hw_tflops_per_device': megatron_hw_flops / device_seconds / 1e12,
+    }
+
+
+# --------------------------------------------------------------------------- writer
+
+
+class MetricsWriter:
+    """Writes scalars to `<workdir>/metrics.jsonl` and TensorBoard, and drives a progress bar.
+
+    Only an enabled writer on process 0 does anything; elsewhere every method is a no-op.
+    Non-finite values are written to the JSON file as `null` so every line is strict JSON.
+    """
+
+    def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool,
+                 initial_step: int = 0):
+        self.enabled = bool(enabled) and jax.process_index() == 0
+        self._jsonl = self._tb = self._bar = None
+        if not self.enabled:
+            return
+        # Imported here so processes that never write do not pay for them.
+        import tensorboardX
+        import tqdm
+
+        os.makedirs(workdir, exist_ok=True)
+        self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+        self._tb = tensorboardX.SummaryWriter(logdir=os.path.join(workdir, 'tensorboard'))
+        self._tqdm = tqdm.tqdm
+        self._bar = tqdm.tqdm(total=total_steps, initial=initial_step, disable=not progress,
+                              unit='step', dynamic_ncols=True)
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Appends `{'step': step, **scalars}` (values as floats) and logs them to TensorBoard."""
+        if not self.enabled:
+            return
+        values = {k: float(v) for k, v in scalars.items()}
+        row = {'step': int(step)}
+        row.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+        self._jsonl.write(json.dumps(row, allow_nan=False) + '\n')
+        self._jsonl.flush()
+        for key, value in values.items():
+            self._tb.add_scalar(key, value, global_step=int(step))
+        self._tb.flush()
+        postfix = {}
+        if 'train/loss' in values:
+            postfix['loss'] = f"{values['train/loss']:.4f}"
+        if 'perf/tokens_per_s' in values:
+            postfix['tok/s'] = f"{values['perf/tokens_per_s']:.4g}"
+        if postfix:
+            self._bar.set_postfix(postfix, refresh=False)
+
+    def advance(self, step: int) -> None:
+        """Moves the progress bar to `step` completed steps."""
+        if self.enabled and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
+    def log_line(self, text: str) -> None:
+        """Prints a line above the progress bar without breaking it."""
+        if self.enabled:
+            self._tqdm.write(text)
+
+    def close(self) -> None:
+        """Closes the bar, the TensorBoard writer and the JSON file (idempotent)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        self._jsonl = self._tb = self._bar = None
+        self.enabled = False
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- NaN/Inf guard
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or Inf."""
+
+    exit_code = 3
+
+
+def check_finite(step: int, loss: Any) -> None:
+    """Raises NonFiniteLossError if `loss` (a scalar, host or device) is NaN or Inf."""
+    value = float(loss)
+    if math.isfinite(value):
+        return
+    raise NonFiniteLossError(
+        f'training loss is {value} at step {step}; stopping. Things to try: lower the learning '
+        f'rate (--config.optim.lr, or more --config.optim.warmup_steps); check the data (token '
+        f'ids below model.vocab_size, no corrupt or empty token file); compute in float32 '
+        f'(--config.model.dtype=float32) to rule out bfloat16/float16 overflow.'
+    )
