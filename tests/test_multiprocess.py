@@ -115,3 +115,44 @@ def test_killed_process_ends_its_peer_within_bound(tmp_path, env, victim):
     if victim == 1:
         assert 'stopped sending heartbeats' in log, log[-3000:]
     print(f'process {1 - victim} exited with status {status} {elapsed_s:.1f} s after process {victim} was killed')
+
+
+@pytest.mark.slow
+def test_local_sh_jobs_side_by_side_and_sigterm(tmp_path, env):
+    """Two launch/local.sh jobs at once (default ports) both train; SIGTERM to each: checkpoint, exit 0.
+
+    launch/local.sh picks a free coordinator port unless JF_PORT is set (a fixed default made the
+    second job's coordinator collide with the first's), passes SIGTERM to its processes as the
+    trainer's preemption signal, waits for them and returns their status.
+    """
+    job_env = {k: v for k, v in env.items() if k != 'JF_PORT'}
+    job_env['PATH'] = f'{os.path.dirname(sys.executable)}:{env["PATH"]}'
+    jobs = []
+    for name in ('a', 'b'):
+        workdir = str(tmp_path / name)
+        cmd = ['bash', 'launch/local.sh', '2', *TINY, '--config.sharding.zero1=True', '--config.train.steps=100000',
+               f'--workdir={workdir}', '--config.checkpoint.every_steps=100000']
+        log = open(tmp_path / f'{name}.log', 'w')  # pylint: disable=consider-using-with
+        jobs.append((workdir, subprocess.Popen(cmd, cwd=REPO, env=job_env, stdout=log, stderr=subprocess.STDOUT)))
+        log.close()
+    try:
+        deadline = time.monotonic() + 500
+        while not all(read_metrics(workdir) for workdir, _ in jobs):  # both jobs are training
+            for name, (_, proc) in zip('ab', jobs):
+                assert proc.poll() is None, open(tmp_path / f'{name}.log').read()[-4000:]
+            assert time.monotonic() < deadline, 'training did not start'
+            time.sleep(0.2)
+        for _, proc in jobs:
+            proc.send_signal(signal.SIGTERM)
+        statuses = [proc.wait(timeout=300) for _, proc in jobs]
+    finally:
+        for _, proc in jobs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    logs = [open(tmp_path / f'{name}.log').read() for name in 'ab']
+    assert statuses == [0, 0], [log[-3000:] for log in logs]
+    for workdir, _ in jobs:  # when local.sh returned, both processes had written their shards
+        steps = os.listdir(os.path.join(workdir, 'checkpoints'))
+        state = os.path.join(workdir, 'checkpoints', max(steps, key=int), 'state')
+        assert {'ocdbt.process_0', 'ocdbt.process_1'} <= set(os.listdir(state)), steps

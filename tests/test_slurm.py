@@ -9,7 +9,8 @@ mesh through Slurm's environment, that process 0 alone wrote the metrics, whose 
 the single-process 8-device run's to fp32 rounding (rtol 2e-6), and that both wrote their
 checkpoint shards. A second job records how Slurm's GPU binding sets the visible devices and
 checks the GPU each task then selects. A third, with a stand-in for the trainer, checks the
-time-limit path: USR1 to the batch shell reaches both tasks and the job requeues itself.
+time-limit path: USR1 to the batch shell reaches both tasks and the job requeues itself; and
+that launch/slurm.sbatch's binding gives each task one GPU of its own.
 """
 
 import json
@@ -177,6 +178,7 @@ def test_slurm_gpu_binding_gives_each_task_its_gpu(slurm, tmp_path):
 # Stands in for `python` in the job: waits for USR1 like the trainer's preemption handler, exits 0.
 _TRAINER_STUB = '''#!/bin/bash
 trap 'echo "task $SLURM_PROCID got USR1" >> "$STUB_LOG"; exit 0' USR1
+echo "task $SLURM_PROCID gpus ${CUDA_VISIBLE_DEVICES:-none} cpus $(nproc)" >> "$STUB_LOG"
 echo "task $SLURM_PROCID restart ${SLURM_RESTART_COUNT:-0}: python $*" >> "$STUB_LOG"
 for _ in $(seq 1200); do sleep 0.1; done
 exit 9
@@ -216,4 +218,7 @@ def test_slurm_time_limit_signal_reaches_tasks_then_job_requeues(slurm, tmp_path
         subprocess.run(['scancel', job_id], env=env, capture_output=True)
     lines = log.read_text().splitlines()
     assert sorted(l for l in lines if 'got USR1' in l) == ['task 0 got USR1', 'task 1 got USR1']
+    # launch/slurm.sbatch's binding: one GPU of its own per task (--gpus-per-task=1).
+    gpus = {l.split()[1]: l.split()[3] for l in lines if ' gpus ' in l}
+    assert sorted(gpus.values()) == ['0', '1'], lines
     assert 'time limit near: checkpointing, then requeueing job' in open(output).read()

@@ -221,7 +221,7 @@ def test_slurm_launcher_runs_trials_as_concurrent_srun_steps(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = subprocess_env(PATH=f'{bin_dir}:{os.environ["PATH"]}', STUB_LOG=str(log), SLURM_JOB_ID='77',
-                         SLURM_JOB_NODELIST='nid[01-02]', SLURM_NTASKS_PER_NODE='4')
+                         SLURM_JOB_NODELIST='nid[01-02]', SLURM_NTASKS_PER_NODE='4', SLURM_CPUS_ON_NODE='32')
     # GPU trials (no simulated CPU devices) of 8 devices = 4 tasks x 2 GPUs: one node each, two at once.
     proc = sweep(tmp_path / 'w', '--space=tensor=1,2,4', '--launcher=slurm', '--devices_per_task=2',
                  '--config.mesh.cpu_devices=0', '--config.train.micro_batch=1', '--hardware=h100', '--warmup=1',
@@ -233,7 +233,7 @@ def test_slurm_launcher_runs_trials_as_concurrent_srun_steps(tmp_path):
         args = call['args']
         at = args.index(sys.executable)
         assert {'--nodes=1', '--ntasks=4', '--ntasks-per-node=4', '--exclusive', '--kill-on-bad-exit=1',
-                '--gpus-per-task=2', '--gpu-bind=closest'} <= set(args[:at]), args
+                '--gpus-per-task=2', '--gpu-bind=closest', '--cpus-per-task=8'} <= set(args[:at]), args  # 32 / 4
         assert args[at + 1:at + 3] == ['-m', 'jaxfrontier.main']
         assert '--config.distributed.devices_per_process=2' in args and '--config.mesh.cpu_devices=0' in args
     nodes = [next(a for a in c['args'] if a.startswith('--nodelist=')) for c in calls]

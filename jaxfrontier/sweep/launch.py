@@ -53,6 +53,15 @@ def _tasks_per_node(env: Mapping[str, str]) -> int | None:
     return None
 
 
+def _cpus_per_task(env: Mapping[str, str], tasks_per_node: int) -> int:
+    """The allocation's --cpus-per-task, else its CPUs on a node shared by the tasks (srun's -c)."""
+    for key, divisor in (('SLURM_CPUS_PER_TASK', 1), ('SLURM_CPUS_ON_NODE', tasks_per_node)):
+        match = re.match(r'\d+', env.get(key, ''))
+        if match:
+            return max(1, int(match.group()) // divisor)
+    return 1
+
+
 def allocation_nodes(env: Mapping[str, str]) -> list[str]:
     """Host names of the allocation (`scontrol show hostnames $SLURM_JOB_NODELIST`)."""
     nodelist = env.get('SLURM_JOB_NODELIST') or env.get('SLURM_NODELIST')
@@ -71,13 +80,13 @@ class SlurmLauncher:
     name = 'slurm'
 
     def __init__(self, python: Sequence[str], nodes: Sequence[str], tasks_per_node: int, devices_per_task: int,
-                 gpus: bool, gpu_bind: str = 'closest'):
+                 gpus: bool, gpu_bind: str = 'closest', cpus_per_task: int = 1):
         if tasks_per_node < 1 or devices_per_task < 1:
             raise config_lib.UserError(f'--tasks_per_node={tasks_per_node}, --devices_per_task={devices_per_task}: '
                                        'must be >= 1. Fix: give the processes per node and the devices per process')
         self.python, self.nodes = list(python), list(nodes)
         self.tasks_per_node, self.devices_per_task = tasks_per_node, devices_per_task
-        self.gpus, self.gpu_bind = gpus, gpu_bind
+        self.gpus, self.gpu_bind, self.cpus_per_task = gpus, gpu_bind, max(1, cpus_per_task)
         self.free = {node: tasks_per_node for node in self.nodes}
         self.held: dict[str, dict[str, int]] = {}
 
@@ -90,7 +99,7 @@ class SlurmLauncher:
             raise config_lib.UserError('--launcher=slurm: the allocation does not say its tasks per node '
                                        '(SLURM_NTASKS_PER_NODE). Fix: pass --tasks_per_node=N (processes per node, one '
                                        'per GPU) or submit with sbatch --ntasks-per-node=N')
-        return cls(python, nodes, tpn, devices_per_task, gpus)
+        return cls(python, nodes, tpn, devices_per_task, gpus, cpus_per_task=_cpus_per_task(env, tpn))
 
     def shape(self, trial: Trial) -> tuple[int, int]:
         """(tasks, nodes) of a trial."""
@@ -130,7 +139,7 @@ class SlurmLauncher:
         for h in hosts:
             self.free[h] -= per_node
         return srun_command(self.python, trial.trial_id, tasks, hosts, per_node,
-                            self.devices_per_task if self.gpus else 0, self.gpu_bind)
+                            self.devices_per_task if self.gpus else 0, self.gpu_bind, self.cpus_per_task)
 
     def release(self, trial: Trial) -> None:
         for host, n in self.held.pop(trial.trial_id, {}).items():
@@ -138,10 +147,11 @@ class SlurmLauncher:
 
 
 def srun_command(python: Sequence[str], tid: str, tasks: int, hosts: Sequence[str], per_node: int,
-                 gpus_per_task: int, gpu_bind: str) -> list[str]:
-    """One trial's job step: its nodes, one process per GPU, killed whole when one task fails."""
+                 gpus_per_task: int, gpu_bind: str, cpus_per_task: int = 1) -> list[str]:
+    """One trial's job step: its nodes, one process per GPU with its cores, killed whole when one task fails."""
     cmd = ['srun', f'--job-name=trial-{tid}', f'--nodes={len(hosts)}', f'--ntasks={tasks}',
-           f'--ntasks-per-node={per_node}', f'--nodelist={",".join(hosts)}', '--exclusive', '--kill-on-bad-exit=1']
+           f'--ntasks-per-node={per_node}', f'--cpus-per-task={cpus_per_task}', f'--nodelist={",".join(hosts)}',
+           '--exclusive', '--kill-on-bad-exit=1']
     if gpus_per_task:
         cmd += [f'--gpus-per-task={gpus_per_task}', f'--gpu-bind={gpu_bind}']
     return cmd + list(python)
