@@ -16,6 +16,8 @@ crash or kill leaves the previous output (or none) and never a header describing
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import glob
@@ -171,30 +173,37 @@ def _encode_in_worker(texts: list[str], ends: list[bool]) -> bytes:
     return encode_batch(_WORKER['tokenizer'], texts, ends, _WORKER['eot_id'], _WORKER['dtype']).tobytes()
 
 
+def _encode_here(tokenizer: Any, eot_id: int, dtype: str) -> Callable[[list[str], list[bool]], bytes]:
+    return lambda texts, ends: encode_batch(tokenizer, texts, ends, eot_id, dtype).tobytes()
+
+
 def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, tokenizer_json: str,
                     eot_id: int, dtype: str, workers: int) -> Iterator[tuple[list[corpus.Piece], bytes]]:
     """(batch, its tokens as bytes) for each batch, in input order.
 
-    workers <= 1 encodes here; more starts that many processes, each with its share of the
-    cores, and keeps at most 2 * workers batches in flight (memory stays bounded).
+    workers == 1 encodes in this process: two threads each encode a batch with the library's
+    own thread pool (it releases the GIL), so one batch's slowest document does not idle the
+    cores. More workers start that many processes, each with its share of the cores. At most
+    2 * max(workers, 2) batches are in flight, so memory stays bounded.
     """
-    if workers <= 1:
-        for batch in batches:
-            tokens = encode_batch(tokenizer, [p.text for p in batch], [p.end_of_document for p in batch],
-                                  eot_id, dtype)
-            yield batch, tokens.tobytes()
-        return
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    context = multiprocessing.get_context('spawn')  # no fork of the tokenizers thread pool
-    with context.Pool(workers, _init_worker, (tokenizer_json, eot_id, dtype, threads)) as pool:
-        in_flight: list[tuple[list[corpus.Piece], Any]] = []
+    if workers == 1:
+        executor = concurrent.futures.ThreadPoolExecutor(2)
+        encode = _encode_here(tokenizer, eot_id, dtype)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        executor = concurrent.futures.ProcessPoolExecutor(
+            workers, multiprocessing.get_context('spawn'),  # spawn: no fork of the library's threads
+            initializer=_init_worker, initargs=(tokenizer_json, eot_id, dtype, threads))
+        encode = _encode_in_worker
+    with executor:
+        in_flight: collections.deque[tuple[list[corpus.Piece], Any]] = collections.deque()
         for batch in itertools.chain(batches, [None]):
             if batch is not None:
-                in_flight.append((batch, pool.apply_async(
-                    _encode_in_worker, ([p.text for p in batch], [p.end_of_document for p in batch]))))
-            while in_flight and (batch is None or len(in_flight) >= 2 * workers):
-                done, result = in_flight.pop(0)
-                yield done, result.get()
+                in_flight.append((batch, executor.submit(encode, [p.text for p in batch],
+                                                         [p.end_of_document for p in batch])))
+            while in_flight and (batch is None or len(in_flight) >= 2 * max(workers, 2)):
+                done, future = in_flight.popleft()
+                yield done, future.result()
 
 
 # --------------------------------------------------------------------------- output
