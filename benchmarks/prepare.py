@@ -28,7 +28,10 @@ import sysconfig
 import threading
 import time
 
-import psutil
+try:
+    import psutil
+except ImportError:  # only the sampled tree RSS needs it
+    psutil = None
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +91,7 @@ def _child_json(args: list[str]) -> dict:
 
 
 def _sample_tree_rss(pid: int, peak: list, stop: threading.Event) -> None:
-    while not stop.is_set():
+    while psutil is not None and not stop.is_set():
         try:
             parent = psutil.Process(pid)
             procs = [parent] + parent.children(recursive=True)
