@@ -2,8 +2,9 @@
 
   PYTHONPATH=$PWD python benchmarks/prepare.py [--mb=2] [--workers=1,2] [--dir=/tmp/jf_prepare_bench]
 
-Corpus: the running Python's stdlib sources (`*.py`, sorted), one JSONL document per file,
-repeated until it holds `--mb` MB; a second corpus 10x larger. Tokenizer: a byte-level BPE of
+Corpus: the running Python's stdlib sources (`*.py`, sorted), cut into JSONL documents of at
+most 16 KiB (so both corpora have the same document sizes: peak memory follows the largest
+document and the batch), repeated until it holds `--mb` MB; a second corpus 10x larger. Tokenizer: a byte-level BPE of
 32,768 tokens trained once on the first 4 MB (setup, not timed). Both sides use every core
 of this machine:
 
@@ -36,6 +37,7 @@ except ImportError:  # only the sampled tree RSS needs it
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VOCAB = 32768
+DOC_CHARS = 16384  # sources are cut into documents of at most this size
 
 
 def write_corpus(path: str, target_bytes: int) -> int:
@@ -47,7 +49,9 @@ def write_corpus(path: str, target_bytes: int) -> int:
         for name in sorted(files):
             if name.endswith('.py'):
                 with open(os.path.join(root, name), encoding='utf-8', errors='replace') as f:
-                    sources.append(json.dumps({'text': f.read()}) + '\n')
+                    text = f.read()
+                for start in range(0, len(text), DOC_CHARS):  # web-page-sized documents
+                    sources.append(json.dumps({'text': text[start:start + DOC_CHARS]}) + '\n')
     written = 0
     with open(path, 'w', encoding='utf-8') as f:
         while written < target_bytes:
