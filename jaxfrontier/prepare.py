@@ -77,8 +77,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing; a malformed flag value is one line and exit 2, as every other bad input."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f'error: {" ".join(str(e).split())}. Fix: see python -m jaxfrontier.prepare --help', file=sys.stderr)
+        sys.exit(2)
+
+
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
 
 
 if __name__ == '__main__':

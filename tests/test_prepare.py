@@ -176,6 +176,7 @@ BAD_INPUTS = {  # name: (extra arguments given tmp_path and a good jsonl corpus,
     'no end-of-text token': (lambda t, c: [f'--input={c}', '--tokenizer=' + _good_tokenizer(t), '--eot_token=<eos>'],
                              ["no token '<eos>'"]),
     'output not writable': (lambda t, c: [f'--input={c}', f'--output={_a_file(t)}/sub/x'], ['cannot write']),
+    'flag not a number': (lambda t, c: [f'--input={c}', '--workers=many'], ['--workers', 'many']),
     'two tokenizers': (lambda t, c: [f'--input={c}', '--tokenizer=' + _good_tokenizer(t), '--train_tokenizer=300'],
                        ['exactly one']),
 }
@@ -214,7 +215,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, name):
     done = _prepare(*args, check=False)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
-    assert len(lines) == 1 and lines[0].startswith('error: --') and 'Fix:' in lines[0], done.stderr
+    assert len(lines) == 1 and lines[0].startswith('error: ') and 'Fix:' in lines[0], done.stderr
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert not os.path.exists(tmp_path / 'out') or os.listdir(tmp_path / 'out') == []
