@@ -215,6 +215,18 @@ def open_token_file(path: str | os.PathLike, vocab_size: int, *, seq_len: int | 
     return TokenFile(bin_path, header, tokens)
 
 
+def tokenizer_path(token_file: TokenFile) -> str | None:
+    """The tokenizer file the header names (`"tokenizer"`, relative to the .bin), or None.
+
+    Files written by `python -m jaxfrontier.prepare` record their Hugging Face tokenizer.json
+    (and the end-of-text id, `"eot_id"`); older or hand-written files have no such key.
+    """
+    name = token_file.header.get('tokenizer')
+    if not isinstance(name, str) or not name:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(token_file.path)), name)
+
+
 # --------------------------------------------------------------------------- built-in corpus
 
 

@@ -1,0 +1,340 @@
+"""Tokenising a corpus into a token file (docs/data.md): the logic of `python -m jaxfrontier.prepare`.
+
+`prepare` streams the corpus (jaxfrontier.data.corpus) in batches of about `batch_bytes` of text,
+encodes each batch with a Hugging Face `tokenizers` tokenizer (in this process, whose
+`encode_batch_fast` uses the library's own threads, or in `workers` processes, results kept in
+input order), puts the end-of-text token after every document and appends the tokens to a
+temporary file. Memory stays near a few batches whatever the corpus size: at most
+`2 * workers` batches are in flight.
+
+Output `DIR/NAME` is three files: `NAME.bin` (tokens), `NAME.tokenizer.json` and the header
+`NAME.json`, which records the tokenizer's relative path and the end-of-text id. Everything is
+written to `*.tmp-<pid>` files first and renamed into place at the end, the header last, so a
+crash or kill leaves the previous output (or none) and never a header describing a partial
+`.bin`; a rerun simply starts over. Stale `*.tmp-<pid>` files of dead runs are removed.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import glob
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from jaxfrontier.data import corpus
+from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data.corpus import FlagError
+
+EOT_CANDIDATES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')  # first found is used
+TRAINED_EOT = '<|endoftext|>'
+MAX_VOCAB = 1 << 32  # token ids must fit uint32
+TOKENIZER_SUFFIX = '.tokenizer.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What prepare wrote."""
+
+    bin_path: str
+    header: dict[str, Any]
+    seconds: float  # tokenizer training excluded
+    input_bytes: int
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def dtype_for_vocab(vocab_size: int, flag: str = 'tokenizer', value: Any = None) -> str:
+    """The token dtype of a vocabulary: uint16 up to 65536 tokens, else uint32.
+
+    Raises:
+      FlagError: naming --flag=value, when the vocabulary does not fit uint32.
+    """
+    if vocab_size > MAX_VOCAB:
+        raise FlagError(flag, vocab_size if value is None else value, f'a vocabulary of {vocab_size:,} tokens does not fit '
+                        f'uint32 (at most {MAX_VOCAB:,})', 'use a tokenizer with a smaller vocabulary')
+    return 'uint16' if vocab_size <= 1 << 16 else 'uint32'
+
+
+def _json_vocab_size(tokenizer_json: dict[str, Any]) -> int:
+    """1 + the largest token id named in a tokenizer.json (model vocabulary and added tokens)."""
+    model = tokenizer_json.get('model')
+    vocab = model.get('vocab') if isinstance(model, dict) else None
+    ids = (list(vocab.values()) if isinstance(vocab, dict) else
+           [len(vocab) - 1] if isinstance(vocab, list) else [])  # Unigram: a list of [piece, score]
+    added = tokenizer_json.get('added_tokens')
+    ids += [t.get('id') for t in added if isinstance(t, dict)] if isinstance(added, list) else []
+    return 1 + max((i for i in ids if isinstance(i, int)), default=-1)
+
+
+def load_tokenizer(path: str) -> tuple[Any, str]:
+    """Loads a Hugging Face tokenizer.json (or the one in directory `path`); returns (it, its JSON).
+
+    Raises:
+      FlagError: the file is missing or cannot be read, or its vocabulary exceeds uint32.
+    """
+    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+
+    file = os.path.join(path, 'tokenizer.json') if os.path.isdir(path) else path
+    fix = 'pass a Hugging Face tokenizer.json (or a directory holding one), or --train_tokenizer=VOCAB'
+    try:
+        with open(file, encoding='utf-8') as f:
+            text = f.read()
+        parsed = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise FlagError('tokenizer', path, f'cannot read {file} ({" ".join(str(e).split())})', fix) from None
+    dtype_for_vocab(_json_vocab_size(parsed) if isinstance(parsed, dict) else 0, 'tokenizer', path)
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as e:  # pylint: disable=broad-except  (tokenizers raises plain Exception)
+        raise FlagError('tokenizer', path, f'{file} is not a tokenizer.json the tokenizers library '
+                        f'reads ({" ".join(str(e).split())[:200]})', fix) from None
+    return tokenizer, text
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int) -> tuple[Any, str]:
+    """Trains a GPT-2-style byte-level BPE with the special token <|endoftext|>; returns (it, its JSON).
+
+    The vocabulary is at most vocab_size (smaller when the corpus has fewer distinct merges).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+
+    if vocab_size < 257:
+        raise FlagError('train_tokenizer', vocab_size, 'a byte-level BPE needs 256 byte tokens and '
+                        '<|endoftext|>', 'pass --train_tokenizer=257 or more (GPT-2: 50257)')
+    dtype_for_vocab(vocab_size, 'train_tokenizer')
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer, tokenizer.to_str()
+
+
+def vocab_size_of(tokenizer: Any) -> int:
+    """1 + the largest token id, added tokens included."""
+    return 1 + max(tokenizer.get_vocab(with_added_tokens=True).values())
+
+
+def eot_id_of(tokenizer: Any, eot_token: str, flag_value: str) -> tuple[str, int]:
+    """(end-of-text token, its id): eot_token, or the first of EOT_CANDIDATES the tokenizer has."""
+    for token in [eot_token] if eot_token else EOT_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token, token_id
+    problem = (f'the tokenizer has no token {eot_token!r}' if eot_token else
+               f'the tokenizer has none of the end-of-text tokens {list(EOT_CANDIDATES)}')
+    raise FlagError('eot_token' if eot_token else 'tokenizer', eot_token or flag_value, problem,
+                    'pass --eot_token=<the token that ends a document in this tokenizer>')
+
+
+def _ready_for_documents(tokenizer: Any) -> Any:
+    """No truncation or padding, and special-token text in a document encoded as plain text."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    tokenizer.encode_special_tokens = True  # a literal '<|endoftext|>' in a document is not a boundary
+    return tokenizer
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode_batch(tokenizer: Any, texts: list[str], ends: list[bool], eot_id: int, dtype: str) -> np.ndarray:
+    """Tokens [n] of a batch of pieces, eot_id after each piece that ends a document."""
+    encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    eot = (eot_id,)
+    ids = itertools.chain.from_iterable(
+        itertools.chain(e.ids, eot) if end else e.ids for e, end in zip(encodings, ends))
+    return np.fromiter(ids, dtype=np.dtype(data_lib.NUMPY_DTYPES[dtype]))
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_json: str, eot_id: int, dtype: str, threads: int) -> None:
+    os.environ['RAYON_NUM_THREADS'] = str(threads)  # read when the library first runs in parallel
+    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+    _WORKER.update(tokenizer=_ready_for_documents(Tokenizer.from_str(tokenizer_json)), eot_id=eot_id,
+                   dtype=dtype)
+
+
+def _encode_in_worker(texts: list[str], ends: list[bool]) -> bytes:
+    return encode_batch(_WORKER['tokenizer'], texts, ends, _WORKER['eot_id'], _WORKER['dtype']).tobytes()
+
+
+def _encode_here(tokenizer: Any, eot_id: int, dtype: str) -> Callable[[list[str], list[bool]], bytes]:
+    return lambda texts, ends: encode_batch(tokenizer, texts, ends, eot_id, dtype).tobytes()
+
+
+def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, tokenizer_json: str,
+                    eot_id: int, dtype: str, workers: int) -> Iterator[tuple[list[corpus.Piece], bytes]]:
+    """(batch, its tokens as bytes) for each batch, in input order.
+
+    workers == 1 encodes in this process: two threads each encode a batch with the library's
+    own thread pool (it releases the GIL), so one batch's slowest document does not idle the
+    cores. More workers start that many processes, each with its share of the cores. At most
+    2 * max(workers, 2) batches are in flight, so memory stays bounded.
+    """
+    if workers == 1:
+        executor = concurrent.futures.ThreadPoolExecutor(2)
+        encode = _encode_here(tokenizer, eot_id, dtype)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        executor = concurrent.futures.ProcessPoolExecutor(
+            workers, multiprocessing.get_context('spawn'),  # spawn: no fork of the library's threads
+            initializer=_init_worker, initargs=(tokenizer_json, eot_id, dtype, threads))
+        encode = _encode_in_worker
+    with executor:
+        in_flight: collections.deque[tuple[list[corpus.Piece], Any]] = collections.deque()
+        for batch in itertools.chain(batches, [None]):
+            if batch is not None:
+                in_flight.append((batch, executor.submit(encode, [p.text for p in batch],
+                                                         [p.end_of_document for p in batch])))
+            while in_flight and (batch is None or len(in_flight) >= 2 * max(workers, 2)):
+                done, future = in_flight.popleft()
+                yield done, future.result()
+
+
+# --------------------------------------------------------------------------- output
+
+
+def output_paths(output: str) -> dict[str, str]:
+    """The files of output DIR/NAME: bin, header and tokenizer."""
+    bin_path, header_path = data_lib.token_paths(output)
+    return {'bin': bin_path, 'tokenizer': bin_path[:-len('.bin')] + TOKENIZER_SUFFIX, 'header': header_path}
+
+
+def _remove_stale_temporaries(paths: dict[str, str]) -> None:
+    """Deletes `*.tmp-<pid>` files of these outputs left by runs that are no longer alive."""
+    for final in paths.values():
+        for tmp in glob.glob(glob.escape(final) + '.tmp-*'):
+            match = re.fullmatch(r'.*\.tmp-(\d+)', tmp)
+            if match and not _alive(int(match.group(1))):
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_small(path: str, text: str) -> None:
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _open_output(output: str) -> tuple[dict[str, str], dict[str, str], Any]:
+    """(final paths, temporary paths, the open temporary .bin); checks the directory is writable."""
+    paths = output_paths(output)
+    directory = os.path.dirname(os.path.abspath(paths['bin']))
+    tmp = {key: f'{path}.tmp-{os.getpid()}' for key, path in paths.items()}
+    try:
+        os.makedirs(directory, exist_ok=True)
+        _remove_stale_temporaries(paths)
+        return paths, tmp, open(tmp['bin'], 'wb')
+    except OSError as e:
+        raise FlagError('output', output, f'cannot write in {directory} ({e.strerror or e})',
+                        'pass an --output=DIR/NAME whose DIR you can write') from None
+
+
+def _publish(paths: dict[str, str], tmp: dict[str, str], tokenizer_json: str, header: dict[str, Any]) -> None:
+    """Renames the temporaries into place: the old header goes first, the new one comes last."""
+    _write_small(tmp['tokenizer'], tokenizer_json)
+    _write_small(tmp['header'], json.dumps(header, indent=1) + '\n')
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(paths['header'])
+    for key in ('bin', 'tokenizer', 'header'):
+        os.chmod(tmp[key], 0o644)
+        os.replace(tmp[key], paths[key])
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_vocab: int = 0,
+            text_field: str = 'text', eot_token: str = '', workers: int = 1, batch_bytes: int = 1 << 20,
+            progress: Callable[[int, int], None] | None = None) -> Result:
+    """Tokenises the corpus `inputs` into the token file `output` (docs/data.md).
+
+    Args:
+      inputs: files or globs (comma-separated allowed) of .txt, .jsonl or .parquet.
+      output: DIR/NAME of the token file (NAME.bin, NAME.json and NAME.tokenizer.json).
+      tokenizer_path: a tokenizer.json or a directory holding one; or
+      train_vocab: > 0 trains a byte-level BPE of at most this vocabulary on the inputs.
+      text_field: the JSONL field or Parquet column holding the text.
+      eot_token: the end-of-text token; '' picks the first of EOT_CANDIDATES the tokenizer has.
+      workers: encoding processes; 1 encodes in this process (with the library's threads).
+      batch_bytes: input bytes per encoded batch.
+      progress: called with (input bytes, tokens) after each batch.
+
+    Raises:
+      FlagError: any input the user can fix; nothing is left that looks like a token file.
+    """
+    if bool(tokenizer_path) == bool(train_vocab):
+        raise FlagError('tokenizer', tokenizer_path, 'pass exactly one of --tokenizer and --train_tokenizer',
+                        'pass --tokenizer=PATH (a tokenizer.json) or --train_tokenizer=VOCAB (e.g. 50257)')
+    if workers < 1:
+        raise FlagError('workers', workers, 'need at least one worker', 'pass --workers=1 or more')
+    files = corpus.expand_inputs(inputs)
+    input_bytes = sum(os.path.getsize(f) for f in files)
+    if not input_bytes:
+        raise FlagError('input', ','.join(inputs), 'the corpus is empty (its files hold 0 bytes)',
+                        'pass files that hold text')
+    paths, tmp, bin_file = _open_output(output)
+    try:
+        with bin_file:
+            if tokenizer_path:
+                tokenizer, tokenizer_json = load_tokenizer(tokenizer_path)
+            else:
+                tokenizer, tokenizer_json = train_tokenizer(
+                    (p.text for p in corpus.read_pieces(files, text_field)), train_vocab)
+            vocab_size = vocab_size_of(tokenizer)
+            dtype = dtype_for_vocab(vocab_size)
+            eot, eot_id = eot_id_of(tokenizer, eot_token, tokenizer_path)
+            start = time.perf_counter()
+            num_tokens, num_documents = 0, 0
+            pieces = corpus.read_pieces(files, text_field)
+            for batch, tokens in encoded_batches(corpus.batches(pieces, batch_bytes), _ready_for_documents(tokenizer),
+                                                 tokenizer_json, eot_id, dtype, workers):
+                bin_file.write(tokens)
+                num_tokens += len(tokens) // (2 if dtype == 'uint16' else 4)
+                num_documents += sum(p.end_of_document for p in batch)
+                if progress:
+                    progress(sum(p.num_bytes for p in batch), num_tokens)
+            if not num_documents:
+                raise FlagError('input', ','.join(inputs), 'the corpus is empty (no document holds text)',
+                                'pass files that hold text (check --text_field)')
+            bin_file.flush()
+            os.fsync(bin_file.fileno())
+        header = {'format': data_lib.FORMAT, 'version': data_lib.VERSION, 'dtype': dtype,
+                  'num_tokens': num_tokens, 'vocab_size': vocab_size,
+                  'tokenizer': os.path.basename(paths['tokenizer']), 'eot_token': eot, 'eot_id': eot_id,
+                  'num_documents': num_documents, 'source': 'jaxfrontier.prepare',
+                  'num_input_files': len(files), 'input_bytes': input_bytes}
+        seconds = time.perf_counter() - start
+        _publish(paths, tmp, tokenizer_json, header)
+    except BaseException:
+        for path in tmp.values():
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        raise
+    return Result(paths['bin'], header, seconds, input_bytes)
