@@ -45,7 +45,7 @@ def step_flops(c):
     layout = ts.make_layout(c, mesh)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout.abstract_state)
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
-    weights = pipeline.schedule_branch_weights(pipeline.build_schedule(c)) if c.mesh.pipeline > 1 else None
+    weights = pipeline.build_schedule(c).flop_weights if c.mesh.pipeline > 1 else None
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return flop_count.executed_dot_flops(train.make_train_step(c, layout), state, batch, branch_weights=weights)
 

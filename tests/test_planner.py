@@ -120,7 +120,7 @@ def test_hardware_flops_match_traced_train_step(remat, pipe):
     layout = ts.make_layout(c, mesh)
     weights = None
     if pipe > 1:
-        weights = pipeline.schedule_branch_weights(pipeline.build_schedule(c))
+        weights = pipeline.build_schedule(c).flop_weights
     loss_and_grads = train.make_loss_and_grads(c, layout)
     tokens = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
     with jax.sharding.use_abstract_mesh(mesh):

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import lockstep, schedules, staggered
 from jaxfrontier.pipeline.chunk import AXIS, split_shared
-from jaxfrontier.pipeline.eval import eval_branch_weights, make_pipeline_eval  # noqa: F401  (front door)
+from jaxfrontier.pipeline.eval import make_pipeline_eval  # noqa: F401  (front door)
 
 
 def build_schedule(c: ml_collections.ConfigDict) -> schedules.Schedule | schedules.Staggered:
@@ -42,20 +41,3 @@ def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropo
         return loss, {'blocks': g_blocks, **g_shared}
 
     return pipeline_grads
-
-
-def schedule_branch_weights(schedule: schedules.Schedule):
-    """Branch weights for flop_count: the tick loop's forward then backward `lax.switch`.
-
-    Weight of branch b = (stages x ticks running b) / ticks, since the tick scan already
-    multiplies its body by the number of ticks; the total is summed over all stages.
-    """
-    if isinstance(schedule, schedules.Staggered):
-        return staggered.branch_weights(schedule)
-    tables = (schedule.f_table[..., 0], schedule.b_table[..., 0])
-
-    def weights(occurrence: int, n_branches: int) -> list[float]:
-        kinds = tables[occurrence % 2]
-        return [float(np.sum(kinds == b)) / schedule.num_ticks for b in range(n_branches)]
-
-    return weights

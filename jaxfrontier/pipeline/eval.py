@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import config as config_lib
@@ -79,9 +78,3 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_
         return run(blocks, shared, split_micro(tokens_gt, c.train.accum_steps, dp))
 
     return eval_loss
-
-
-def eval_branch_weights(schedule: schedules.ForwardOnly):
-    """flop_count weights of the forward-only loop's one switch."""
-    kinds = schedule.e_table[..., 0]
-    return lambda occurrence, n: [float(np.sum(kinds == b)) / schedule.num_ticks for b in range(n)]

@@ -76,6 +76,20 @@ class Schedule:
     def max_stashed_inputs(self) -> int:
         return self.act_slots
 
+    def flop_weights(self, occurrence: int, n_branches: int) -> list[float]:
+        """flop_count weights of the tick loop's switches, forward then backward.
+
+        Weight of branch b = (stages x ticks running b) / ticks, since the tick scan already
+        multiplies its body by the number of ticks; the total is summed over all stages.
+        """
+        kinds = (self.f_table, self.b_table)[occurrence % 2][..., 0]
+        return [float(np.sum(kinds == b)) / self.num_ticks for b in range(n_branches)]
+
+    def hlo_weights(self, n_branches: int) -> list[float]:
+        """hlo_collectives weights by branch count (forward 3, backward 5): share of (tick, stage) slots."""
+        kinds = {3: self.f_table, 5: self.b_table}[n_branches][..., 0]
+        return [float(np.mean(kinds == b)) for b in range(n_branches)]
+
 
 def _unit_ticks(name: str, p_size: int, m_size: int, v_size: int) -> tuple[dict, dict]:
     """(forward tick, backward tick) of every unit (m, c) for the named schedule."""
@@ -276,6 +290,18 @@ class Staggered:
             worst = max(worst, best)
         return worst
 
+    def flop_weights(self, occurrence: int, n_branches: int) -> list[float]:
+        """flop_count weights of the loop body's switches, in trace order A0, B0, A1, B1 (half-slot
+        parity 0 then 1): weight of branch b = (stages x half-slots of that parity running b) / iterations."""
+        half, role = divmod(occurrence % 4, 2)
+        kinds = (self.a_table, self.b_table)[role][half::2, :, 0]
+        return [float(np.sum(kinds == b)) / (self.num_half_slots // 2) for b in range(n_branches)]
+
+    def hlo_weights(self, n_branches: int) -> list[float]:
+        """hlo_collectives weights by branch count (A: 7, B: 4): share of (half-slot, stage) pairs."""
+        kinds = {7: self.a_table, 4: self.b_table}[n_branches][..., 0]
+        return [float(np.mean(kinds == b)) for b in range(n_branches)]
+
 
 def staggered_1f1b(num_stages: int, num_micro: int) -> Staggered:
     """Builds and checks the half-slot tables of staggered 1F1B (see `Staggered`)."""
@@ -350,6 +376,11 @@ class ForwardOnly:
     @property
     def num_ticks(self) -> int:
         return self.e_table.shape[0]
+
+    def flop_weights(self, occurrence: int, n_branches: int) -> list[float]:
+        """flop_count weights of the forward-only loop's one switch."""
+        kinds = self.e_table[..., 0]
+        return [float(np.sum(kinds == b)) / self.num_ticks for b in range(n_branches)]
 
 
 def forward_only(num_stages: int, num_micro: int, virtual: int = 1) -> ForwardOnly:

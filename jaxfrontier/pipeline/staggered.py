@@ -31,7 +31,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from flax import nnx
 
 from jaxfrontier import config as config_lib
@@ -238,23 +237,3 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
         return jax.lax.psum(loss_sum, AXIS), g_blocks, jax.lax.psum(g_shared, AXIS)
 
     return engine
-
-
-def branch_weights(schedule: schedules.Staggered):
-    """flop_count weights of the loop body's switches, in trace order A0, B0, A1, B1 (half-slot
-    parity 0 then 1): weight of branch b = (stages x half-slots of that parity running b) / iterations."""
-    iterations = schedule.num_half_slots // 2
-    tables = {0: schedule.a_table[..., 0], 1: schedule.b_table[..., 0]}
-
-    def weights(occurrence: int, n_branches: int) -> list[float]:
-        half, role = divmod(occurrence % 4, 2)
-        kinds = tables[role][half::2]
-        return [float(np.sum(kinds == b)) / iterations for b in range(n_branches)]
-
-    return weights
-
-
-def hlo_branch_weights(schedule: schedules.Staggered):
-    """hlo_collectives weights by branch count (A: 7, B: 4): share of (half-slot, stage) pairs."""
-    kinds = {len(_A_KINDS): schedule.a_table[..., 0], len(_B_KINDS): schedule.b_table[..., 0]}
-    return lambda n: [float(np.mean(kinds[n] == b)) for b in range(n)]

@@ -31,15 +31,12 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
-from jaxfrontier.pipeline import staggered as pipeline_1f1b
-from jaxfrontier.pipeline import schedules
 from jaxfrontier.training import loop as train
 from jaxfrontier.training import state as ts
 
@@ -101,11 +98,7 @@ def pipeline_branch_weights(c: ml_collections.ConfigDict):
     """
     if c.mesh.pipeline == 1:
         return None
-    s = pipeline.build_schedule(c)
-    if isinstance(s, schedules.Staggered):
-        return pipeline_1f1b.hlo_branch_weights(s)
-    kinds = {3: s.f_table[..., 0], 5: s.b_table[..., 0]}
-    return lambda n: [float(np.mean(kinds[n] == b)) for b in range(n)]
+    return pipeline.build_schedule(c).hlo_weights
 
 
 def collectives(c: ml_collections.ConfigDict, compiled) -> list[hlo_collectives.Collective]:
