@@ -85,7 +85,8 @@ def gpt_loss_and_grads(attention, remat, scan_unroll=1):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
-@pytest.mark.parametrize('remat', config_lib.REMAT_POLICIES)
+@pytest.mark.parametrize('remat', [r if r == 'full' else pytest.param(r, marks=pytest.mark.slow)
+                                   for r in config_lib.REMAT_POLICIES])
 def test_gpt_with_blockwise_equals_reference_under_each_remat_policy(remat):
     ref_loss, ref_grads = gpt_loss_and_grads('reference', 'none')
     loss, grads = gpt_loss_and_grads('blockwise', remat)
@@ -113,6 +114,7 @@ def reference_run():
     return run_layout(make_config(attention='reference'))
 
 
+@pytest.mark.slow
 def test_training_with_blockwise_matches_reference(reference_run):
     """One device: the step-0 loss and gradients, and the parameters after 3 AdamW steps."""
     check_against_reference(run_layout(with_blocks(make_config(attention='blockwise'))), reference_run)
@@ -130,3 +132,71 @@ def test_blockwise_inside_pipeline_matches_single_device():
     c = with_blocks(make_config(layers=4, pipeline=2, schedule='1f1b', accum=3, global_batch=24 // 3 * 3,
                                 tensor=2, attention='blockwise'))
     check_against_reference(run_layout(c), reference)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def attention_temp_bytes(impl, seq, block=64):
+    """XLA's compiled temporary bytes of forward + backward of the attention core alone."""
+    x = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.float32)
+    fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block, block_kv=block)
+
+    def fwd_bwd(q, k, v, do):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return vjp(do)
+
+    return jax.jit(fwd_bwd).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_blockwise_memory_grows_linearly_reference_quadratically():
+    """Sequence 2k -> 4k -> 8k: blockwise's temporaries double (O(s): blocked copies of q, k, v,
+    dO and the fp32 dQ buffer), the reference's quadruple (the s x s scores and probabilities)."""
+    blockwise = [attention_temp_bytes('blockwise', s) for s in (2048, 4096, 8192)]
+    reference = [attention_temp_bytes('reference', s) for s in (2048, 4096, 8192)]
+    for small, large in zip(blockwise, blockwise[1:]):
+        assert 1.8 < large / small < 2.3, blockwise
+    for small, large in zip(reference, reference[1:]):
+        assert 3.6 < large / small < 4.4, reference
+    assert reference[-1] > 50 * blockwise[-1], (reference, blockwise)
+
+
+# --------------------------------------------------------------------------- remat, unrolled
+
+
+def lowered_barriers(remat, scan_unroll):
+    c = tiny_config(remat=remat, scan_unroll=scan_unroll, attention='reference')
+    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    tokens = jax.ShapeDtypeStruct((BATCH_TOKENS, c.model.seq_len + 1), jnp.int32)
+    grad = jax.jit(jax.grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))
+    return grad.lower(model_def.abstract_params(), tokens).as_text().count('optimization_barrier')
+
+
+BATCH_TOKENS = 3
+
+
+def test_unrolled_remat_keeps_its_cse_barrier():
+    """Issue 14, 6b: the fully unrolled stack's checkpoint must carry prevent_cse's optimization
+    barrier (one per layer), or XLA merges the recomputation into the forward pass; the rolled
+    scan needs none. (XLA:CPU expands barriers before CSE, so the memory effect shows only on
+    GPU: test_unrolled_remat_full_saves_memory_on_gpu.)"""
+    assert lowered_barriers('full', scan_unroll=1) == 0
+    assert lowered_barriers('full', scan_unroll=2) == 2
+    assert lowered_barriers('none', scan_unroll=2) == 0
+
+
+def gpt_temp_bytes(remat, scan_unroll):
+    c = tiny_config(remat=remat, scan_unroll=scan_unroll, attention='reference', num_layers=4, seq_len=64)
+    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    tokens = jax.ShapeDtypeStruct((8, 65), jnp.int32)
+    grad = jax.jit(jax.grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))
+    return grad.lower(model_def.abstract_params(), tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_unrolled_remat_full_saves_memory_on_gpu():
+    if jax.default_backend() != 'gpu':
+        pytest.skip('XLA:CPU expands optimization barriers before CSE (see the test above)')
+    rolled, unrolled = ((gpt_temp_bytes('full', u), gpt_temp_bytes('none', u)) for u in (1, 4))
+    assert rolled[0] < 0.5 * rolled[1], rolled
+    assert unrolled[0] < 0.5 * unrolled[1], unrolled
