@@ -128,8 +128,8 @@ def test_blockwise_with_tensor_2_matches_single_device(reference_run):
 
 @pytest.mark.slow
 def test_blockwise_inside_pipeline_matches_single_device():
-    reference = run_layout(make_config(layers=4, attention='reference'))
-    c = with_blocks(make_config(layers=4, pipeline=2, schedule='1f1b', accum=3, global_batch=24 // 3 * 3,
+    reference = run_layout(make_config(layers=4, global_batch=24, attention='reference'))
+    c = with_blocks(make_config(layers=4, pipeline=2, schedule='1f1b', accum=3, global_batch=24,
                                 tensor=2, attention='blockwise'))
     check_against_reference(run_layout(c), reference)
 
