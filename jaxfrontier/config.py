@@ -35,7 +35,7 @@ DEFAULT_RULES = (
     ('act_embed', None),  # activations' model dimension stays whole
 )
 
-ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn')
+ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn', 'blockwise')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
 # Staggered 1F1B (pipeline/staggered.py): model.remat -> what the recomputation keeps for the
 # backward half-slot (one chunk, one micro-batch). `full` keeps the weight matmuls' outputs:
@@ -89,7 +89,11 @@ def base_config() -> ml_collections.ConfigDict:
             dropout_rate=0.0,
             init_std=0.02,
             dtype='bfloat16',  # compute dtype; parameters and the loss are always fp32
-            attention='auto',  # auto | reference | xla | cudnn
+            attention='auto',  # auto | reference | xla | cudnn | blockwise
+            # Query / key-value rows per block of the blockwise kernel (model/blockwise.py);
+            # 64 measured fastest on the CPU at sequence 256 and 2048 (docs/PERFORMANCE.md).
+            attention_block_q=64,
+            attention_block_kv=64,
             remat='full',  # none | full | save_dots | save_dots_no_batch
             # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
             # Unrolling is 15-30 % faster on XLA:CPU for small models and costs compile time.
@@ -282,6 +286,8 @@ class ModelShape:
     attention: str
     remat: str
     scan_unroll: int = 1
+    attention_block_q: int = 64
+    attention_block_kv: int = 64
 
     @property
     def head_dim(self) -> int:
@@ -305,6 +311,8 @@ def model_shape(c: ml_collections.ConfigDict) -> ModelShape:
         attention=m.attention,
         remat=m.remat,
         scan_unroll=m.scan_unroll,
+        attention_block_q=m.attention_block_q,
+        attention_block_kv=m.attention_block_kv,
     )
 
 
@@ -348,7 +356,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
         )
 
     for field in ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple',
-                  'scan_unroll'):
+                  'scan_unroll', 'attention_block_q', 'attention_block_kv'):
         _require(isinstance(m[field], int) and m[field] >= 1, f'model.{field}', m[field],
                  'must be a positive integer', f'set model.{field} to a positive integer')
     _require(m.dtype in DTYPES, 'model.dtype', m.dtype, 'unknown dtype', f'use one of {DTYPES}')

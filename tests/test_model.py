@@ -130,9 +130,9 @@ def test_gpt_loss_and_grads_same_with_reference_and_xla_attention():
 
 
 def test_auto_attention_dispatch_by_backend():
-    assert attention_lib.resolve_impl('auto', jnp.bfloat16, backend='cpu') == 'reference'
-    assert attention_lib.resolve_impl('auto', jnp.float32, backend='cpu') == 'reference'
-    assert attention_lib.resolve_impl('auto', jnp.bfloat16, backend='rocm') == 'xla'  # FRONTIER.md: no Pallas
+    assert attention_lib.resolve_impl('auto', jnp.bfloat16, backend='cpu') == 'blockwise'
+    assert attention_lib.resolve_impl('auto', jnp.float32, backend='cpu') == 'blockwise'
+    assert attention_lib.resolve_impl('auto', jnp.bfloat16, backend='rocm') == 'blockwise'  # FRONTIER.md: no Pallas
     assert attention_lib.resolve_impl('reference', jnp.bfloat16, backend='cpu') == 'reference'
 
 

@@ -4,10 +4,15 @@ Kernels (config.model.attention):
   reference  einsum + causal mask + fp32 softmax, written out here; runs everywhere.
   xla        jax.nn.dot_product_attention(implementation='xla').
   cudnn      jax.nn.dot_product_attention(implementation='cudnn'): NVIDIA GPUs, 16-bit dtypes.
-  auto       cudnn on an NVIDIA GPU with a 16-bit dtype; reference on the CPU (measured ~10 %
-             faster forward + backward than jax.nn's XLA path, docs/PERFORMANCE.md);
-             otherwise xla. ROCm gets xla: the Pallas/Triton kernels are not reliable on
-             MI250X (FRONTIER.md).
+  blockwise  flash-style blocks, online softmax and a recomputing custom VJP in plain JAX
+             (model/blockwise.py): O(s) memory per head on any backend; block sizes from
+             model.attention_block_q / model.attention_block_kv.
+  auto       cudnn on an NVIDIA GPU with a 16-bit dtype; blockwise everywhere else: on ROCm
+             (the Pallas/Triton kernels do not run on MI250X, FRONTIER.md, so the alternative
+             is XLA's s x s scores), on NVIDIA in fp32, and on the CPU, where it measured
+             faster than reference forward + backward at every length tried (batch 8, 6 heads,
+             2 busy cores: sequence 256 111 vs 157 ms, 2048 5.3 vs 15.9 s;
+             benchmarks/attention.py, docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model.blockwise import blockwise_attention
 from jaxfrontier.model.layers import ACT_ND, param
 
 ACT_BTHK = ('batch', None, 'heads', None)
@@ -28,11 +34,11 @@ def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str
         return impl
     backend = backend or jax.default_backend()
     if backend == 'cpu':
-        return 'reference'
+        return 'blockwise'
     is_nvidia = backend in ('gpu', 'cuda') and 'nvidia' in jax.devices()[0].device_kind.lower()
     if is_nvidia and jnp.dtype(dtype).itemsize == 2:
         return 'cudnn'
-    return 'xla'
+    return 'blockwise'
 
 
 def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:
@@ -46,11 +52,13 @@ def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array)
     return jnp.einsum('bhts,bshk->bthk', p_bhts, v_bshk)
 
 
-def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str) -> jax.Array:
-    """Causal attention with the named kernel (see the module docstring)."""
+def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str, block_q: int = 64, block_kv: int = 64) -> jax.Array:
+    """Causal attention with the named kernel (see the module docstring); block sizes: blockwise only."""
     impl = resolve_impl(impl, q_bthk.dtype)
     if impl == 'reference':
         return reference_attention(q_bthk, k_bshk, v_bshk)
+    if impl == 'blockwise':
+        return blockwise_attention(q_bthk, k_bshk, v_bshk, block_q, block_kv)
     if impl in ('xla', 'cudnn'):
         return jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, is_causal=True, implementation=impl)
     raise ValueError(f'unknown attention implementation {impl!r}')
@@ -64,9 +72,10 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, *, impl: str, init_std: float, out_std: float,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, blocks: tuple[int, int] = (64, 64)):
         head_dim = d_model // num_heads
         self.num_heads, self.impl = num_heads, impl
+        self.blocks = blocks  # (block_q, block_kv) of the blockwise kernel
         self.w_qkv = param(rngs.params(), (d_model, 3, num_heads, head_dim),
                            ('embed', 'qkv', 'heads', 'head_dim'), init_std)
         self.b_qkv = param(None, (3, num_heads, head_dim), ('qkv', 'heads', 'head_dim'), 0.0)
@@ -79,7 +88,7 @@ class Attention(nnx.Module):
         n, _, h, k = qkv_n3hk.shape
         qkv_bt3hk = qkv_n3hk.reshape(n // seq_len, seq_len, 3, h, k)  # [B, T, 3, H, K]
         q, kk, v = (mesh_lib.constrain(qkv_bt3hk[:, :, i], ACT_BTHK) for i in range(3))
-        o_bthk = dot_product_attention(q, kk, v, self.impl)
+        o_bthk = dot_product_attention(q, kk, v, self.impl, *self.blocks)
         o_nhk = mesh_lib.constrain(o_bthk, ACT_BTHK).reshape(n, h, k)  # [B*T, H, K]
         y_nd = jnp.einsum('nhk,hkd->nd', o_nhk, self.w_out[...].astype(dtype)) + self.b_out[...].astype(dtype)
         return mesh_lib.constrain(y_nd, ACT_ND)

@@ -35,7 +35,7 @@ class Block(nnx.Module):
         self.dropout_rate = s.dropout_rate
         self.ln1 = LayerNorm(s.d_model, rngs=rngs)
         self.attn = Attention(s.d_model, s.num_heads, impl=s.attention, init_std=s.init_std, out_std=out_std,
-                              rngs=rngs)
+                              rngs=rngs, blocks=(s.attention_block_q, s.attention_block_kv))
         self.ln2 = LayerNorm(s.d_model, rngs=rngs)
         self.mlp = MLP(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
 
@@ -60,10 +60,15 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
         return nnx.merge(graphdef, layer_state)(x, seq_len, key), None
 
+    fully_unrolled = unroll >= num_layers
     if remat != 'none':
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        # prevent_cse=False is safe only inside a scan, whose loop keeps XLA from merging the
+        # recomputation into the forward pass; the unrolled plain loop needs the optimization
+        # barrier, or remat=full compiles to the same program as remat=none (issue 14, 6b).
+        # XLA:CPU drops the barrier before CSE, so there the unrolled remat stays ineffective.
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=fully_unrolled)
     indices = first_layer + jnp.arange(num_layers)
-    if unroll >= num_layers:  # fully unrolled: a plain loop, no while loop around the layers
+    if fully_unrolled:  # a plain loop, no while loop around the layers
         for i in range(num_layers):
             x_nd, _ = body(x_nd, (jax.tree.map(lambda a, i=i: a[i], stacked), indices[i]))
         return x_nd

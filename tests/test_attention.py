@@ -1,0 +1,202 @@
+"""The blockwise (flash-style) attention kernel against the reference, in the model and at scale.
+
+Kernel inputs are [batch 2, sequence, heads 3, head dim 8] with sequences that are and are
+not multiples of the blocks (4 and 8 rows, also mixed and coprime); fp32 tolerances allow
+reduction-order differences only (rtol 1e-5 / atol 1e-6, as tests/test_model.py), and the
+float64 numpy attention of test_model checks both kernels. Model-level checks use the tiny GPT
+of test_model (sequence 16, blocks 4 x 8, so queries see up to four key blocks) and the
+layouts of layout_check.py (sequence 24, blocks 8 x 16: the last key block is half padding).
+Memory scaling is held by XLA's compiled memory analysis, never by the clock.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import train_state as ts
+from jaxfrontier.model import attention as attention_lib
+from jaxfrontier.model.blockwise import blockwise_attention
+from layout_check import check_against_reference, make_config, run_layout
+from test_model import ATOL, RTOL, assert_trees_close, numpy_causal_attention, params_and_tokens, tiny_config
+
+
+def qkv_do(seq, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(3), 4)
+    return tuple(jax.random.normal(key, (2, seq, 3, 8), jnp.float32).astype(dtype) for key in keys)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def out_and_grads(impl, block_q, block_kv, q, k, v, do):
+    fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block_q, block_kv=block_kv)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(do)
+
+
+@pytest.mark.parametrize('seq,block_q,block_kv', [(16, 4, 4), (13, 4, 4), (16, 8, 4), (13, 4, 8), (20, 3, 7),
+                                                  (5, 8, 8), (1, 4, 4)])
+def test_blockwise_equals_reference_forward_and_backward(seq, block_q, block_kv):
+    q, k, v, do = qkv_do(seq)
+    ref_out, ref_grads = out_and_grads('reference', 0, 0, q, k, v, do)
+    out, grads = out_and_grads('blockwise', block_q, block_kv, q, k, v, do)
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, numpy_causal_attention(q, k, v), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL)
+    for name, g, g_ref in zip('qkv', grads, ref_grads):
+        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
+
+
+def test_blockwise_bfloat16_matches_fp32_reference():
+    q, k, v, do = qkv_do(13, jnp.bfloat16)
+    ref_out, ref_grads = out_and_grads('reference', 0, 0, *(x.astype(jnp.float32) for x in (q, k, v, do)))
+    out, grads = out_and_grads('blockwise', 4, 8, q, k, v, do)
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    tol = dict(rtol=2e-2, atol=2e-2)  # bf16 inputs and outputs: 8 mantissa bits
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, **tol)
+    for name, g, g_ref in zip('qkv', grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), g_ref, **tol, err_msg=f'd{name}')
+
+
+def test_auto_picks_blockwise_off_nvidia():
+    assert attention_lib.resolve_impl('auto', jnp.float32, backend='cpu') == 'blockwise'
+    assert attention_lib.resolve_impl('auto', jnp.bfloat16, backend='rocm') == 'blockwise'
+
+
+@pytest.mark.parametrize('field,value', [('attention_block_q', 0), ('attention_block_kv', -3)])
+def test_bad_block_sizes_fail_validation(field, value):
+    c = tiny_config(attention='blockwise', **{field: value})
+    with pytest.raises(config_lib.ConfigError, match=f'model.{field}'):
+        config_lib.validate(c)
+
+
+# --------------------------------------------------------------------------- in the model
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_loss_and_grads(attention, remat, scan_unroll=1):
+    c = tiny_config(attention=attention, remat=remat, scan_unroll=scan_unroll, attention_block_q=4,
+                    attention_block_kv=8)
+    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    params, tokens = params_and_tokens()
+    loss, grads = jax.jit(jax.value_and_grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))(params, tokens)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.parametrize('remat', [r if r == 'full' else pytest.param(r, marks=pytest.mark.slow)
+                                   for r in config_lib.REMAT_POLICIES])
+def test_gpt_with_blockwise_equals_reference_under_each_remat_policy(remat):
+    ref_loss, ref_grads = gpt_loss_and_grads('reference', 'none')
+    loss, grads = gpt_loss_and_grads('blockwise', remat)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_trees_close(grads, ref_grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_gpt_with_blockwise_unrolled_equals_reference(remat):
+    ref_loss, ref_grads = gpt_loss_and_grads('reference', 'none')
+    loss, grads = gpt_loss_and_grads('blockwise', remat, scan_unroll=2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_trees_close(grads, ref_grads)
+
+
+def with_blocks(c, block_q=8, block_kv=16):
+    c.model.update(attention_block_q=block_q, attention_block_kv=block_kv)
+    config_lib.validate(c, config_lib.num_devices(c))
+    return c
+
+
+@pytest.fixture(scope='module')
+def reference_run():
+    return run_layout(make_config(attention='reference'))
+
+
+@pytest.mark.slow
+def test_training_with_blockwise_matches_reference(reference_run):
+    """One device: the step-0 loss and gradients, and the parameters after 3 AdamW steps."""
+    check_against_reference(run_layout(with_blocks(make_config(attention='blockwise'))), reference_run)
+
+
+@pytest.mark.slow
+def test_blockwise_with_tensor_2_matches_single_device(reference_run):
+    c = with_blocks(make_config(data=2, fsdp=2, tensor=2, attention='blockwise'))
+    check_against_reference(run_layout(c), reference_run)
+
+
+@pytest.mark.slow
+def test_blockwise_inside_pipeline_matches_single_device():
+    reference = run_layout(make_config(layers=4, global_batch=24, attention='reference'))
+    c = with_blocks(make_config(layers=4, pipeline=2, schedule='1f1b', accum=3, global_batch=24,
+                                tensor=2, attention='blockwise'))
+    check_against_reference(run_layout(c), reference)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def attention_temp_bytes(impl, seq, block=64):
+    """XLA's compiled temporary bytes of forward + backward of the attention core alone."""
+    x = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.float32)
+    fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block, block_kv=block)
+
+    def fwd_bwd(q, k, v, do):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return vjp(do)
+
+    return jax.jit(fwd_bwd).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_blockwise_memory_grows_linearly_reference_quadratically():
+    """Sequence 2k -> 4k -> 8k: blockwise's temporaries double (O(s): blocked copies of q, k, v,
+    dO and the fp32 dQ buffer), the reference's quadruple (the s x s scores and probabilities)."""
+    blockwise = [attention_temp_bytes('blockwise', s) for s in (2048, 4096, 8192)]
+    reference = [attention_temp_bytes('reference', s) for s in (2048, 4096, 8192)]
+    for small, large in zip(blockwise, blockwise[1:]):
+        assert 1.8 < large / small < 2.3, blockwise
+    for small, large in zip(reference, reference[1:]):
+        assert 3.6 < large / small < 4.4, reference
+    assert reference[-1] > 50 * blockwise[-1], (reference, blockwise)
+
+
+# --------------------------------------------------------------------------- remat, unrolled
+
+
+def lowered_barriers(remat, scan_unroll):
+    c = tiny_config(remat=remat, scan_unroll=scan_unroll, attention='reference')
+    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    tokens = jax.ShapeDtypeStruct((BATCH_TOKENS, c.model.seq_len + 1), jnp.int32)
+    grad = jax.jit(jax.grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))
+    return grad.lower(model_def.abstract_params(), tokens).as_text().count('optimization_barrier')
+
+
+BATCH_TOKENS = 3
+
+
+def test_unrolled_remat_keeps_its_cse_barrier():
+    """Issue 14, 6b: the fully unrolled stack's checkpoint must carry prevent_cse's optimization
+    barrier (one per layer), or XLA merges the recomputation into the forward pass; the rolled
+    scan needs none. (XLA:CPU expands barriers before CSE, so the memory effect shows only on
+    GPU: test_unrolled_remat_full_saves_memory_on_gpu.)"""
+    assert lowered_barriers('full', scan_unroll=1) == 0
+    assert lowered_barriers('full', scan_unroll=2) == 2
+    assert lowered_barriers('none', scan_unroll=2) == 0
+
+
+def gpt_temp_bytes(remat, scan_unroll):
+    c = tiny_config(remat=remat, scan_unroll=scan_unroll, attention='reference', num_layers=4, seq_len=64)
+    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    tokens = jax.ShapeDtypeStruct((8, 65), jnp.int32)
+    grad = jax.jit(jax.grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))
+    return grad.lower(model_def.abstract_params(), tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_unrolled_remat_full_saves_memory_on_gpu():
+    if jax.default_backend() != 'gpu':
+        pytest.skip('XLA:CPU expands optimization barriers before CSE (see the test above)')
+    rolled, unrolled = ((gpt_temp_bytes('full', u), gpt_temp_bytes('none', u)) for u in (1, 4))
+    assert rolled[0] < 0.5 * rolled[1], rolled
+    assert unrolled[0] < 0.5 * unrolled[1], unrolled
