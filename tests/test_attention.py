@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import train_state as ts
+from jaxfrontier.model import params as params_lib
 from jaxfrontier.model import attention as attention_lib
 from jaxfrontier.model.blockwise import blockwise_attention
 from layout_check import check_against_reference, make_config, run_layout
@@ -79,7 +79,7 @@ def test_bad_block_sizes_fail_validation(field, value):
 def gpt_loss_and_grads(attention, remat, scan_unroll=1):
     c = tiny_config(attention=attention, remat=remat, scan_unroll=scan_unroll, attention_block_q=4,
                     attention_block_kv=8)
-    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    model_def = params_lib.ModelDef.create(config_lib.model_shape(c))
     params, tokens = params_and_tokens()
     loss, grads = jax.jit(jax.value_and_grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))(params, tokens)
     return float(loss), jax.tree.map(np.asarray, grads)
@@ -167,7 +167,7 @@ def test_blockwise_memory_grows_linearly_reference_quadratically():
 
 def lowered_barriers(remat, scan_unroll):
     c = tiny_config(remat=remat, scan_unroll=scan_unroll, attention='reference')
-    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    model_def = params_lib.ModelDef.create(config_lib.model_shape(c))
     tokens = jax.ShapeDtypeStruct((BATCH_TOKENS, c.model.seq_len + 1), jnp.int32)
     grad = jax.jit(jax.grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))
     return grad.lower(model_def.abstract_params(), tokens).as_text().count('optimization_barrier')
@@ -188,7 +188,7 @@ def test_unrolled_remat_keeps_its_cse_barrier():
 
 def gpt_temp_bytes(remat, scan_unroll):
     c = tiny_config(remat=remat, scan_unroll=scan_unroll, attention='reference', num_layers=4, seq_len=64)
-    model_def = ts.ModelDef.create(config_lib.model_shape(c))
+    model_def = params_lib.ModelDef.create(config_lib.model_shape(c))
     tokens = jax.ShapeDtypeStruct((8, 65), jnp.int32)
     grad = jax.jit(jax.grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))
     return grad.lower(model_def.abstract_params(), tokens).compile().memory_analysis().temp_size_in_bytes

@@ -46,21 +46,30 @@ class Block(nnx.Module):
         return mesh_lib.constrain(x_nd, ACT_ND)
 
 
-def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, seq_len: int, remat: str,
-                dropout_key: jax.Array | None, first_layer: int | jax.Array = 0, unroll: int = 1) -> jax.Array:
-    """Applies the layers of `stacked` (leading axis = layers) in order with a scan.
+def layer_key(dropout_key: jax.Array | None, index: int | jax.Array) -> jax.Array | None:
+    """Layer `index`'s dropout key (its global index, so every layout draws the same masks)."""
+    return None if dropout_key is None else jax.random.fold_in(dropout_key, index)
 
-    A pure function of the stacked block state, so pipeline stages can call it on their
-    slice of layers; `first_layer` keeps dropout keys tied to the global layer index.
+
+def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, seq_len: int, remat: str,
+                dropout_key: jax.Array | None, first_layer: int | jax.Array = 0, unroll: int = 1,
+                keep_inputs: bool = False):
+    """Applies the layers of `stacked` (leading axis = layers) in order: the one layer runner.
+
+    A pure function of the stacked block state: the model, and every pipeline executor on its
+    chunk of layers (`first_layer` keeps dropout keys tied to the global layer index), call it.
+    Returns the output, or (output, each layer's input [layers, N, d]) with `keep_inputs`
+    (the lockstep pipeline's stash). `unroll` >= the layer count runs a plain loop; 0 always
+    scans (the pipeline's chunks, whatever their length).
     """
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def body(x, xs):
         layer_state, index = xs
-        key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-        return nnx.merge(graphdef, layer_state)(x, seq_len, key), None
+        y = nnx.merge(graphdef, layer_state)(x, seq_len, layer_key(dropout_key, index))
+        return y, (x if keep_inputs else None)
 
-    fully_unrolled = unroll >= num_layers
+    fully_unrolled = 0 < unroll and num_layers <= unroll
     if remat != 'none':
         # prevent_cse=False is safe only inside a scan, whose loop keeps XLA from merging the
         # recomputation into the forward pass; the unrolled plain loop needs the optimization
@@ -69,11 +78,13 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=fully_unrolled)
     indices = first_layer + jnp.arange(num_layers)
     if fully_unrolled:  # a plain loop, no while loop around the layers
+        inputs = []
         for i in range(num_layers):
-            x_nd, _ = body(x_nd, (jax.tree.map(lambda a, i=i: a[i], stacked), indices[i]))
-        return x_nd
-    x_nd, _ = jax.lax.scan(body, x_nd, (stacked, indices), unroll=unroll)
-    return x_nd
+            x_nd, x_in = body(x_nd, (jax.tree.map(lambda a, i=i: a[i], stacked), indices[i]))
+            inputs.append(x_in)
+        return (x_nd, jnp.stack(inputs)) if keep_inputs else x_nd
+    x_nd, inputs = jax.lax.scan(body, x_nd, (stacked, indices), unroll=max(unroll, 1))
+    return (x_nd, inputs) if keep_inputs else x_nd
 
 
 def cross_entropy(logits_nv: jax.Array, targets_n: jax.Array, real_vocab: int) -> jax.Array:
@@ -121,12 +132,11 @@ class GPT(nnx.Module):
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
 
-    def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None,
-                     first_layer: int | jax.Array = 0) -> jax.Array:
-        """Applies the blocks this module holds (all layers, or a pipeline chunk of them)."""
+    def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Applies the blocks this module holds with the model's remat policy and unroll."""
         graphdef, stacked = nnx.split(self.blocks)
         return apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
-                           dropout_key=dropout_key, first_layer=first_layer, unroll=self.shape.scan_unroll)
+                           dropout_key=dropout_key, unroll=self.shape.scan_unroll)
 
     def logits(self, x_nd: jax.Array) -> jax.Array:
         """Final LayerNorm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""

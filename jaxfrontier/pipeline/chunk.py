@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model import gpt
 from jaxfrontier.model.params import ModelDef
 
 AXIS = 'pipeline'
@@ -25,6 +26,27 @@ AXIS = 'pipeline'
 def split_shared(params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     shared = {k: v for k, v in params.items() if k != 'blocks'}
     return params['blocks'], shared
+
+
+def stage_chunks(blocks: Any, virtual: int) -> Any:
+    """This stage's chunks as [V, Lc, ...] in virtual-stage order (V == 1 arrives as [Lc, ...])."""
+    return blocks if virtual > 1 else jax.tree.map(lambda a: a[None], blocks)
+
+
+def zero_activation(micro_tokens, d_model: int, dtype) -> jax.Array:
+    """Zeros shaped like one micro-batch's activations [rows * seq, d] (tokens [M, rows, seq + 1])."""
+    rows, seq = micro_tokens.shape[1], micro_tokens.shape[2] - 1
+    return jnp.zeros((rows * seq, d_model), dtype)
+
+
+def f32_zeros(tree: Any) -> Any:
+    """fp32 zeros shaped like `tree`: gradient accumulators."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+
+def sum_over_stages(loss_sum: jax.Array, g_blocks: Any, g_shared: Any) -> tuple[jax.Array, Any, Any]:
+    """Every executor's end: the loss and the shared parameters' gradients summed over stages."""
+    return jax.lax.psum(loss_sum, AXIS), g_blocks, jax.lax.psum(g_shared, AXIS)
 
 
 class ChunkOps:
@@ -46,37 +68,33 @@ class ChunkOps:
     def model(self, chunk, shared):
         return self.model_def.bind({'blocks': chunk, **shared})
 
-    def layer_keys(self, m, c):
-        key = self.dropout_key_fn(m)
-        if key is None:
-            return None
-        return jax.vmap(lambda j: jax.random.fold_in(key, j))(c * self.lc + jnp.arange(self.lc))
+    def run(self, chunk, shared, x, m, c, remat: str = 'none', keep_inputs: bool = False):
+        """Chunk c's layers on x for micro-batch m (`gpt.apply_stack`, dropout keys by global layer)."""
+        graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
+        return gpt.apply_stack(graphdef, stacked, x, seq_len=self.seq_len, remat=remat,
+                               dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc, unroll=0,
+                               keep_inputs=keep_inputs)
 
     def forward(self, chunk, shared, x, m, c):
         """Runs the chunk from x; returns the output and each layer's input [Lc, N, d]."""
-        graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
-        keys = self.layer_keys(m, c)
-
-        def body(h, xs):
-            layer, key = xs
-            return nnx.merge(graphdef, layer)(h, self.seq_len, key), h
-
-        return jax.lax.scan(body, x, (stacked, keys))
+        return self.run(chunk, shared, x, m, c, keep_inputs=True)
 
     def backward(self, chunk, shared, stash_lx, g, m, c, stashed=True):
         """Reverse pass over the layers from their inputs (split, when `stashed`); (g_chunk, g_input)."""
         graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
-        keys = self.layer_keys(m, c)
+        key = self.dropout_key_fn(m)
         gather = self.tokens.gather if stashed else (lambda x: x)
 
         def body(g_out, xs):
-            layer, x, key = xs
+            layer, x, index = xs
             x = gather(x)  # one all-gather per layer, just before its recomputation
-            _, pull = jax.vjp(lambda ly, h: nnx.merge(graphdef, ly)(h, self.seq_len, key), layer, x)
+            layer_fn = lambda ly, h: nnx.merge(graphdef, ly)(h, self.seq_len, gpt.layer_key(key, index))  # noqa: E731
+            _, pull = jax.vjp(layer_fn, layer, x)
             g_layer, g_in = pull(g_out)
             return g_in, g_layer
 
-        g_in, g_stacked = jax.lax.scan(body, g, (stacked, stash_lx, keys), reverse=True)
+        indices = c * self.lc + jnp.arange(self.lc)
+        g_in, g_stacked = jax.lax.scan(body, g, (stacked, stash_lx, indices), reverse=True)
         return nnx.to_pure_dict(g_stacked), g_in
 
     def embed_vjp(self, chunk, shared, tokens, m):

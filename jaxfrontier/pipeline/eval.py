@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
-from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit, split_shared
+from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit, split_shared, stage_chunks, zero_activation
 
 
 def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_micro):
@@ -37,9 +37,8 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_
         ops = ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, lambda m: None,
                        TokenSplit(c.pipeline.shard_activations))
         stage = jax.lax.axis_index(AXIS)
-        chunks = blocks if v_size > 1 else jax.tree.map(lambda a: a[None], blocks)
-        rows, seq = micro_tokens.shape[1], micro_tokens.shape[2] - 1
-        x_zero = jnp.zeros((rows * seq, c.model.d_model), dtype)
+        chunks = stage_chunks(blocks, v_size)
+        x_zero = zero_activation(micro_tokens, c.model.d_model, dtype)
 
         def run(kind):
             def unit(chunk, tokens, x_split, m, chunk_index):

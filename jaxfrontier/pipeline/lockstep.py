@@ -28,7 +28,8 @@ import ml_collections
 
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
-from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit
+from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, stage_chunks, sum_over_stages,
+                                         zero_activation)
 
 
 def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: schedules.Schedule, dropout_key_fn):
@@ -48,9 +49,8 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
     def engine(blocks, shared, micro_tokens):
         stage = jax.lax.axis_index(AXIS)
         # This stage's chunks, [V, Lc, ...] in virtual-stage order (V == 1 arrives as [Lc, ...]).
-        chunks = blocks if v_size > 1 else jax.tree.map(lambda a: a[None], blocks)
-        rows, seq = micro_tokens.shape[1], micro_tokens.shape[2] - 1
-        x_zero = jnp.zeros((rows * seq, c.model.d_model), dtype)
+        chunks = stage_chunks(blocks, v_size)
+        x_zero = zero_activation(micro_tokens, c.model.d_model, dtype)
 
         def tick(carry, t):
             stash, grad, g_chunks, g_shared, loss_sum = carry
@@ -75,11 +75,10 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
 
         carry = (ops.tokens.split(jnp.zeros((schedule.act_slots, lc, *x_zero.shape), dtype)),
                  ops.tokens.split(jnp.zeros((schedule.grad_slots, *x_zero.shape), dtype)),
-                 jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), chunks),
-                 jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shared),
+                 f32_zeros(chunks), f32_zeros(shared),
                  jnp.zeros((), jnp.float32))
         (_, _, g_chunks, g_shared, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
         g_blocks = g_chunks if v_size > 1 else jax.tree.map(lambda a: a[0], g_chunks)
-        return (jax.lax.psum(loss_sum, AXIS), g_blocks, jax.lax.psum(g_shared, AXIS))
+        return sum_over_stages(loss_sum, g_blocks, g_shared)
 
     return engine

@@ -31,13 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-from flax import nnx
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
-from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit
-from jaxfrontier.model import gpt
+from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit, f32_zeros, sum_over_stages, zero_activation
 
 CAST_PREFIXES = ('w_', 'b_')  # parameters the blocks use in the compute dtype (matmul weights and biases)
 
@@ -112,17 +110,7 @@ class StaggeredOps:
         self.res = Residuals(self._chunk_forward)
 
     def _chunk_forward(self, chunk_w, x, m, c):
-        graphdef, stacked = nnx.split(self.ops.model(chunk_w, self._shared).blocks)
-        keys = self.ops.layer_keys(m, c)
-        seq_len = self.ops.seq_len
-
-        def body(h, xs):
-            layer, key = xs
-            return nnx.merge(graphdef, layer)(h, seq_len, key), None
-
-        if self.policy != 'none':
-            body = jax.checkpoint(body, policy=gpt.REMAT_POLICIES[self.policy], prevent_cse=False)
-        return jax.lax.scan(body, x, (stacked, keys))[0]
+        return self.ops.run(chunk_w, self._shared, x, m, c, remat=self.policy)
 
     def bind_shared(self, shared) -> None:
         self._shared = shared  # the model binding needs them; the blocks never read them
@@ -202,8 +190,7 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
     def engine(blocks, shared, micro_tokens):
         stage = jax.lax.axis_index(AXIS)
         ops.bind_shared(shared)
-        rows, seq = micro_tokens.shape[1], micro_tokens.shape[2] - 1
-        x_zero = jnp.zeros((rows * seq, c.model.d_model), dtype)
+        x_zero = zero_activation(micro_tokens, c.model.d_model, dtype)
         ops.res.probe(cast_chunk(blocks, dtype), x_zero, jnp.int32(0), jnp.int32(0))
         chunk_index = stage  # one chunk per stage
 
@@ -229,11 +216,10 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
 
         carry = (ops.tokens.split(jnp.zeros((schedule.act_slots, *x_zero.shape), dtype)),
                  ops.tokens.split(x_zero), ops.res.zeros(), x_zero,
-                 jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), blocks),
-                 jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shared),
+                 f32_zeros(blocks), f32_zeros(shared),
                  jnp.zeros((), jnp.float32))
         (*_, g_blocks, g_shared, loss_sum), _ = jax.lax.scan(iteration, carry,
                                                              jnp.arange(schedule.num_half_slots // 2))
-        return jax.lax.psum(loss_sum, AXIS), g_blocks, jax.lax.psum(g_shared, AXIS)
+        return sum_over_stages(loss_sum, g_blocks, g_shared)
 
     return engine

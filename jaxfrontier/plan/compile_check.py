@@ -29,9 +29,8 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import AbstractMesh, AxisType
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.plan import hlo_collectives
@@ -43,16 +42,6 @@ from jaxfrontier.training import state as ts
 MAX_CPU_DEVICES = 2048
 
 
-def _abstract_args(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
-    batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         layout.abstract_state, layout.state_shardings)
-    step = jax.jit(train.make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
-                   out_shardings=(layout.state_shardings, None), donate_argnums=0)
-    return step, state, batch
-
-
 def lower_abstract(c: ml_collections.ConfigDict, platform: str = 'cpu'):
     """Lowers the train step for the config's full mesh on an AbstractMesh; returns `jax.stages.Lowered`.
 
@@ -62,7 +51,7 @@ def lower_abstract(c: ml_collections.ConfigDict, platform: str = 'cpu'):
     shape = config_lib.mesh_shape(c)
     mesh = AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
     layout = ts.make_layout(c, mesh)
-    step, state, batch = _abstract_args(c, layout)
+    step, state, batch = train.jit_train_step(c, layout)
     with jax.sharding.use_abstract_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return step.trace(state, batch).lower(lowering_platforms=(platform,))
 
@@ -76,18 +65,9 @@ def compile_on_cpu(c: ml_collections.ConfigDict):
                            'use run_in_subprocess or set --xla_force_host_platform_device_count')
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), devices[:n])
     layout = ts.make_layout(c, mesh)
-    step, state, batch = _abstract_args(c, layout)
+    step, state, batch = train.jit_train_step(c, layout)
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return step.lower(state, batch).compile()
-
-
-def memory_bytes(compiled) -> dict[str, int]:
-    """XLA's per-device memory analysis; 'total' = arguments + outputs + temporaries - aliased."""
-    m = compiled.memory_analysis()
-    out = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
-           'temporaries': m.temp_size_in_bytes, 'aliased': m.alias_size_in_bytes}
-    out['total'] = out['arguments'] + out['outputs'] + out['temporaries'] - out['aliased']
-    return out
 
 
 def pipeline_branch_weights(c: ml_collections.ConfigDict):
@@ -144,7 +124,7 @@ def cpu_result(c: ml_collections.ConfigDict) -> CpuResult:
     compiled = compile_on_cpu(c)
     seconds = time.perf_counter() - start
     totals = hlo_collectives.bytes_by_axis(collectives(c, compiled))
-    return CpuResult(config_lib.num_devices(c), seconds, memory_bytes(compiled),
+    return CpuResult(config_lib.num_devices(c), seconds, train.memory_bytes(compiled),
                      {f'{kind} {"x".join(axes)}': int(v) for (kind, axes), v in totals.items()})
 
 

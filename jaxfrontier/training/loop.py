@@ -148,19 +148,25 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     return eval_step
 
 
-def compile_steps(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    """Jits and compiles the train and eval steps ahead of time for this layout."""
+def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+    """The jitted train step (donated state, explicit shardings) and abstract (state, batch) to lower it with."""
     batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          layout.abstract_state, layout.state_shardings)
     train_jit = jax.jit(make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
                         out_shardings=(layout.state_shardings, None), donate_argnums=0)
-    eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(layout.param_shardings, batch_sharding))
+    return train_jit, state, batch
+
+
+def compile_steps(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+    """Jits and compiles the train and eval steps ahead of time for this layout."""
+    train_jit, state, batch = jit_train_step(c, layout)
+    eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(layout.param_shardings, batch.sharding))
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         train_compiled = train_jit.lower(state, batch).compile()
         eval_compiled = eval_jit.lower(state['params'], batch).compile()
-    return train_compiled, eval_compiled, batch_sharding
+    return train_compiled, eval_compiled, batch.sharding
 
 
 def evaluate(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
@@ -170,12 +176,23 @@ def evaluate(eval_step, params, source, c: ml_collections.ConfigDict, batch_shar
     return jnp.mean(jnp.stack(losses))
 
 
-def _memory_summary(compiled) -> dict[str, float]:
-    mem = compiled.memory_analysis()
-    if mem is None:
+def memory_bytes(compiled) -> dict[str, int]:
+    """XLA's per-device memory analysis ({} where there is none); 'total' = arguments + outputs
+    + temporaries - aliased."""
+    m = compiled.memory_analysis()
+    if m is None:
         return {}
-    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
-    return {'memory/peak_gib_per_device': total / 2**30, 'memory/temp_gib_per_device': mem.temp_size_in_bytes / 2**30}
+    out = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
+           'temporaries': m.temp_size_in_bytes, 'aliased': m.alias_size_in_bytes}
+    out['total'] = out['arguments'] + out['outputs'] + out['temporaries'] - out['aliased']
+    return out
+
+
+def _memory_summary(compiled) -> dict[str, float]:
+    mem = memory_bytes(compiled)
+    if not mem:
+        return {}
+    return {'memory/peak_gib_per_device': mem['total'] / 2**30, 'memory/temp_gib_per_device': mem['temporaries'] / 2**30}
 
 
 class _Reporter:
