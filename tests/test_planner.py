@@ -35,6 +35,7 @@ from jaxfrontier import hardware as hw_lib
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import pipeline
+from jaxfrontier.model import blockwise
 from jaxfrontier.plan import estimate as plan_model
 from jaxfrontier.plan import search as plan_search
 from jaxfrontier.plan import planner
@@ -51,10 +52,11 @@ COMM_TOL, COMM_MIN_BYTES, COMM_MIN_SHARE = 0.10, 4096, 0.01
 
 
 def make_config(pipeline=1, data=1, fsdp=1, tensor=1, accum=1, zero1=False, remat='none', layers=2, d=64,
-                heads=4, seq=64, batch=16, vocab=256, tied=True, schedule='1f1b', virtual=1, dtype='float32'):
+                heads=4, seq=64, batch=16, vocab=256, tied=True, schedule='1f1b', virtual=1, dtype='float32',
+                attention='xla'):
     c = config_lib.base_config()
     c.model.update(num_layers=layers, d_model=d, num_heads=heads, seq_len=seq, vocab_size=vocab, vocab_multiple=32,
-                   dtype=dtype, remat=remat, attention='xla', tied_embeddings=tied)
+                   dtype=dtype, remat=remat, attention=attention, tied_embeddings=tied)
     c.mesh.update(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor)
     c.pipeline.update(schedule=schedule, virtual_stages=virtual)
     c.train.update(global_batch=batch, micro_batch=batch // (data * fsdp * accum), accum_steps=accum)
@@ -128,6 +130,36 @@ def test_hardware_flops_match_traced_train_step(remat, pipe):
                                                tokens, branch_weights=weights)
     planned = plan_model.flops(config_lib.model_shape(c), planner.Layout.from_config(c)).hardware
     assert traced == pytest.approx(planned, rel=1e-12)  # branch weights are fractions
+
+
+@pytest.mark.parametrize('seq,bq,bkv', [(64, 64, 64), (256, 64, 64), (250, 64, 32), (100, 32, 48), (2048, 64, 64)])
+def test_blockwise_visits_the_causal_blocks(seq, bq, bkv):
+    """The planner's count of computed block pairs is the pairs holding any unmasked score."""
+    t_pad_q, t_pad_kv = -(-seq // bq) * bq, -(-seq // bkv) * bkv
+    brute = sum(1 for i in range(0, t_pad_q, bq) for j in range(0, t_pad_kv, bkv) if i + bq - 1 >= j)
+    assert blockwise.visited_block_pairs(seq, bq, bkv) == brute
+
+
+def test_blockwise_flops_are_the_causal_half():
+    shape = config_lib.model_shape(paper_config('175b'))
+    layout = planner.Layout(pipeline=1, data=8, tensor=1, micro_batch=1, accum_steps=4, remat='none')
+    full, block = plan_model.flops(shape, layout, 'xla'), plan_model.flops(shape, layout, 'blockwise')
+    assert block.model == full.model  # MFU's convention counts every score
+    share = plan_model.blockwise_attention_share(shape)
+    assert share == pytest.approx(0.5 + 0.5 * 64 / 2048)  # 32 blocks: 528 of 1024 pairs
+    attention = 2 * 2 * shape.seq_len**2 * shape.d_model * layout.global_batch * shape.num_layers
+    assert full.hardware - block.hardware == pytest.approx((3 - 3.5 * share) * attention, rel=1e-12)
+
+
+def test_blockwise_working_set_is_linear_in_the_sequence():
+    layout = planner.Layout(pipeline=1, data=1, tensor=1, micro_batch=1, accum_steps=1, remat='none')
+    sizes = {}
+    for attention in ('xla', 'blockwise'):
+        for seq in (2048, 8192):
+            shape = config_lib.model_shape(make_config(seq=seq, attention=attention))
+            sizes[attention, seq] = plan_model.backward_working_bytes(shape, layout, attention)
+    assert sizes['xla', 8192] / sizes['xla', 2048] > 12  # s^2 buffers
+    assert 3.5 < sizes['blockwise', 8192] / sizes['blockwise', 2048] <= 4  # per token, plus one block pair
 
 
 def test_residuals_match_saved_residuals():
@@ -209,7 +241,7 @@ def check_against_xla(c):
     """Compiles `c` on the CPU devices and holds memory and communication to the stated tolerances."""
     compiled = compile_check.compile_on_cpu(c)
     plan = planner.plan(c)
-    measured = compile_check.memory_bytes(compiled)['total']
+    measured = train.memory_bytes(compiled)["total"]
     rel = compile_check.within(plan.memory.total_bytes, measured)
     assert abs(rel) <= MEMORY_TOL[c.mesh.pipeline > 1], f'memory: plan {plan.memory.total_bytes} vs XLA {measured}'
     estimated, in_hlo = {}, {}
@@ -241,6 +273,8 @@ SLOW_LAYOUTS = [
     dict(layers=4, d=128, heads=8, fsdp=8, remat='save_dots_no_batch'),
     dict(pipeline=2, tensor=4, accum=4, layers=4, d=128, seq=128, batch=8),
     dict(pipeline=4, tensor=2, accum=4, layers=8, d=128, batch=8, schedule='interleaved', virtual=2),
+    dict(seq=512, batch=4, attention='blockwise'),  # the s x s buffers of xla would dominate here
+    dict(seq=512, batch=4, layers=4, remat='full', attention='blockwise'),
 ]
 
 

@@ -54,6 +54,13 @@ def blockwise_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array,
     return _attention(block_q, block_kv, q_bthk, k_bshk, v_bshk)
 
 
+def visited_block_pairs(seq_len: int, block_q: int, block_kv: int) -> int:
+    """(query block, key/value block) pairs the forward (and the backward) computes: those at or
+    before the diagonal, after padding the sequence to whole blocks. The planner's FLOP count."""
+    num_q, num_kv = -(-seq_len // block_q), -(-seq_len // block_kv)
+    return sum(min((i * block_q + block_q - 1) // block_kv + 1, num_kv) for i in range(num_q))
+
+
 def _to_blocks(x_bthk: jax.Array, block: int) -> jax.Array:
     """[B, T, H, K] -> [T_pad / block, B, H, block, K], zero-padded at the end of the sequence."""
     b, t, h, k = x_bthk.shape

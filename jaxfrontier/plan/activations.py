@@ -94,10 +94,10 @@ def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
     kernel's without the `b h t t` score, probability and mask arrays, plus the fused
     kernel's fp32 softmax statistics `b h t` (what flash attention keeps).
     """
-    if attention == 'cudnn':
+    if attention in ('cudnn', 'blockwise'):
         xla = signature(remat, dtype, mlp_ratio, dropout, tied_embeddings, 'xla')
         fused = lambda rs: tuple(r for r in rs if r.dims.count('t') < 2)
-        stats = (Residual(('b', 'h', 't'), 4, 'cudnn softmax statistics'),) if remat in ('none', 'save_dots') else ()
+        stats = (Residual(('b', 'h', 't'), 4, f'{attention} softmax statistics'),) if remat in ('none', 'save_dots') else ()
         return Signature(fused(xla.block) + stats, fused(xla.head))
     shape = config_lib.ModelShape(
         num_layers=_L, d_model=_D, num_heads=_H, seq_len=_T, vocab_size=_V, real_vocab_size=_V,

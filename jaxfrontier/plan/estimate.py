@@ -16,6 +16,7 @@ from jaxfrontier.plan import activations
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model import blockwise
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import layout as layout_lib
 
@@ -195,7 +196,11 @@ def backward_working_bytes(shape, layout, attention: str = 'xla') -> float:
     sized ones. Calibrated on XLA:CPU.
     """
     a = _act_sizes(shape, layout, False)
-    scores = 0 if attention == 'cudnn' else 3 * a['b'] * a['h'] * a['t'] * a['t'] * 4
+    scores = 3 * a['b'] * a['h'] * a['t'] * a['t'] * 4
+    if attention == 'cudnn':
+        scores = 0
+    elif attention == 'blockwise':  # one block pair's scores, probabilities and their gradient at a time
+        scores = 3 * a['b'] * a['h'] * shape.attention_block_q * shape.attention_block_kv * 4
     stream = (3 * a['n'] * a['f'] + 6 * a['n'] * a['d']) * 4
     return scores + stream
 
@@ -334,35 +339,51 @@ def effective_remat(layout) -> str:
     return 'full' if layout.pipeline > 1 else layout.remat
 
 
-def flops(shape, layout) -> Flops:
-    """Model, hardware and Megatron FLOPs per step; see `Flops`."""
+def blockwise_attention_share(shape) -> float:
+    """Share of the full s x s score matrix the blockwise kernel computes (the causal blocks)."""
+    pairs = blockwise.visited_block_pairs(shape.seq_len, shape.attention_block_q, shape.attention_block_kv)
+    return pairs * shape.attention_block_q * shape.attention_block_kv / shape.seq_len**2
+
+
+def flops(shape, layout, attention: str = 'xla') -> Flops:
+    """Model, hardware and Megatron FLOPs per step; see `Flops`.
+
+    With the blockwise kernel the attention matmuls run only on the causal blocks (share r of
+    the s x s scores), and its backward recomputes the scores: forward r A, backward 2.5 r A
+    (5 matmuls instead of 4), recomputation r A, where A is the full forward attention.
+    """
     layer, head = forward_flops(shape)
     b, L = layout.global_batch, shape.num_layers
     model = 3 * b * (L * layer + head)
-    attention = 2 * 2 * shape.seq_len * shape.seq_len * shape.d_model
+    attention_fwd = 2 * 2 * shape.seq_len * shape.seq_len * shape.d_model
+    share = blockwise_attention_share(shape) if attention == 'blockwise' else 1.0
+    layer_run = layer - (1 - share) * attention_fwd  # one layer's forward as the kernel computes it
     # Full recomputation skips the MLP output projection: its result only feeds the layer's output,
     # which the stash already holds (XLA and JAX dead-code-eliminate it).
-    full = layer - 2 * shape.seq_len * shape.d_model * shape.mlp_dim
-    recompute = {'none': 0.0, 'full': full, 'save_dots': 0.0, 'save_dots_no_batch': float(attention)}
+    full = layer_run - 2 * shape.seq_len * shape.d_model * shape.mlp_dim
+    recompute = {'none': 0.0, 'full': full, 'save_dots': 0.0, 'save_dots_no_batch': share * attention_fwd}
     hardware = model + b * L * recompute[effective_remat(layout)]
     if staggered(layout):
         # Staggered 1F1B recomputes whole chunks under one `jax.vjp` of the layer scan (the scan
         # carry computes every layer's output, the last one's too) and the last stage nothing:
         # its one forward keeps the residuals for its backward. The backward then recomputes
         # what the residual policy did not keep (save_dots_no_batch: the attention core).
-        hardware = model + b * (L - L // layout.pipeline) * layer + b * L * recompute[effective_remat(layout)]
+        hardware = model + b * (L - L // layout.pipeline) * layer_run + b * L * recompute[effective_remat(layout)]
+    if attention == 'blockwise':  # forward r A + backward 2.5 r A instead of 3 A (see above)
+        hardware += b * L * (3.5 * share - 3) * attention_fwd
     kw = dict(global_batch=b, seq_len=shape.seq_len, num_layers=L, d_model=shape.d_model, vocab_size=shape.vocab_size)
     return Flops(model, hardware, flops_lib.model_flops_per_step(**kw),
                  flops_lib.megatron_flops_per_step(**kw, recompute=staggered(layout) or effective_remat(layout) != 'none'),
-                 layer * layout.micro_batch, head * layout.micro_batch)
+                 layer_run * layout.micro_batch, head * layout.micro_batch)
 
 
 def attention_for(shape: config_lib.ModelShape, hw: hw_lib.Hardware) -> str:
-    """The attention kernel 'auto' picks on `hw` (cuDNN on NVIDIA with 16-bit compute, else XLA)."""
+    """The attention kernel 'auto' picks on `hw`, as `model.attention.resolve_impl` does on a
+    device: cuDNN on NVIDIA with 16-bit compute, blockwise everywhere else."""
     if shape.attention != 'auto':
         return shape.attention
     nvidia = hw.name in ('a100', 'h100', 'h200') or 'NVIDIA' in hw.description
-    return 'cudnn' if nvidia and shape.dtype in ('bfloat16', 'float16') else 'xla'
+    return 'cudnn' if nvidia and shape.dtype in ('bfloat16', 'float16') else 'blockwise'
 
 
 def micro_batch_compute_s(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> float:

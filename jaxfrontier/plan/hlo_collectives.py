@@ -170,9 +170,10 @@ BranchWeights = Callable[[int], Sequence[float]]  # number of branches -> weight
 def execution_counts(hlo_text: str, branch_weights: BranchWeights | None = None) -> dict[str, float]:
     """How many times each computation runs per program run.
 
-    A while body runs its trip count times; a conditional's branches run `branch_weights(n)`
-    times per execution (n = number of branches), or once each when no weights are given
-    (an upper bound: every branch as if taken).
+    A while body runs its trip count times (NaN where XLA knows none: a loop whose bound is
+    data, as in blockwise attention's causal block loops); a conditional's branches run
+    `branch_weights(n)` times per execution (n = number of branches), or once each when no
+    weights are given (an upper bound: every branch as if taken).
     """
     comps = _computations(hlo_text)
     callers: dict[str, list[tuple[str, float]]] = {name: [] for name in comps}
@@ -187,10 +188,10 @@ def execution_counts(hlo_text: str, branch_weights: BranchWeights | None = None)
             for kind, callee, weight in callees:
                 if kind == 'to_apply' and ' call(' not in line:
                     continue  # reduction computations hold no collectives
-                if kind == 'body' and not trip:
-                    raise ValueError(f'while loop without a known trip count: {line.strip()[:160]}')
+                if kind == 'body':
+                    weight = int(trip.group(1)) if trip else math.nan
                 if callee in callers:
-                    callers[callee].append((name, int(trip.group(1)) if kind == 'body' else weight))
+                    callers[callee].append((name, weight))
     entry = _entry_name(hlo_text)
     counts: dict[str, float] = {}
 
@@ -220,6 +221,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
             kind = opcode.removesuffix('-start')
             if kind not in KINDS or counts.get(comp, 0) == 0:
                 continue
+            if math.isnan(counts[comp]):
+                raise ValueError(f'a collective inside a while loop without a known trip count: {line.strip()[:160]}')
             groups = replica_groups(tail, n_devices)
             size = max(len(g) for g in groups)
             payload = array_bytes(shape)

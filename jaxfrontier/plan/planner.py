@@ -204,8 +204,9 @@ def plan_layout(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardwar
     rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
     virtual = layout.virtual_stages if layout.pipeline > 1 else 1
     specs = plan_model.param_specs(shape, virtual)
-    memory = plan_model.memory(shape, layout, rules, specs, attention=plan_model.attention_for(shape, hw))
-    flops = plan_model.flops(shape, layout)
+    attention = plan_model.attention_for(shape, hw)
+    memory = plan_model.memory(shape, layout, rules, specs, attention=attention)
+    flops = plan_model.flops(shape, layout, attention)
     compute_mb_s = plan_model.micro_batch_compute_s(shape, layout, hw, flops)
     transfers = plan_comm.communication(shape, layout, rules, specs, hw, compute_mb_s)
     time = step_time(shape, layout, hw, flops, transfers, memory)
