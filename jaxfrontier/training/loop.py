@@ -30,6 +30,7 @@ from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier import pipeline
 from jaxfrontier.training import reduction
 from jaxfrontier.training import state as ts
+from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
@@ -228,11 +229,25 @@ def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record."""
+    """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record.
+
+    The run holds `<workdir>/workdir.lock` from before its first write to the end
+    (training/workdir_lock.py): a second run on the same workdir refuses to start.
+    """
+    locks: list[workdir_lock.WorkdirLock] = []
+    try:
+        return _train_and_evaluate(c, workdir, locks)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list) -> dict[str, float]:
     # 1. validate everything before writing or compiling anything
     config_lib.validate(c, jax.device_count())
     data_lib.check_data(c)
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
+    locks.append(workdir_lock.acquire_for_job(workdir, c.train.workdir_lease_s))
     write_resolved_config(c, workdir)
 
     # 2. mesh
