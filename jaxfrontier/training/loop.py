@@ -26,6 +26,7 @@ from jaxfrontier.data import dataset as data_lib
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.training import memory_check
 from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier import pipeline
 from jaxfrontier.training import reduction
@@ -237,6 +238,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     locks: list[workdir_lock.WorkdirLock] = []
     try:
         return _train_and_evaluate(c, workdir, locks)
+    except jax.errors.JaxRuntimeError as e:  # an allocation failure: one line, not a traceback
+        if memory_check.is_out_of_memory(e):
+            raise memory_check.out_of_memory_error(e) from e
+        raise
     finally:
         for lock in locks:
             lock.release()
@@ -277,6 +282,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
     compile_s = time.perf_counter() - t0
     memory = _memory_summary(train_step)
     _log(f'compile: {compile_s:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
+    memory_check.check_fits(train_step, c, layout.abstract_state, layout.state_shardings)
 
     # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs; save every N
     done = int(state['step'])
