@@ -179,11 +179,10 @@ def test_local_launcher_stops_the_others_when_one_fails(tmp_path):
     log = tmp_path / 'calls.log'
     env = dict(os.environ, PATH=f'{bin_dir}:{os.environ["PATH"]}', STUB_LOG=str(log), JF_PORT='23456',
                JF_CPU_DEVICES_PER_PROCESS='4')
-    start = time.monotonic()
+    # The stub of process 1 sleeps 60 s: only being stopped ends it before the timeout (a guard, not a measure).
     proc = subprocess.run(['bash', os.path.join(LAUNCH, 'local.sh'), '2', '--config=configs/tiny.py'],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 3, proc.stderr
-    assert time.monotonic() - start < 20
     lines = log.read_text().splitlines()
     assert 'process 0 stopped' in lines
     for i in range(2):
