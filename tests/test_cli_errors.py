@@ -58,3 +58,11 @@ def test_help_without_other_flags(module, flag):
     proc = run('--help', module=module)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert flag in proc.stdout + proc.stderr and 'error:' not in proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.parametrize('override, field', [('--config.mesh.cpu_devices=-3', 'mesh.cpu_devices'),
+                                             ('--config.optim.lr=inf', 'optim.lr'),
+                                             ('--config.optim.lr=nan', 'optim.lr')])
+def test_values_that_must_fail_validation(tmp_path, override, field):
+    line = one_error_line(run(override, '--config.train.steps=1', f'--workdir={tmp_path / "wd"}'))
+    assert f'config.{field} = ' in line and 'Fix:' in line, line
