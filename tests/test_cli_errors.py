@@ -5,7 +5,6 @@ the line and the problem; a JAX platform that is not present names the one asked
 present; every entry point prints its --help without other flags.
 """
 
-import os
 import subprocess
 import sys
 

@@ -1,13 +1,13 @@
-"""Refuse a run that cannot fit, before its first step (docs/checkpoints.md, "Memory").
+"""Refuse a run that cannot fit, before its first step (docs/checkpoints.md, "When a run cannot go on").
 
 XLA's memory analysis of the compiled train step gives the bytes one device needs
 (arguments + outputs + temporaries - the donated arguments the outputs reuse; the figure
 `compile:` logs as memory/peak_gib_per_device). It is compared with what a device has: the
 allocator's limit on an accelerator (`memory_stats()['bytes_limit']`), and on the CPU the
-host's available RAM (MemAvailable, or the cgroup's remaining limit) shared by the simulated devices of this process. A step that
-needs more would be killed by the kernel's out-of-memory killer after thrashing the machine,
-or die in the allocator with a traceback; both become one line: the figure, the largest
-parts, and the fixes. `--config.train.ignore_memory_check=True` goes ahead anyway.
+host's available RAM (MemAvailable, or the cgroup's remaining limit) shared by the simulated
+devices of this process. A step that needs more would be killed by the kernel's out-of-memory
+killer after thrashing the machine, or die in the allocator with a traceback; both become one
+line: the figure, the largest parts, and the fixes. `--config.train.ignore_memory_check=True` goes ahead anyway.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def device_capacity(devices: Sequence[Any]) -> tuple[int, str]:
         return min(limits), f'the {devices[0].platform} allocator limit (memory_stats bytes_limit)'
     host = host_memory_bytes()
     n = max(len(devices), 1)
-    return host // n, f'{host / GIB:.1f} GiB of available host RAM shared by {n} simulated {devices[0].platform} devices'
+    return host // n, (f'{host / GIB:.1f} GiB of available host RAM shared by {n} simulated '
+                       f'{devices[0].platform} devices')
 
 
 def state_parts(abstract_state: Any, shardings: Any) -> dict[str, int]:
