@@ -74,7 +74,7 @@ def test_checkpoint_save_on_a_full_disk_keeps_the_committed_one(small_fs):
         free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
         f.write(b'\0' * max(free - 64 * 1024, 0))
     line = one_error_line(run(workdir, *args, '--config.train.steps=3'), background_tracebacks=True)
-    assert f'no space left on the device holding {workdir}/checkpoints/2.orbax-checkpoint-tmp' in line, line
+    assert f'no space left on the device holding {workdir}' in line, line
     assert 'KiB' in line or 'MiB free' in line, line
     assert '1' in os.listdir(workdir / 'checkpoints'), os.listdir(workdir / 'checkpoints')
     os.remove(small_fs / 'filler')  # room again: the same command resumes from the committed step

@@ -17,18 +17,21 @@ from jaxfrontier.errors import UserError
 
 
 def disk_full(e: BaseException | None) -> OSError | None:
-    """The OSError(ENOSPC / EDQUOT) behind `e` (Orbax and TensorStore wrap it, or only say it), if any."""
-    seen = set()
+    """The OSError(ENOSPC / EDQUOT) behind `e` (Orbax and TensorStore wrap it, or only say it), if any.
+
+    Of several in the chain, the first that names a file.
+    """
+    seen, found = set(), []
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e
-        if 'No space left on device' in str(e) or 'Disk quota exceeded' in str(e):
+            found.append(e)
+        elif 'No space left on device' in str(e) or 'Disk quota exceeded' in str(e):
             named = re.search(r'local file "(/[^"]+)"|"(/[^"]+)"', str(e))  # TensorStore names the file
             path = getattr(e, 'filename', None) or (named and (named.group(1) or named.group(2)))
-            return OSError(errno.ENOSPC, 'No space left on device', path or None)
+            found.append(OSError(errno.ENOSPC, 'No space left on device', path or None))
         e = e.__cause__ or e.__context__
-    return None
+    return next((f for f in found if f.filename), found[0] if found else None)
 
 
 def _size(n: int) -> str:
