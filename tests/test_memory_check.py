@@ -82,7 +82,7 @@ def test_allocation_failure_is_one_line(tmp_path, monkeypatch):
         raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.50GiB.\n'
                                          'BufferAssignment OOM Debugging ...')
 
-    monkeypatch.setattr(train, 'compile_steps', out_of_memory)
+    monkeypatch.setattr(train.ts, 'make_layout', out_of_memory)  # raised where a real one would, earlier: cheap
     with pytest.raises(UserError) as info:
         train.train_and_evaluate(good_config(), str(tmp_path / 'wd'))
     message = str(info.value)
