@@ -11,8 +11,10 @@ Exit codes: 0 done, 2 a mistake the user can fix (`errors.UserError`), 3 a non-f
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import traceback
 from typing import NoReturn
 
 from absl import flags
@@ -45,6 +47,42 @@ def wants_help(argv: list[str]) -> bool:
     return any(a in HELP_FLAGS or a.startswith('--helpfull') for a in argv[1:])
 
 
+def config_path(argv: list[str]) -> str | None:
+    """The file of `--config=path[:arg]` (or `--config path[:arg]`) in argv, if any."""
+    for i, a in enumerate(argv[1:], 1):
+        m = re.match(r'^--?config(?:=(.*))?$', a)
+        if m:
+            value = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else '')
+            return value.split(':', 1)[0]
+    return None
+
+
+def config_file_problem(e: BaseException, path: str | None) -> str | None:
+    """`<file>, line N: <problem>` when `e` (or what caused it) comes from the config file itself.
+
+    A syntax error, an exception raised while the file runs or inside its get_config(), or a
+    file without get_config(); None for anything else (e.g. an override naming no field).
+    """
+    if not path:
+        return None
+    target = os.path.realpath(path)
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, SyntaxError) and e.filename and os.path.realpath(e.filename) == target:
+            return f'{path}, line {e.lineno}: {type(e).__name__}: {e.msg}. Fix: correct the config file'
+        if isinstance(e, AttributeError) and "attribute 'get_config'" in str(e):
+            return (f'{path}: the config file defines no get_config() function. Fix: define '
+                    'get_config(arg=None) returning an ml_collections.ConfigDict (see configs/tiny.py)')
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.realpath(f.filename) == target]
+        if frames:
+            message = ' '.join(str(e).split()) or '(no message)'
+            return (f'{path}, line {frames[-1].lineno}: {type(e).__name__}: {message}. Fix: correct the config '
+                    f'file (the line reads: {frames[-1].line})')
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def parse_config_flags(argv: list[str], config_flag, *, default_config: str | None = None,
                        required: str = '') -> list[str]:
     """absl flag parsing of a command with a `--config` file; every mistake is one line, exit 2.
@@ -65,7 +103,33 @@ def parse_config_flags(argv: list[str], config_flag, *, default_config: str | No
         argv = [argv[0], f'--config={default_config}', *argv[1:]]
     try:
         rest = flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:  # an override naming no field: the config is locked
+    except SystemExit as e:  # absl's --help prints the flags, then exits 1: asking for help is no failure
+        if wants_help(argv) and e.code == 1:
+            sys.exit(0)
+        raise
+    except Exception as e:  # pylint: disable=broad-except  (the config file runs inside absl's parsing)
+        problem = user_error_in_chain(e) or config_file_problem(e, config_path(argv))
+        if problem is not None:
+            fail(str(problem))
+        if not isinstance(e, (AttributeError, KeyError, flags.Error)):
+            raise
+        _fail_flag(e, argv)
+    if config_flag.value is not None:
+        try:
+            config_flag.value.get('mesh')  # a config file that failed to load raises only when used
+        except OSError as e:
+            fail(f'--config: {e}')
+        except Exception as e:  # pylint: disable=broad-except
+            problem = config_file_problem(e, config_path(argv))
+            if problem is None:
+                raise
+            fail(problem)
+    return rest
+
+
+def _fail_flag(e: Exception, argv: list[str]) -> NoReturn:
+    """One line for a flag mistake: an override naming no field of the locked config, or absl's message."""
+    if isinstance(e, (AttributeError, KeyError)):  # an override naming no field: the config is locked
         message = e
         while isinstance(message, BaseException) and message.args:
             message = message.args[0]  # AttributeError(KeyError("'stepz'\nDid you mean ..."))
@@ -74,11 +138,4 @@ def parse_config_flags(argv: list[str], config_flag, *, default_config: str | No
         named = [o for o in overrides if key.strip("'") in o.split('.')[1:]] or overrides
         fail(f'{", ".join(named) or "--config"}: the config has no field {key}. {hint + " " if hint else ""}Fix: '
              'correct the key; --config.* overrides can only set fields the config file defines')
-    except flags.Error as e:
-        fail(str(user_error_in_chain(e) or e))
-    if config_flag.value is not None:
-        try:
-            config_flag.value.get('mesh')  # a config file that failed to load raises only when used
-        except OSError as e:
-            fail(f'--config: {e}')
-    return rest
+    fail(str(e))

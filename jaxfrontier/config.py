@@ -156,6 +156,11 @@ def base_config() -> ml_collections.ConfigDict:
             eval_every=50,  # 0: evaluate only at the end
             eval_batches=4,
             progress=True,
+            # The workdir lock's lease (training/workdir_lock.py): a lock not renewed for this
+            # long belongs to a dead run and is taken over. Renewed every lease / 10.
+            workdir_lease_s=600.0,
+            # Start even when the compiled step needs more memory than the device has.
+            ignore_memory_check=False,
         )
     )
 
@@ -345,6 +350,11 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     for axis in MESH_AXES:
         _require(isinstance(c.mesh[axis], int) and c.mesh[axis] >= 1, f'mesh.{axis}', c.mesh[axis],
                  'mesh sizes must be integers >= 1', f'set mesh.{axis} to a positive integer')
+    _require(isinstance(c.mesh.cpu_devices, int) and c.mesh.cpu_devices >= 0, 'mesh.cpu_devices',
+             c.mesh.cpu_devices, 'must be an integer >= 0', 'set 0 (use the devices present) or the number '
+             'of simulated CPU devices')
+    _require(c.train.workdir_lease_s > 0, 'train.workdir_lease_s', c.train.workdir_lease_s, 'must be > 0',
+             'set the lease in seconds, e.g. 600')
     if n_devices is not None and num_devices(c) != n_devices:
         shape = ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
         raise ConfigError(
@@ -396,7 +406,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _validate_pipeline(c)
 
     o = c.optim
-    _require(o.lr > 0, 'optim.lr', o.lr, 'must be > 0', 'set a positive learning rate')
+    _require(math.isfinite(o.lr) and o.lr > 0, 'optim.lr', o.lr, 'must be a finite number > 0',
+             'set a positive learning rate, e.g. 3e-4')
     _require(0 <= o.min_lr <= o.lr, 'optim.min_lr', o.min_lr, 'must be in [0, optim.lr]', 'lower optim.min_lr')
     _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, 'optim.b1/b2', (o.b1, o.b2), 'must be in [0, 1)',
              'use e.g. b1=0.9, b2=0.95')

@@ -30,6 +30,7 @@ was bound to one GPU; hence this module.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import socket
 import time
@@ -37,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxfrontier.config import ConfigError
+from jaxfrontier.errors import UserError
 
 # Innermost first: HIP indexes inside ROCR's set, and HIP also honours CUDA_VISIBLE_DEVICES.
 VISIBLE_DEVICE_VARS = ('HIP_VISIBLE_DEVICES', 'CUDA_VISIBLE_DEVICES', 'ROCR_VISIBLE_DEVICES')
@@ -301,6 +303,30 @@ def initialize(settings: ProcessSettings, d: Any) -> None:
             "(process 0's host and port)") from e
 
 
+def check_backend(env: Mapping[str, str]) -> None:
+    """Starts JAX's backend; a platform that cannot start (JAX_PLATFORMS=cuda without CUDA) is a UserError.
+
+    JAX itself answers a bare AssertionError (no device of the asked platform is visible) or a
+    RuntimeError naming only the failed plugin.
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top  (installed backends: no public API)
+
+    try:
+        jax.devices()
+    except (AssertionError, RuntimeError) as e:
+        asked = env.get('JAX_PLATFORMS') or jax.config.jax_platforms or '(any)'
+        installed = ', '.join(sorted(xla_bridge._backend_factories)) or 'none'  # pylint: disable=protected-access
+        gpus = [name for name, present in (('NVIDIA', os.path.exists('/dev/nvidiactl')),
+                                           ('AMD (/dev/kfd)', os.path.exists('/dev/kfd'))) if present]
+        detail = f' ({" ".join(str(e).split())})' if str(e) else ''
+        raise UserError(
+            f'JAX_PLATFORMS={asked}: JAX could not start that platform{detail}; installed JAX backends: '
+            f'{installed}; GPUs visible on this host: {", ".join(gpus) or "none"}. Fix: set JAX_PLATFORMS to '
+            'one that is present (cpu, or unset it to pick automatically), or run on a node with that '
+            'accelerator and its jax plugin (pip install -e .[cuda12] / .[rocm7])') from None
+
+
 def describe_process(settings: ProcessSettings, env: Mapping[str, str]) -> str:
     """One log line for this process: its id, local and global devices, backend, coordinator, GPUs.
 
@@ -310,6 +336,7 @@ def describe_process(settings: ProcessSettings, env: Mapping[str, str]) -> str:
     """
     import jax  # pylint: disable=g-import-not-at-top
 
+    check_backend(env)  # the first use of the backend: a platform that cannot start is one line
     local = jax.local_devices()
     ids = ','.join(str(dev.id) for dev in local)
     selection = 'all' if settings.local_device_ids is None else ','.join(map(str, settings.local_device_ids))

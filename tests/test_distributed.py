@@ -8,7 +8,6 @@ start-up subprocess.
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -178,9 +177,8 @@ def test_unreachable_coordinator_fails_with_a_message_not_a_hang(tmp_path):
            f'--config.distributed.coordinator_address=127.0.0.1:{free_port()}',
            '--config.distributed.num_processes=2', '--config.distributed.process_id=1',
            '--config.distributed.initialization_timeout_s=2']
-    start = time.monotonic()
+    # Not a hang: the 2 s initialization timeout ends it (the message says so); timeout= is only a guard.
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert 'process 1 of 2 could not reach the coordinator at 127.0.0.1:' in proc.stderr
     assert 'Fix:' in proc.stderr and 'Traceback' not in proc.stderr
-    assert time.monotonic() - start < 60

@@ -264,8 +264,14 @@ def builtin_corpus(cache_dir: str | os.PathLike) -> str:
             raise ConfigError('data.kind', 'builtin', f'no Python source found in the stdlib at {stdlib}',
                               "use data.kind='tokens' with a token file, or data.kind='synthetic'")
         corpus_bytes = b''.join(f.read_bytes() for f in files)
-        return write_token_file(bin_path, np.frombuffer(corpus_bytes, np.uint8), BYTE_VOCAB,
-                                metadata={'source': stdlib, 'num_files': len(files)})
+        try:
+            return write_token_file(bin_path, np.frombuffer(corpus_bytes, np.uint8), BYTE_VOCAB,
+                                    metadata={'source': stdlib, 'num_files': len(files)})
+        except OSError as e:  # a full disk: name the file (the loop turns it into one line, training/disk.py)
+            if e.filename is None and e.errno is not None:
+                raise OSError(e.errno, f'{e.strerror} (writing the built-in corpus, '
+                              f'{len(corpus_bytes) / 2**20:.0f} MiB)', bin_path) from e
+            raise
 
 
 @contextlib.contextmanager

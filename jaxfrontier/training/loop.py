@@ -20,16 +20,20 @@ from absl import logging
 from jax.sharding import NamedSharding
 
 from jaxfrontier.training import checkpoint as checkpoint_lib
+from jaxfrontier.training import disk
 from jaxfrontier.training import export
+from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import dataset as data_lib
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.training import memory_check
 from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier import pipeline
 from jaxfrontier.training import reduction
 from jaxfrontier.training import state as ts
+from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
@@ -231,6 +235,34 @@ class _Reporter:
             self.last_record = {'step': step, **scalars}
 
 
+class _CommitLog:
+    """Logs `checkpoint: step N committed` once a started save is known to be on disk.
+
+    Known: Orbax reports no save in progress (asked after every step: a host-side flag, no
+    sync), the next save starts (Orbax waits for the previous one first), or the final wait.
+    """
+
+    def __init__(self, checkpointer: checkpoint_lib.Checkpointer):
+        self.checkpointer, self.pending, self.gib = checkpointer, None, None
+
+    def started(self, step: int, state: State) -> None:
+        self.poll(committed=True)
+        if self.gib is None:
+            self.gib = checkpoint_lib.describe_arrays(state)[1]
+        self.pending = (step, time.perf_counter())
+
+    def poll(self, committed: bool = False) -> None:
+        if self.pending is None:
+            return
+        manager = getattr(self.checkpointer, '_mngr', None)  # Orbax's CheckpointManager
+        if not committed and (manager is None or manager.is_saving_in_progress()):
+            return
+        step, t0 = self.pending
+        self.pending = None
+        _log(f'checkpoint: step {step} committed, {self.gib:.3f} GiB, {time.perf_counter() - t0:.1f} s after '
+             'its save started')
+
+
 def _log(text: str) -> None:
     if jax.process_index() == 0:
         logging.info(text)
@@ -245,11 +277,32 @@ def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record."""
+    """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record.
+
+    The run holds `<workdir>/workdir.lock` from before its first write to the end
+    (training/workdir_lock.py): a second run on the same workdir refuses to start.
+    """
+    locks: list[workdir_lock.WorkdirLock] = []
+    try:
+        return _train_and_evaluate(c, workdir, locks)
+    except Exception as e:  # pylint: disable=broad-except  (a full disk or device: one line, not tracebacks)
+        if memory_check.is_out_of_memory(e):
+            raise memory_check.out_of_memory_error(e) from e
+        full = disk.disk_full(e)
+        if full is not None:
+            raise disk.disk_full_error(full, workdir) from e
+        raise
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list) -> dict[str, float]:
     # 1. validate everything before writing or compiling anything
     config_lib.validate(c, jax.device_count())
     data_lib.check_data(c)
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
+    locks.append(workdir_lock.acquire_for_job(workdir, c.train.workdir_lease_s))
     write_resolved_config(c, workdir)
 
     # 2. mesh
@@ -272,6 +325,13 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout),
                                                    export.load_params)
     _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
+    if int(state['step']) >= c.train.steps:  # nothing to do: say so instead of `done: {}`
+        checkpointer.close()
+        message = (f'nothing ran: the checkpoint restored is at step {int(state["step"])} and train.steps = '
+                   f'{c.train.steps}. To train further, raise --config.train.steps above {int(state["step"])}.')
+        if jax.process_index() == 0:
+            print(message, flush=True)
+        return {'restored_step': int(state['step']), 'steps_run': 0}
 
     # 5. compile
     t0 = time.perf_counter()
@@ -279,6 +339,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     compile_s = time.perf_counter() - t0
     memory = _memory_summary(train_step)
     _log(f'compile: {compile_s:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
+    memory_check.check_fits(train_step, c, layout.abstract_state, layout.state_shardings)
 
     # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs; save every N
     done = int(state['step'])
@@ -287,13 +348,17 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     reporter = _Reporter(c, writer, jax.device_count(), first_row={'compile/time_s': compile_s, **memory})
     preemption = checkpoint_lib.PreemptionWatcher(c.checkpoint)
     pending, stop = None, False
+    commits = _CommitLog(checkpointer)
     try:
-        with preemption, jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+        with preemption, interrupt.first_interrupt_stops(preemption), jax.set_mesh(mesh), \
+                mesh_lib.use_rules(layout.rules):
             for step in range(done, c.train.steps):
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
                 state, step_metrics = train_step(state, batch)
                 done = step + 1
-                checkpointer.save(done, state)  # before the next step is dispatched: it donates `state`
+                if checkpointer.save(done, state):  # before the next step is dispatched: it donates `state`
+                    commits.started(done, state)
+                commits.poll()
                 stop = preemption.should_stop(done) and done < c.train.steps
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
                 eval_loss = (evaluate(eval_step, state['params'], val_source, c, batch_sharding)
@@ -306,8 +371,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
             if pending is not None:
                 reporter.report(*pending)
             # 7. final save (end of training or preemption), waited for until committed
-            checkpointer.save(done, state, force=True)
+            if checkpointer.save(done, state, force=True):
+                commits.started(done, state)
             checkpointer.wait()
+            commits.poll(committed=True)
     finally:
         writer.close()
         checkpointer.close()

@@ -47,6 +47,21 @@ def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, mod
 # --------------------------------------------------------------------------- writer
 
 
+def last_logged_step(path: str) -> int:
+    """The largest step in a metrics.jsonl (0 if there is none)."""
+    last = 0
+    try:
+        with open(path, encoding='utf-8') as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line).get('step', 0)))
+                except (ValueError, TypeError, AttributeError):
+                    continue  # a line cut short by a kill
+    except FileNotFoundError:
+        pass
+    return last
+
+
 class MetricsWriter:
     """Writes scalars to `<workdir>/metrics.jsonl` and TensorBoard, and drives a progress bar.
 
@@ -65,7 +80,11 @@ class MetricsWriter:
         import tqdm
 
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+        path = os.path.join(workdir, 'metrics.jsonl')
+        # Steps already logged by an earlier run that are run again after a resume (from a checkpoint
+        # older than its last row) are marked "replayed": true, so plots can drop them.
+        self.replayed_until = last_logged_step(path)
+        self._jsonl = open(path, 'a', encoding='utf-8')
         self._tb = tensorboardX.SummaryWriter(logdir=os.path.join(workdir, 'tensorboard'))
         self._tqdm = tqdm.tqdm
         self._bar = tqdm.tqdm(total=total_steps, initial=initial_step, disable=not progress,
@@ -78,6 +97,8 @@ class MetricsWriter:
         values = {k: float(v) for k, v in scalars.items()}
         row = {'step': int(step)}
         row.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+        if step <= self.replayed_until:
+            row['replayed'] = True
         self._jsonl.write(json.dumps(row, allow_nan=False) + '\n')
         self._jsonl.flush()
         for key, value in values.items():

@@ -1,0 +1,67 @@
+"""Command-line mistakes a user meets before training: one line, exit 2 (issue 12, items 9, 11, 12).
+
+A config file with a syntax error, without get_config() or raising inside it names the file,
+the line and the problem; a JAX platform that is not present names the one asked for and those
+present; every entry point prints its --help without other flags.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests import processes
+
+
+def run(*args, env=None, module='jaxfrontier.main'):
+    proc = subprocess.run([sys.executable, '-m', module, *args], cwd=processes.REPO,
+                          env=env or processes.subprocess_env(), capture_output=True, text=True, timeout=300)
+    return proc
+
+
+def one_error_line(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize('source, expected', [
+    ('def get_config(:\n    pass\n', ['line 1: SyntaxError: invalid syntax']),
+    ('x = 1\n', ['defines no get_config() function']),
+    ('import ml_collections\n\n\ndef get_config(arg=None):\n    c = ml_collections.ConfigDict()\n'
+     '    return c.modle\n', ["line 6: AttributeError: \"'modle'\"", 'the line reads: return c.modle']),
+    ('raise ValueError("boom")\n', ['line 1: ValueError: boom']),
+])
+def test_broken_config_file(tmp_path, source, expected):
+    path = tmp_path / 'broken.py'
+    path.write_text(source)
+    line = one_error_line(run(f'--config={path}', '--mode=plan', f'--workdir={tmp_path / "wd"}'))
+    assert line.startswith(f'error: {path}'), line
+    assert 'the config has no field' not in line, line
+    for text in expected:
+        assert text in line, (text, line)
+
+
+def test_platform_not_present(tmp_path):
+    env = processes.subprocess_env(JAX_PLATFORMS='cuda', CUDA_VISIBLE_DEVICES='')
+    line = one_error_line(run('--config.train.steps=1', f'--workdir={tmp_path / "wd"}', env=env))
+    assert 'JAX_PLATFORMS=cuda' in line and 'installed JAX backends: cpu' in line, line
+    assert 'GPUs visible on this host' in line, line
+
+
+@pytest.mark.parametrize('module, flag', [('jaxfrontier.main', '--workdir'), ('jaxfrontier.sweep', '--space'),
+                                          ('jaxfrontier.scaling', '--device_counts')])
+def test_help_without_other_flags(module, flag):
+    proc = run('--help', module=module)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert flag in proc.stdout + proc.stderr and 'error:' not in proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.parametrize('override, field', [('--config.mesh.cpu_devices=-3', 'mesh.cpu_devices'),
+                                             ('--config.optim.lr=inf', 'optim.lr'),
+                                             ('--config.optim.lr=nan', 'optim.lr')])
+def test_values_that_must_fail_validation(tmp_path, override, field):
+    line = one_error_line(run(override, '--config.train.steps=1', f'--workdir={tmp_path / "wd"}'))
+    assert f'config.{field} = ' in line and 'Fix:' in line, line
