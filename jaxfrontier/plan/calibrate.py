@@ -9,10 +9,11 @@ fact of the description (`shared_host_devices`), not fitted.
   1. Candidates: every parameter the measurements exercise (a link level no trial crosses
      has nothing to fit).
   2. Identifiability: the Jacobian of the log step times at the prior, one column per
-     candidate, is reduced by pivoted Gram-Schmidt: a column whose effect is ~zero (below
-     0.1 % RMS per unit), or whose part not explained by the columns already kept is under 10 %
-     of it (collinear), stays at its prior; at most half as many parameters as measurements
-     are fitted. The report says which parameter stayed at its prior and why.
+     candidate, taken in the candidates' order of priority (GEMM efficiency, bandwidths,
+     overlap, bubble, fixed costs, GEMM shape, latencies) through Gram-Schmidt: a column whose
+     effect is ~zero (below 0.1 % RMS per unit), or whose part not explained by the columns
+     already kept is under 10 % of it (collinear), stays at its prior; at most half as many
+     parameters as measurements are fitted. The report says which stayed at its prior and why.
   3. Fit: robust least squares on the log of predicted / measured step time
      (`scipy.optimize.least_squares`, soft-L1 loss, scale 0.05: a trial more than ~5 % off
      counts linearly, so one noisy trial does not drag the rest).
@@ -49,9 +50,11 @@ class Param:
     kind: str  # 'log': prior x e^x; 'linear': x * scale; 'share': x in [0, 1]
     scale: float = 1.0
 
-    def x0(self, hw: hw_lib.Hardware) -> float:
-        value = get_value(hw, self.name)
-        return 0.0 if self.kind == 'log' else value / self.scale
+    def x0(self, prior: hw_lib.Hardware, start: hw_lib.Hardware | None = None) -> float:
+        value = get_value(start or prior, self.name)
+        if self.kind == 'log':
+            return math.log(value / get_value(prior, self.name))
+        return value / self.scale
 
     def bounds(self) -> tuple[float, float]:
         return {'log': (-LOG_BOUND, LOG_BOUND), 'linear': (0.0, np.inf), 'share': (0.0, 1.0)}[self.kind]
@@ -86,20 +89,24 @@ def predict(ms: list[measured_lib.Measurement], hw: hw_lib.Hardware) -> np.ndarr
 
 
 def candidates(ms: list[measured_lib.Measurement], hw: hw_lib.Hardware) -> list[Param]:
-    """Every parameter the measurements exercise, with scales from the data."""
+    """Every parameter the measurements exercise, with scales from the data, in order of priority.
+
+    The order is the order of fitting when the data cannot determine them all: GEMM efficiency
+    first, then bandwidths, overlap and the bubble, then fixed costs, GEMM shape and latencies.
+    """
     levels = sorted({t.level for m in ms for t in m.work.traffic if t.payload_bytes > 0 and t.group > 1},
-                    key=hw_lib.LEVELS.index)
+                    key=hw_lib.LEVELS.index, reverse=True)
     median_s = float(np.median([m.measured_s for m in ms]))
     layer_units = float(np.median([m.work.compute.layers * m.work.layout.accum_steps for m in ms]))
-    params = [Param('matmul_efficiency', 'log'), Param('memory_bytes_per_s', 'log'),
-              Param('gemm_half_flops', 'linear', float(np.median([m.work.compute.layer_flops for m in ms])))]
+    params = [Param('matmul_efficiency', 'log'), Param('memory_bytes_per_s', 'log')]
     params += [Param(f'link_bytes_per_s.{lv}', 'log') for lv in levels]
-    params += [Param(f'link_latency_s.{lv}', 'log') for lv in levels]
     if levels:
         params.append(Param('overlap', 'share'))
-    params += [Param('step_overhead_s', 'linear', median_s), Param('layer_overhead_s', 'linear', median_s / layer_units)]
     if any(m.work.layout.pipeline > 1 for m in ms):
         params.append(Param('bubble_scale', 'share'))
+    params += [Param('step_overhead_s', 'linear', median_s), Param('layer_overhead_s', 'linear', median_s / layer_units),
+               Param('gemm_half_flops', 'linear', float(np.median([m.work.compute.layer_flops for m in ms])))]
+    params += [Param(f'link_latency_s.{lv}', 'log') for lv in levels]
     return params
 
 
@@ -128,32 +135,30 @@ def jacobian(ms, prior: hw_lib.Hardware, params: list[Param], step: float = 1e-3
 
 
 def identifiable(jac: np.ndarray, params: list[Param], limit: int) -> tuple[list[int], dict[str, str]]:
-    """Indices of the parameters to fit (pivoted Gram-Schmidt on `jac`) and why the others stay."""
+    """Indices of the parameters to fit and why the others stay at their prior.
+
+    Gram-Schmidt over the Jacobian's columns in the candidates' order of priority: a column with
+    ~zero effect, or mostly explained by the columns already kept (collinear), is left out; at
+    most `limit` are kept.
+    """
     n = jac.shape[0]
-    norms = np.linalg.norm(jac, axis=0)
-    left: dict[str, str] = {}
-    rest = []
-    for i, p in enumerate(params):
-        if not np.isfinite(norms[i]) or norms[i] / math.sqrt(n) < ZERO_EFFECT:
-            left[p.name] = 'no effect on these measurements'
-        else:
-            rest.append(i)
     kept: list[int] = []
     basis: list[np.ndarray] = []
-    while rest:
-        resid = {i: jac[:, i] - sum((b @ jac[:, i]) * b for b in basis) for i in rest}
-        best = max(rest, key=lambda i: np.linalg.norm(resid[i]))
-        if np.linalg.norm(resid[best]) < COLLINEAR * norms[best]:
-            for i in rest:
-                left[params[i].name] = 'collinear with ' + ', '.join(params[k].name for k in kept)
-            break
-        if len(kept) >= limit:
-            for i in rest:
-                left[params[i].name] = f'too few measurements ({n}) for more than {limit} parameters'
-            break
-        kept.append(best)
-        basis.append(resid[best] / np.linalg.norm(resid[best]))
-        rest.remove(best)
+    left: dict[str, str] = {}
+    for i, p in enumerate(params):
+        col = jac[:, i]
+        norm = float(np.linalg.norm(col))
+        if not np.isfinite(norm) or norm / math.sqrt(n) < ZERO_EFFECT:
+            left[p.name] = 'no effect on these measurements'
+            continue
+        resid = col - sum((b @ col) * b for b in basis)
+        if np.linalg.norm(resid) < COLLINEAR * norm:
+            left[p.name] = 'collinear with ' + ', '.join(params[k].name for k in kept)
+        elif len(kept) >= limit:
+            left[p.name] = f'too few measurements ({n}) for more than {limit} parameter(s)'
+        else:
+            kept.append(i)
+            basis.append(resid / np.linalg.norm(resid))
     return kept, left
 
 
@@ -165,8 +170,9 @@ class Fit:
     cost: float
 
 
-def fit(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware, names: list[str] | None = None) -> Fit:
-    """Fits the identifiable parameters (or exactly `names`) of `prior` to `ms`."""
+def fit(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware, names: list[str] | None = None,
+        start: hw_lib.Hardware | None = None) -> Fit:
+    """Fits the identifiable parameters (or exactly `names`) of `prior` to `ms`, starting from `start`."""
     from scipy import optimize  # pylint: disable=g-import-not-at-top
 
     params = candidates(ms, prior)
@@ -180,7 +186,7 @@ def fit(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware, names: list[
     fn = _residual_fn(ms, prior, chosen)
     lo, hi = np.array([p.bounds()[0] for p in chosen]), np.array([p.bounds()[1] for p in chosen])
     # Start inside the bounds: trf's scaling takes only tiny steps from a point on a bound.
-    x0 = np.clip(np.array([p.x0(prior) for p in chosen]), lo + INTERIOR, np.minimum(hi - INTERIOR, np.inf))
+    x0 = np.clip(np.array([p.x0(prior, start) for p in chosen]), lo + INTERIOR, hi - INTERIOR)
     result = optimize.least_squares(fn, x0, bounds=(lo, hi), loss=LOSS, f_scale=LOSS_SCALE, x_scale=1.0)
     values = {p.name: p.value(prior, x) for p, x in zip(chosen, result.x)}
     fitted = {p.name: {'prior': get_value(prior, p.name), 'value': values[p.name]} for p in chosen}
@@ -225,6 +231,7 @@ def calibrate(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware,
     uncal = predict(ms, prior)
     full = fit(ms, prior, names)
     fitted = predict(ms, full.hardware)
+    # Each fold selects and fits its own parameters from the prior: nothing of the left-out trial leaks in.
     held = np.array([predict([m], fit(ms[:i] + ms[i + 1:], prior, names).hardware)[0] for i, m in enumerate(ms)])
     report = {
         'trials': len(ms), 'hardware_prior': prior.name, 'holdout': 'leave-one-out',
