@@ -31,6 +31,8 @@ _HARDWARE = flags.DEFINE_string('hardware', 'local', 'The description to start f
 _OUT = flags.DEFINE_string('out', 'hw.json', 'Where to write the calibrated description (JSON).')
 _REPORT = flags.DEFINE_string('report', '', 'Where to write the report (JSON); default: <out> with .report.json.')
 _PARAMS = flags.DEFINE_list('params', None, 'Fit exactly these parameters (default: every identifiable one).')
+_STATISTIC = flags.DEFINE_enum('step_time', 'median', ['median', 'mean', 'min'], "A trial's step time: the median "
+                                'of its measured steps (robust to another job\'s load), their mean, or the fastest.')
 _ACROSS = flags.DEFINE_bool('across_models', False, 'Fit measurements of several models together (else an error).')
 
 
@@ -42,9 +44,10 @@ def calibrate_main() -> int:
     from jaxfrontier.plan import calibrate as fit_lib  # pylint: disable=g-import-not-at-top  (imports JAX)
     from jaxfrontier.plan import measured  # pylint: disable=g-import-not-at-top
 
-    ms = measured.load(_RESULTS.value, prior, _ACROSS.value)
+    ms = measured.load(_RESULTS.value, prior, _ACROSS.value, _STATISTIC.value)
     hw, report = fit_lib.calibrate(ms, prior, _PARAMS.value)
     report['hardware_out'] = _OUT.value
+    report['step_time_statistic'] = _STATISTIC.value
     hw_lib.save(hw, _OUT.value)
     report_path = _REPORT.value or (_OUT.value[:-5] if _OUT.value.endswith('.json') else _OUT.value) + '.report.json'
     with open(report_path, 'w', encoding='utf-8') as f:

@@ -16,7 +16,8 @@ fact of the description (`shared_host_devices`), not fitted.
      parameters as measurements are fitted. The report says which stayed at its prior and why.
   3. Fit: robust least squares on the log of predicted / measured step time
      (`scipy.optimize.least_squares`, soft-L1 loss, scale 0.05: a trial more than ~5 % off
-     counts linearly, so one noisy trial does not drag the rest).
+     counts linearly, so one noisy trial does not drag the rest), plus a weak pull of each
+     parameter to its prior (PRIOR_WEIGHT), so what the data barely determine stays near it.
   4. Held out: leave-one-out, the whole procedure (1-3) rerun without each measurement and
      the left-out one predicted. The rank correlation (Spearman) of predicted and measured
      throughput is given for the held-out, fitted and uncalibrated predictions.
@@ -38,6 +39,7 @@ from jaxfrontier.plan import planner
 ZERO_EFFECT = 1e-3  # RMS change of log step time per unit of a parameter below which it has no effect
 COLLINEAR = 0.1  # share of a column not explained by the kept ones below which it is collinear
 LOSS, LOSS_SCALE = 'soft_l1', 0.05
+PRIOR_WEIGHT = 0.02  # a pseudo-residual per parameter pulls it to its prior: one e-fold costs a 2 % misfit
 INTERIOR = 0.01  # fits start this far inside a bound (an overhead of 1 % of the median step, overlap 0.99)
 LOG_BOUND = 5.0  # multiplicative parameters move at most e^5 from their prior
 
@@ -110,12 +112,15 @@ def candidates(ms: list[measured_lib.Measurement], hw: hw_lib.Hardware) -> list[
     return params
 
 
-def _residual_fn(ms, prior: hw_lib.Hardware, params: list[Param]) -> Callable[[np.ndarray], np.ndarray]:
+def _residual_fn(ms, prior: hw_lib.Hardware, params: list[Param],
+                 prior_weight: float = 0.0) -> Callable[[np.ndarray], np.ndarray]:
     log_measured = np.log([m.measured_s for m in ms])
+    x0 = np.array([p.x0(prior) for p in params])
 
     def residuals(x: np.ndarray) -> np.ndarray:
         hw = with_values(prior, {p.name: p.value(prior, xi) for p, xi in zip(params, x)})
-        return np.log(predict(ms, hw)) - log_measured
+        r = np.log(predict(ms, hw)) - log_measured
+        return np.concatenate([r, prior_weight * (x - x0)]) if prior_weight else r
 
     return residuals
 
@@ -183,7 +188,7 @@ def fit(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware, names: list[
     else:
         kept, at_prior = identifiable(jacobian(ms, prior, params), params, max(1, len(ms) // 2))
     chosen = [params[i] for i in kept]
-    fn = _residual_fn(ms, prior, chosen)
+    fn = _residual_fn(ms, prior, chosen, PRIOR_WEIGHT)
     lo, hi = np.array([p.bounds()[0] for p in chosen]), np.array([p.bounds()[1] for p in chosen])
     # Start inside the bounds: trf's scaling takes only tiny steps from a point on a bound.
     x0 = np.clip(np.array([p.x0(prior, start) for p in chosen]), lo + INTERIOR, hi - INTERIOR)

@@ -3,7 +3,7 @@
 A results file is JSON lines. Two kinds of record are read:
 
   * a trial of `jaxfrontier.sweep` / `jaxfrontier.scaling` (docs/sweeps.md): status `ok`, the
-    measured `step_time_s`, its whole `config` (written by the sweep since calibration exists;
+    median of its measured steps `step_time_median_s` (or the mean `step_time_s`), its whole `config` (written by the sweep since calibration exists;
     older records are completed from `<dir of results.jsonl>/trials/<id>/config.json`) and the
     `machine` it ran on;
   * a point measured elsewhere (`"source": "published"`): a `config_file` (configs/*.py), the
@@ -112,10 +112,14 @@ def _published_config(record: dict[str, Any], path: str, line: int) -> ml_collec
     return c
 
 
-def _measured_s(record: dict[str, Any], work: planner.Work, path: str, line: int) -> float:
+STATISTICS = {'median': 'step_time_median_s', 'mean': 'step_time_s', 'min': 'step_time_min_s'}
+
+
+def _measured_s(record: dict[str, Any], work: planner.Work, path: str, line: int, statistic: str) -> float:
     devices, tokens = work.layout.num_devices, work.layout.global_batch * work.shape.seq_len
-    if record.get('step_time_s'):
-        return float(record['step_time_s'])
+    for key in (STATISTICS[statistic], 'step_time_s'):  # records of older sweeps have the mean only
+        if record.get(key):
+            return float(record[key])
     if record.get('tokens_per_s'):
         return tokens / float(record['tokens_per_s'])
     if record.get('hw_tflops_per_device'):
@@ -128,7 +132,8 @@ def model_key(c: ml_collections.ConfigDict) -> str:
     return 'L{} d{} h{} mlp{} s{} V{}'.format(*(m[f] for f in MODEL_FIELDS))
 
 
-def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware) -> Measurement:
+def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware,
+                 statistic: str) -> Measurement:
     published = record.get('source') == 'published'
     c = _published_config(record, path, line) if published else _trial_config(record, path, line)
     try:
@@ -138,7 +143,7 @@ def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardwa
     work = planner.layout_work(config_lib.model_shape(c), planner.Layout.from_config(c), hw, rules=c.sharding.rules)
     name = str(record.get('name') or record.get('trial_id') or f'line {line}')
     return Measurement(name, model_key(c), str(record.get('machine', 'unknown machine')), work,
-                       _measured_s(record, work, path, line), path)
+                       _measured_s(record, work, path, line, statistic), path)
 
 
 def _records(path: str) -> list[tuple[int, dict[str, Any]]]:
@@ -162,8 +167,12 @@ def _records(path: str) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
-def load(paths: list[str], hw: hw_lib.Hardware, across_models: bool = False) -> list[Measurement]:
+def load(paths: list[str], hw: hw_lib.Hardware, across_models: bool = False,
+         statistic: str = 'median') -> list[Measurement]:
     """Every usable measurement of `paths` (trials with status ok, published points).
+
+    A trial's step time is the median of its measured steps (`statistic`: or their mean, or
+    the fastest): on a shared machine one slow step, another job's, should not move it.
 
     Raises:
       UserError: no paths or no usable measurement; a record that cannot be read; measurements of
@@ -176,7 +185,7 @@ def load(paths: list[str], hw: hw_lib.Hardware, across_models: bool = False) -> 
     for path in paths:
         for line, record in _records(path):
             if record.get('source') == 'published' or record.get('status') == 'ok':
-                out.append(_measurement(record, path, line, hw))
+                out.append(_measurement(record, path, line, hw, statistic))
     if not out:
         raise errors.UserError(f'--results={",".join(paths)}: no measured step times (no trial with status ok, no '
                                'published point). Fix: give the results of a sweep whose trials ran')

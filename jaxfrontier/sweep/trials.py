@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import time
 from typing import Any, Sequence
@@ -217,7 +218,8 @@ def measure(rows: list[dict[str, Any]], log_text: str, warmup: int, steps: int) 
                          'metrics.jsonl')
     times = [r['perf/step_time_s'] for r in measured]
     step_time = sum(times) / steps
-    out: dict[str, Any] = {'step_time_s': step_time, 'step_time_min_s': min(times), 'step_time_max_s': max(times)}
+    out: dict[str, Any] = {'step_time_s': step_time, 'step_time_min_s': min(times), 'step_time_max_s': max(times),
+                           'step_time_median_s': statistics.median(times)}
     for field, key in PERF_KEYS.items():  # each is (a constant per step) / step time: rescale to the mean
         values = [r.get(key) for r in measured]
         out[field] = None if None in values else sum(v * t for v, t in zip(values, times)) / steps / step_time
