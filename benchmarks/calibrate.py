@@ -75,12 +75,14 @@ def scaling(hardware: str, workdir: str) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = ['| trial | layout | measured s | uncalibrated s | held-out s | held-out error |', '|---|---|---|---|---|---|']
+    lines = ['| trial | layout | measured s | uncalibrated s | held-out s | held-out error |',
+             '|---|---|---|---|---|---|']
     for t in report['per_trial']:
         lines.append(f'| {t["name"]} | {t["layout"]} | {t["measured_s"]:.4g} | {t["uncalibrated_s"]:.4g} | '
                      f'{t["holdout_s"]:.4g} | {t["holdout_s"] / t["measured_s"] - 1:+.1%} |')
     lines.append(f'\nmedian |error|: held out {report["holdout_median_abs_rel_error"]:.1%}, fitted '
-                 f'{report["fit_median_abs_rel_error"]:.1%}, uncalibrated {report["uncalibrated_median_abs_rel_error"]:.1%}; '
+                 f'{report["fit_median_abs_rel_error"]:.1%}, '
+                 f'uncalibrated {report["uncalibrated_median_abs_rel_error"]:.1%}; '
                  f'Spearman of throughput: held out {report["spearman_holdout"]:.2f}, uncalibrated '
                  f'{report["spearman_uncalibrated"]:.2f}; fitted {", ".join(report["fitted"])}')
     return '\n'.join(lines)

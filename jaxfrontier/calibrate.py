@@ -63,8 +63,7 @@ def main(argv: list[str]) -> int:
     try:
         return calibrate_main()
     except errors.UserError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return cli.exit_code(e)
+        return cli.exit_code(e)  # one line `error: ...`, exit 2
 
 
 def run() -> None:

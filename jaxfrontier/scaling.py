@@ -81,7 +81,8 @@ def planned_record(c, devices: int, hardware: str) -> dict[str, Any]:
     p = planner.plan(c, hardware)
     return {'trial_id': 'plan', 'status': 'ok', 'devices': devices, **sweep_space.layout_of(c),
             'tokens_per_s': p.time.tokens_per_s, 'tokens_per_s_per_device': p.time.tokens_per_s / devices,
-            'tflops_per_device': p.time.model_tflops_per_device, 'hw_tflops_per_device': p.time.megatron_tflops_per_device,
+            'tflops_per_device': p.time.model_tflops_per_device,
+            'hw_tflops_per_device': p.time.megatron_tflops_per_device,
             'step_time_s': p.time.step_s, 'bubble_fraction': p.time.bubble_fraction,
             'memory_gib': p.memory.total_bytes / 2**30, 'fits': p.fits}
 

@@ -106,7 +106,8 @@ def candidates(ms: list[measured_lib.Measurement], hw: hw_lib.Hardware) -> list[
         params.append(Param('overlap', 'share'))
     if any(m.work.layout.pipeline > 1 for m in ms):
         params.append(Param('bubble_scale', 'share'))
-    params += [Param('step_overhead_s', 'linear', median_s), Param('layer_overhead_s', 'linear', median_s / layer_units),
+    params += [Param('step_overhead_s', 'linear', median_s),
+               Param('layer_overhead_s', 'linear', median_s / layer_units),
                Param('gemm_half_flops', 'linear', float(np.median([m.work.compute.layer_flops for m in ms])))]
     params += [Param(f'link_latency_s.{lv}', 'log') for lv in levels]
     return params
@@ -176,7 +177,7 @@ class Fit:
 
 
 def fit(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware, names: list[str] | None = None,
-        start: hw_lib.Hardware | None = None) -> Fit:
+        start: hw_lib.Hardware | None = None, prior_weight: float = PRIOR_WEIGHT) -> Fit:
     """Fits the identifiable parameters (or exactly `names`) of `prior` to `ms`, starting from `start`."""
     from scipy import optimize  # pylint: disable=g-import-not-at-top
 
@@ -188,7 +189,7 @@ def fit(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware, names: list[
     else:
         kept, at_prior = identifiable(jacobian(ms, prior, params), params, max(1, len(ms) // 2))
     chosen = [params[i] for i in kept]
-    fn = _residual_fn(ms, prior, chosen, PRIOR_WEIGHT)
+    fn = _residual_fn(ms, prior, chosen, prior_weight)
     lo, hi = np.array([p.bounds()[0] for p in chosen]), np.array([p.bounds()[1] for p in chosen])
     # Start inside the bounds: trf's scaling takes only tiny steps from a point on a bound.
     x0 = np.clip(np.array([p.x0(prior, start) for p in chosen]), lo + INTERIOR, hi - INTERIOR)

@@ -3,9 +3,9 @@
 A results file is JSON lines. Two kinds of record are read:
 
   * a trial of `jaxfrontier.sweep` / `jaxfrontier.scaling` (docs/sweeps.md): status `ok`, the
-    median of its measured steps `step_time_median_s` (or the mean `step_time_s`), its whole `config` (written by the sweep since calibration exists;
-    older records are completed from `<dir of results.jsonl>/trials/<id>/config.json`) and the
-    `machine` it ran on;
+    median of its measured steps `step_time_median_s` (or the mean `step_time_s`), its whole
+    `config` (written by the sweep since calibration exists; older records are completed from
+    `<dir of results.jsonl>/trials/<id>/config.json`) and the `machine` it ran on;
   * a point measured elsewhere (`"source": "published"`): a `config_file` (configs/*.py), the
     `layout` it ran (`tensor`, `pipeline`, `data`, `fsdp`, `micro_batch`, `accum_steps`,
     `schedule`, `zero1`, `remat`), the `machine`, and its throughput as `step_time_s`,
@@ -167,6 +167,24 @@ def _records(path: str) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
+def combine_repeats(ms: list[Measurement]) -> list[Measurement]:
+    """Repeated measurements of one layout of one model become one: the median of their step times.
+
+    (Held out, a repeat left in the fit would predict its twin.)
+    """
+    groups: dict[tuple[str, planner.Layout], list[Measurement]] = {}
+    for m in ms:
+        groups.setdefault((m.model, m.work.layout), []).append(m)
+    out = []
+    for group in groups.values():
+        times = sorted(m.measured_s for m in group)
+        mid = len(times) // 2
+        median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+        name = group[0].name + (f' (+{len(group) - 1} repeats)' if len(group) > 1 else '')
+        out.append(dataclasses.replace(group[0], name=name, measured_s=median))
+    return out
+
+
 def load(paths: list[str], hw: hw_lib.Hardware, across_models: bool = False,
          statistic: str = 'median') -> list[Measurement]:
     """Every usable measurement of `paths` (trials with status ok, published points).
@@ -186,6 +204,7 @@ def load(paths: list[str], hw: hw_lib.Hardware, across_models: bool = False,
         for line, record in _records(path):
             if record.get('source') == 'published' or record.get('status') == 'ok':
                 out.append(_measurement(record, path, line, hw, statistic))
+    out = combine_repeats(out)
     if not out:
         raise errors.UserError(f'--results={",".join(paths)}: no measured step times (no trial with status ok, no '
                                'published point). Fix: give the results of a sweep whose trials ran')
