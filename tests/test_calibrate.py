@@ -244,3 +244,23 @@ def test_repeated_trials_of_a_layout_are_one_measurement(tmp_path):
     assert len(ms) == 3
     assert [m.measured_s for m in ms] == pytest.approx([r['step_time_median_s'] * 3 for r in records])
     assert ms[0].name.endswith('(+2 repeats)')
+
+
+def test_deephyper_is_seeded_with_the_plans_fastest_points():
+    from jaxfrontier.sweep import deephyper as sweep_deephyper  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.sweep import trials as sweep_trials  # pylint: disable=g-import-not-at-top
+
+    class Study:
+        predict = staticmethod(lambda c, n: {})
+
+        def prepare(self, point, devices, swept):
+            if point['tensor'] == 4 and point['micro_batch'] == 2:  # not runnable: never a seed
+                return {'trial_id': 'x', 'status': 'invalid', 'error': 'no'}
+            plan = {'tokens_per_s': 10.0 * point['tensor'] + point['micro_batch']}
+            return sweep_trials.Trial(f'{point}', point, devices, (), {}, plan)
+
+    space = [('tensor', [1, 2, 4]), ('micro_batch', [1, 2])]
+    assert sweep_deephyper.plan_seeds(Study(), space, 8, 2) == [{'tensor': 4, 'micro_batch': 1},
+                                                               {'tensor': 2, 'micro_batch': 2}]
+    Study.predict = None
+    assert not sweep_deephyper.plan_seeds(Study(), space, 8, 2)
