@@ -44,8 +44,10 @@ def cpu(results: str, workdir: str) -> dict:
         run('-m', 'jaxfrontier.sweep', *SWEEP, f'--workdir={workdir}')
         results = os.path.join(workdir, 'results.jsonl')
     sweep_copy = os.path.join(OUT, 'calibrate_cpu_sweep.jsonl')
-    with open(results, encoding='utf-8') as f, open(sweep_copy, 'w', encoding='utf-8') as g:
-        g.writelines(line for line in f if json.loads(line)['status'] == 'ok')
+    with open(sweep_copy, 'w', encoding='utf-8') as g:
+        for path in results.split(','):  # several passes: repeats of a layout are combined by calibrate
+            with open(path, encoding='utf-8') as f:
+                g.writelines(line for line in f if json.loads(line)['status'] == 'ok')
     prior = os.path.join(OUT, 'calibrate_cpu_prior.json')
     if not os.path.exists(prior):  # the host's matmul peak, measured once (a process with one CPU device)
         run('-c', f'from jaxfrontier import hardware as h; h.save(h.local(), {prior!r})')
@@ -90,7 +92,8 @@ def table(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--results', default='', help='an existing sweep results.jsonl (skips the sweep)')
+    parser.add_argument('--results', default='', help='existing sweep results.jsonl files, comma-separated '
+                        '(skips the sweep; a second pass of the same layouts adds repeats)')
     parser.add_argument('--workdir', default='/tmp/jf_calibrate')
     parser.add_argument('--parts', default='cpu,paper,scaling')
     args = parser.parse_args()

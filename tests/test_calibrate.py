@@ -244,6 +244,10 @@ def test_repeated_trials_of_a_layout_are_one_measurement(tmp_path):
     assert len(ms) == 3
     assert [m.measured_s for m in ms] == pytest.approx([r['step_time_median_s'] * 3 for r in records])
     assert ms[0].name.endswith('(+2 repeats)')
+    # x, 3x, 3x lie 2/3, 0, 0 from their median 3x.
+    assert fit_lib.repeat_spread(ms) == {'repeated_layouts': 3, 'repeat_median_abs_rel_spread': 0.0}
+    assert fit_lib.repeat_spread(ms[:0] + [dataclasses.replace(ms[0], repeats=(1.0, 3.0), measured_s=2.0)]) == \
+        {'repeated_layouts': 1, 'repeat_median_abs_rel_spread': 0.5}
 
 
 def test_deephyper_is_seeded_with_the_plans_fastest_points():

@@ -255,6 +255,7 @@ def calibrate(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware,
                        'measured_tokens_per_s': float(tokens[i] / meas[i]),
                        'holdout_tokens_per_s': float(tokens[i] / held[i])} for i, m in enumerate(ms)],
         'sources': sorted({m.source for m in ms}), 'machine': ms[0].machine,
+        **repeat_spread(ms),
     }
     summary = {k: report[k] for k in ('trials', 'holdout', 'holdout_median_abs_rel_error',
                                       'uncalibrated_median_abs_rel_error', 'fit_median_abs_rel_error',
@@ -266,6 +267,15 @@ def calibrate(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware,
     return hw, report
 
 
+def repeat_spread(ms: list[measured_lib.Measurement]) -> dict[str, Any]:
+    """How far repeated measurements of one layout lie from their median: the noise floor of any fit."""
+    spread = [abs(t / m.measured_s - 1.0) for m in ms for t in m.repeats]
+    if not spread:
+        return {}
+    return {'repeated_layouts': sum(bool(m.repeats) for m in ms),
+            'repeat_median_abs_rel_spread': float(np.median(spread))}
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
     lines = [f'calibrated on {report["trials"]} measured trials ({report["machine"]}):',
@@ -273,7 +283,11 @@ def format_report(report: dict[str, Any]) -> str:
              f'{report["holdout_median_abs_rel_error"]:.1%}, fitted {report["fit_median_abs_rel_error"]:.1%}, '
              f'uncalibrated {report["uncalibrated_median_abs_rel_error"]:.1%}',
              f'  rank correlation (Spearman) of throughput: held out {report["spearman_holdout"]:.2f}, fitted '
-             f'{report["spearman_fit"]:.2f}, uncalibrated {report["spearman_uncalibrated"]:.2f}', '  fitted:']
+             f'{report["spearman_fit"]:.2f}, uncalibrated {report["spearman_uncalibrated"]:.2f}']
+    if 'repeated_layouts' in report:
+        lines.append(f'  {report["repeated_layouts"]} layouts measured more than once: repeats lie '
+                     f'{report["repeat_median_abs_rel_spread"]:.1%} (median) from their median')
+    lines.append('  fitted:')
     lines += [f'    {k:<26s} {v["prior"]:.4g} -> {v["value"]:.4g}' for k, v in report['fitted'].items()]
     lines += ['  at their prior:'] + [f'    {k:<26s} {why}' for k, why in report['at_prior'].items()]
     lines.append(f'  {"trial":<14s} {"measured s":>11s} {"uncal. s":>10s} {"held-out s":>11s}  layout')

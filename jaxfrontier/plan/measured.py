@@ -49,6 +49,7 @@ class Measurement:
     work: planner.Work
     measured_s: float  # seconds per optimizer step
     source: str  # the results file
+    repeats: tuple[float, ...] = ()  # every measurement of this layout, when it was measured more than once
 
     @property
     def tokens(self) -> float:
@@ -181,7 +182,8 @@ def combine_repeats(ms: list[Measurement]) -> list[Measurement]:
         mid = len(times) // 2
         median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
         name = group[0].name + (f' (+{len(group) - 1} repeats)' if len(group) > 1 else '')
-        out.append(dataclasses.replace(group[0], name=name, measured_s=median))
+        out.append(dataclasses.replace(group[0], name=name, measured_s=median,
+                                       repeats=tuple(m.measured_s for m in group) if len(group) > 1 else ()))
     return out
 
 
