@@ -275,3 +275,24 @@ def test_deephyper_is_seeded_with_the_plans_fastest_points():
                                                                {'tensor': 2, 'micro_batch': 2}]
     Study.predict = None
     assert not sweep_deephyper.plan_seeds(Study(), space, 8, 2)
+
+
+@pytest.mark.slow
+def test_real_sweep_then_calibrate_then_plan_with_it(tmp_path):
+    """End to end: a 4-layout sweep on 4 simulated CPU devices, calibrated, its description used."""
+    from test_sweep import sweep  # pylint: disable=g-import-not-at-top
+
+    proc = sweep(tmp_path / 'sw', '--devices=4', '--config.mesh.fsdp=1', '--space=tensor=1,2',
+                 '--space=micro_batch=1,2', '--warmup=2', '--steps=3')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / 'sw' / 'results.jsonl').read_text().splitlines()]
+    assert all(r['status'] == 'ok' and r['config'] and r['machine'] and r['step_time_median_s'] > 0 for r in records)
+    out = tmp_path / 'hw.json'
+    proc = _calibrate(f'--results={tmp_path / "sw" / "results.jsonl"}', '--hardware=local', f'--out={out}')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / 'hw.report.json').read_text())
+    assert report['trials'] == 4 and len(report['fitted']) <= 2
+    assert hw_lib.load(str(out)).shared_host_devices > 0
+    proc = sweep(tmp_path / 'sw', '--devices=4', '--config.mesh.fsdp=1', '--space=tensor=1,2',
+                 '--space=micro_batch=1,2', '--warmup=2', '--steps=3', f'--hardware={out}', '--report_only')
+    assert proc.returncode == 0, proc.stderr[-3000:]
