@@ -12,6 +12,8 @@ For each model (configs/<model>.py, the paper's layout):
      upcasts 16-bit work (docs/planner.md);
   4. the layout search on the paper's device count (175B: 1,024 GCDs, 1T: 3,072).
 Writes everything to --out (default benchmarks/results/plan_check.json) and prints a summary.
+The checked-in file is regenerated with the code it describes (tests/test_calibrate.py holds its
+plans equal to fresh ones); `--no-compile` leaves out step 3 (hours of XLA:CPU for 1T).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def main() -> None:
     parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'plan_check.json'))
     args = parser.parse_args()
     models = args.models.split(',')
-    results = {'checks': [check_model(m, args.compile) for m in models]}
+    results = {'command': 'python benchmarks/plan_check.py ' + ' '.join(sys.argv[1:]),
+               'checks': [check_model(m, args.compile) for m in models]}
     if args.search:
         results['searches'] = [search_model(m) for m in models]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

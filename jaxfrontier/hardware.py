@@ -13,6 +13,14 @@ divided by its devices. Sources: FRONTIER.md for Frontier; vendor data sheets el
 `matmul_efficiency` is the share of the dense peak a large bf16 GEMM reaches in practice
 (Frontier: measured 125 of 191.5 TFLOP/s); the planner's roofline uses it.
 
+The time model's other free parameters are fields too (`TIME_FIELDS`): how GEMM efficiency
+falls for small matmuls, how much communication overlaps compute, fixed costs per step and
+per layer, how much of the pipeline bubble is idle time, and whether simulated devices share
+the host's cores. Their defaults are the planner's fixed rules; `python -m
+jaxfrontier.calibrate` fits them (and the bandwidths, latencies and efficiency) to measured
+step times and writes a description as JSON, which `get('path.json')` loads wherever a
+hardware name is taken.
+
 This is the one device table: the trainer's MFU (`device_peak_flops`) and the planner read
 the same entries, matched to a JAX device by `match_kind`.
 """
@@ -21,12 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import time
 from typing import Any
 
 import numpy as np
+
+from jaxfrontier import errors
 
 GIB = 2**30
 LEVELS = ('package', 'node', 'network')
@@ -47,10 +58,25 @@ class Hardware:
     devices_per_node: int
     link_bytes_per_s: dict[str, float]  # level -> bandwidth per direction
     link_latency_s: dict[str, float]  # level -> latency of one collective step
+    # The time model's parameters beyond the table (defaults: the planner's fixed rules).
+    gemm_half_flops: float = 0.0  # efficiency x w / (w + this); w = one layer's matmul FLOPs per device and micro-batch
+    overlap: float = 1.0  # share of the hideable communication that compute hides (1: the overlap rules)
+    step_overhead_s: float = 0.0  # fixed cost per optimizer step (dispatch, host work)
+    layer_overhead_s: float = 0.0  # fixed cost per layer per micro-batch on a stage (kernel launches)
+    bubble_scale: float = 1.0  # share of the pipeline bubble that is idle time
+    shared_host_devices: int = 0  # > 0: the peak is of this many devices sharing one host's cores (CPU)
+    calibration: dict = dataclasses.field(default_factory=dict)  # how a calibrated description was fitted
 
     def peak_flops(self, dtype: str) -> float:
         """Dense matrix peak for a compute dtype ('bfloat16', 'float16' or 'float32')."""
         return self.peak_fp32_flops if dtype == 'float32' else self.peak_bf16_flops
+
+    def compute_flops(self, dtype: str, num_devices: int) -> float:
+        """Peak of one device of a job of `num_devices`: simulated devices share the host's cores."""
+        peak = self.peak_flops(dtype)
+        if self.shared_host_devices > 0:
+            peak *= self.shared_host_devices / max(num_devices, 1)
+        return peak
 
     @property
     def memory_gib(self) -> float:
@@ -92,6 +118,8 @@ HARDWARE = {
 _KINDS = (('MI250X', (), 'mi250x'), ('MI300X', (), 'mi300x'), ('A100', (), 'a100'),
           ('H100', ('PCIe', 'NVL'), 'h100'), ('H200', (), 'h200'))
 NAMES = tuple(HARDWARE) + ('local',)
+TIME_FIELDS = ('matmul_efficiency', 'memory_bytes_per_s', 'link_bytes_per_s', 'link_latency_s', 'gemm_half_flops',
+               'overlap', 'step_overhead_s', 'layer_overhead_s', 'bubble_scale', 'shared_host_devices')
 
 
 def match_kind(device_kind: str) -> Hardware | None:
@@ -102,13 +130,77 @@ def match_kind(device_kind: str) -> Hardware | None:
     return None
 
 
+def is_path(name: str) -> bool:
+    return name.endswith('.json') or os.sep in name
+
+
 def get(name: str) -> Hardware:
-    """The hardware called `name` (one of NAMES); 'local' describes this machine's devices."""
+    """The hardware called `name` (one of NAMES), or a description in a JSON file (`load`).
+
+    'local' describes this machine's devices.
+
+    Raises:
+      UserError: an unknown name, or a file that is missing or not a description.
+    """
+    if is_path(name):
+        return load(name)
     if name == 'local':
         return local()
     if name not in HARDWARE:
-        raise KeyError(f'unknown hardware {name!r}; use one of {NAMES}')
+        raise errors.UserError(f'--hardware={name}: unknown hardware. Fix: use one of {", ".join(NAMES)}, or a '
+                               'description file path.json (python -m jaxfrontier.calibrate writes one)')
     return HARDWARE[name]
+
+
+def to_json(hw: Hardware) -> dict[str, Any]:
+    """A description as plain JSON-able data (every field; `load` reads it back)."""
+    return dataclasses.asdict(hw)
+
+
+def save(hw: Hardware, path: str) -> None:
+    with open(path, 'w', encoding='utf-8') as f:
+        json.dump(to_json(hw), f, indent=1)
+        f.write('\n')
+
+
+def _check_fields(path: str, data: Any) -> None:
+    fields = {f.name: f for f in dataclasses.fields(Hardware)}
+    if not isinstance(data, dict):
+        raise errors.UserError(f'--hardware={path}: not a hardware description (a JSON object of {", ".join(fields)})'
+                               '. Fix: give a file written by python -m jaxfrontier.calibrate')
+    unknown = sorted(set(data) - set(fields) - {'base'})
+    if unknown:
+        raise errors.UserError(f'--hardware={path}: unknown field(s) {", ".join(unknown)}. Fix: use the fields of '
+                               f'hardware.Hardware ({", ".join(fields)}), and "base" to start from a built-in entry')
+    for key in ('link_bytes_per_s', 'link_latency_s'):
+        if key in data and (not isinstance(data[key], dict) or set(data[key]) != set(LEVELS)):
+            raise errors.UserError(f'--hardware={path}: {key} must give each level {", ".join(LEVELS)}. Fix: add '
+                                   'the missing levels')
+
+
+def load(path: str) -> Hardware:
+    """A description from JSON: every field, or "base" (a built-in name) and the fields that differ."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            data = json.load(f)
+    except OSError as e:
+        raise errors.UserError(f'--hardware={path}: {e.strerror}. Fix: give an existing description file, or '
+                               f'one of {", ".join(NAMES)}') from None
+    except ValueError as e:
+        raise errors.UserError(f'--hardware={path}: not JSON ({e}). Fix: give a file written by python -m '
+                               'jaxfrontier.calibrate') from None
+    _check_fields(path, data)
+    base = data.pop('base', None)
+    try:
+        if base is not None:
+            return dataclasses.replace(get(str(base)), **data)
+        return Hardware(**data)
+    except TypeError as e:
+        raise errors.UserError(f'--hardware={path}: {e}. Fix: give every field of hardware.Hardware, or "base"'
+                               ) from None
+
+
+CPU_NODE_DEVICES = 4096  # simulated CPU devices of one process are all one node
 
 
 def local() -> Hardware:
@@ -136,8 +228,8 @@ def local() -> Hardware:
         peak_bf16_flops=measure_cpu_matmul_peak('bfloat16'),
         peak_fp32_flops=measure_cpu_matmul_peak('float32'),
         memory_bytes=total // n, memory_bytes_per_s=bandwidth, matmul_efficiency=1.0,
-        devices_per_package=1, devices_per_node=n,
-        link_bytes_per_s={level: bandwidth for level in LEVELS}, link_latency_s=_LATENCY_S)
+        devices_per_package=1, devices_per_node=max(n, CPU_NODE_DEVICES),
+        link_bytes_per_s={level: bandwidth for level in LEVELS}, link_latency_s=_LATENCY_S, shared_host_devices=n)
 
 
 def memory_stats(device: Any) -> dict[str, Any]:

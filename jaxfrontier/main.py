@@ -30,8 +30,9 @@ _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safeten
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'export'],
                           'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
                           'export: parameters of the newest checkpoint in --workdir to --export_path.')
-_HARDWARE = flags.DEFINE_enum('hardware', 'mi250x', list(hardware_lib.NAMES),
-                               'mode=plan: the device to plan for (local: this machine).')
+_HARDWARE = flags.DEFINE_string('hardware', 'mi250x', 'mode=plan: the device to plan for: '
+                                 f'{", ".join(hardware_lib.NAMES)} (local: this machine), or a description '
+                                 'path.json (python -m jaxfrontier.calibrate writes one).')
 _SEARCH = flags.DEFINE_bool('search', False, 'mode=plan: search layouts of the model that fit, fastest first.')
 _SEARCH_DEVICES = flags.DEFINE_integer('search_devices', 0, 'mode=plan --search: devices (0: the config mesh).')
 _PLAN_CHECK = flags.DEFINE_enum('plan_check', 'lower', ['none', 'lower', 'compile'],

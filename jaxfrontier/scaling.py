@@ -17,6 +17,10 @@ For weak scaling E(N) = 100 % when tokens/s per device stays constant as the job
 grow (the paper: 100 % up to 1,024 and 3,072 GCDs); for strong scaling, when the same batch is
 done N / N0 times faster (the paper: 89 % and 87 %).
 Writes `scaling.md`, `scaling.csv` and `scaling.png` to --workdir.
+
+`--plan_only` runs nothing: the planner predicts every point's throughput on `--hardware` (a
+name or a calibrated description.json) and the same report is written from the predictions,
+e.g. 175B on 128 .. 1,024 MI250X GCDs in seconds (docs/planner.md, "Scaling predicted").
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from jaxfrontier.sweep import trials as sweep_trials
 
 _COUNTS = flags.DEFINE_list('device_counts', [], 'Device counts to run, e.g. 8,16,32 (at least two).')
 _STUDY = flags.DEFINE_enum('study', 'both', ['weak', 'strong', 'both'], 'Which scaling study to run.')
+_PLAN_ONLY = flags.DEFINE_bool('plan_only', False, 'Run nothing: predict every point with the planner on --hardware.')
 flags.adopt_module_key_flags(F)  # --help lists the shared sweep flags too
 
 
@@ -68,11 +73,65 @@ def efficiencies(records: list[dict[str, Any]], study: str) -> list[dict[str, An
     return rows
 
 
+def planned_record(c, devices: int, hardware: str) -> dict[str, Any]:
+    """The planner's prediction for one point, shaped like a trial's record."""
+    from jaxfrontier.plan import planner  # pylint: disable=g-import-not-at-top  (imports JAX)
+    from jaxfrontier.sweep import space as sweep_space  # pylint: disable=g-import-not-at-top
+
+    p = planner.plan(c, hardware)
+    return {'trial_id': 'plan', 'status': 'ok', 'devices': devices, **sweep_space.layout_of(c),
+            'tokens_per_s': p.time.tokens_per_s, 'tokens_per_s_per_device': p.time.tokens_per_s / devices,
+            'tflops_per_device': p.time.model_tflops_per_device,
+            'hw_tflops_per_device': p.time.megatron_tflops_per_device,
+            'step_time_s': p.time.step_s, 'bubble_fraction': p.time.bubble_fraction,
+            'memory_gib': p.memory.total_bytes / 2**30, 'fits': p.fits}
+
+
+def plan_scaling(argv: list[str], counts: list[int], studies: list[str]) -> int:
+    """--plan_only: the weak and strong scaling the planner predicts; nothing runs."""
+    import os  # pylint: disable=g-import-not-at-top
+
+    from jaxfrontier import hardware as hw_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.sweep import space as sweep_space  # pylint: disable=g-import-not-at-top
+
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+    hw = hw_lib.get(F.HARDWARE.value)
+    base = F.CONFIG.value
+    rows = []
+    for name in studies:
+        point, swept = points(name, base)
+        records = []
+        for n in counts:
+            try:
+                c, _ = sweep_space.point_config(base, point, n, swept)
+            except config_lib.ConfigError as e:
+                records.append({'trial_id': 'plan', 'status': 'invalid', 'devices': n, 'error': str(e)})
+                continue
+            records.append(planned_record(c, n, hw))
+        rows += efficiencies(records, name)
+    from jaxfrontier.sweep import report as sweep_report  # pylint: disable=g-import-not-at-top  (matplotlib)
+    os.makedirs(F.WORKDIR.value, exist_ok=True)
+    header = (f'Predicted by the planner on {hw.name} ({hw.description}); nothing ran. Command: '
+              f'`python -m jaxfrontier.scaling {" ".join(argv[1:])}`')
+    if hw.calibration:
+        from jaxfrontier.plan import planner  # pylint: disable=g-import-not-at-top
+        header += f'\n\nCalibration: {planner.calibration_line(hw)}'
+    paths = sweep_report.write_scaling_report(F.WORKDIR.value, rows, header)
+    for row in rows:
+        eff = f'{row["efficiency"]:.1%}' if row.get('efficiency') is not None else row['status']
+        tokens = f'{row["tokens_per_s"]:,.0f} tokens/s' if row.get('tokens_per_s') else ''
+        F.log(f'{row["study"]:>6s} {row["devices"]:>5d} devices: predicted efficiency {eff} {tokens}')
+    F.log(f'report {paths["markdown"]}')
+    return 0
+
+
 def run_scaling(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> int:
     counts = device_counts(_COUNTS.value)
     if any(a.startswith('--config.mesh.data=') for a in user_args):
         raise config_lib.UserError('--config.mesh.data: the data axis is derived at every device count (data = '
                                    'N / (tensor x pipeline x fsdp)). Fix: drop the override')
+    if _PLAN_ONLY.value:
+        return plan_scaling(argv, counts, ['weak', 'strong'] if _STUDY.value == 'both' else [_STUDY.value])
     study = F.make_study(config_spec, user_args, max(counts))
     studies = ['weak', 'strong'] if _STUDY.value == 'both' else [_STUDY.value]
     plans = {name: points(name, study.base) for name in studies}

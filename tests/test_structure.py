@@ -24,7 +24,7 @@ LAYERS = (
     ('training',),
     ('plan',),
     ('sweep',),
-    ('main', 'scaling', 'prepare'),  # entry points
+    ('main', 'scaling', 'prepare', 'calibrate'),  # entry points
 )
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

@@ -162,32 +162,64 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
             t.add(what + ' (once per step)', 'all-reduce', ('data',), local, 1, per_micro_batch=False)
 
 
-def communication(shape, layout, rules, specs, hw: hw_lib.Hardware, compute_mb_s: float) -> tuple[Transfer, ...]:
-    """Every transfer of one step with its link level, wire time and exposed time.
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """One kind of collective traffic before timing: what the layout moves, whatever the link speeds."""
 
-    Overlap (docs/planner.md): tensor all-reduces, the token split's gathers and pipeline sends
-    are exposed; FSDP gathers
-    hide behind compute and show only their excess plus one layer's gather; gradient
-    reductions hide behind the backward pass (2/3 of the compute) except the last layer's;
-    the ZeRO-1 gather and the pipeline's sum of shared gradients are exposed.
-    """
+    what: str
+    kind: str
+    axes: tuple[str, ...]
+    payload_bytes: float
+    count: float
+    per_micro_batch: bool
+    group: int  # devices in one collective
+    level: str
+
+
+def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, ...]:
+    """Every transfer of one step with its group and link level (`hw`'s topology only)."""
     dtype_bytes = 4 if shape.dtype == 'float32' else 2
     t = _Traffic()
     _activation_traffic(t, shape, layout, dtype_bytes)
     _param_traffic(t, layout, rules, specs)
     mesh_items = tuple(layout.mesh_shape.items())
-    layers = shape.num_layers / layout.pipeline
-    compute_s = compute_mb_s * layout.accum_steps
     out = []
     for (what, kind, axes, per_mb), (payload, count) in t.items.items():
         group = math.prod(layout.mesh_shape[a] for a in axes)
         level = _level(mesh_items, axes, hw.devices_per_package, hw.devices_per_node)
-        time_s = wire_time_s(kind, payload, count, group, level, hw)
-        if kind == 'all-gather' and per_mb and what.startswith('FSDP'):
-            exposed = max(0.0, time_s - compute_s) + time_s / max(count, 1.0)
-        elif per_mb and what.startswith(('gradients', 'embedding gradient')):
+        out.append(Traffic(what, kind, axes, payload, count, per_mb, group, level))
+    return tuple(out)
+
+
+def timed(items: tuple[Traffic, ...], layout, hw: hw_lib.Hardware, compute_mb_s: float,
+          num_layers: int) -> tuple[Transfer, ...]:
+    """Wire and exposed time of each transfer on `hw` (the overlap rules, scaled by `hw.overlap`).
+
+    Overlap (docs/planner.md): tensor all-reduces, the token split's gathers and pipeline sends
+    are exposed; FSDP gathers hide behind compute and show only their excess plus one layer's
+    gather; gradient reductions hide behind the backward pass (2/3 of the compute) except the
+    last layer's; the ZeRO-1 gather and the pipeline's sum of shared gradients are exposed.
+    `hw.overlap` < 1 hides only that share of what the rules hide.
+    """
+    layers = num_layers / layout.pipeline
+    compute_s = compute_mb_s * layout.accum_steps
+    out = []
+    for x in items:
+        time_s = wire_time_s(x.kind, x.payload_bytes, x.count, x.group, x.level, hw)
+        if x.kind == 'all-gather' and x.per_micro_batch and x.what.startswith('FSDP'):
+            exposed = max(0.0, time_s - compute_s) + time_s / max(x.count, 1.0)
+        elif x.per_micro_batch and x.what.startswith(('gradients', 'embedding gradient')):
             exposed = max(time_s - compute_s * 2 / 3, time_s / max(layers, 1.0))
         else:
             exposed = time_s
-        out.append(Transfer(what, kind, axes, payload, count, level, time_s, min(exposed, time_s), per_mb))
+        exposed = min(exposed, time_s)
+        if hw.overlap != 1.0:
+            exposed = time_s - hw.overlap * (time_s - exposed)
+        out.append(Transfer(x.what, x.kind, x.axes, x.payload_bytes, x.count, x.level, time_s, exposed,
+                            x.per_micro_batch))
     return tuple(sorted(out, key=lambda x: -x.payload_bytes))
+
+
+def communication(shape, layout, rules, specs, hw: hw_lib.Hardware, compute_mb_s: float) -> tuple[Transfer, ...]:
+    """Every transfer of one step with its link level, wire time and exposed time (`traffic`, `timed`)."""
+    return timed(traffic(shape, layout, rules, specs, hw), layout, hw, compute_mb_s, shape.num_layers)

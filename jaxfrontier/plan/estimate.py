@@ -386,21 +386,55 @@ def attention_for(shape: config_lib.ModelShape, hw: hw_lib.Hardware) -> str:
     return 'cudnn' if nvidia and shape.dtype in ('bfloat16', 'float16') else 'blockwise'
 
 
-def micro_batch_compute_s(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> float:
-    """Roofline time of one micro-batch through one pipeline stage of one replica.
+@dataclasses.dataclass(frozen=True)
+class ComputeWork:
+    """One micro-batch through one pipeline stage of one replica, per device, before timing."""
 
-    Matmuls run at `hw.matmul_efficiency` of the dense peak; everything else is memory bound:
-    every residual of a layer (the `none` policy's set) is written once in the forward, again
+    matmul_flops: float  # hardware matmul FLOPs (recomputation included)
+    memory_bytes: float  # element-wise traffic over HBM
+    layer_flops: float  # one layer's forward matmuls per device and micro-batch: the GEMM size
+    layers: float  # layers on the stage
+    num_devices: int
+    dtype: str
+
+
+def compute_work(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> ComputeWork:
+    """What `micro_batch_compute_s` times: matmul FLOPs and memory-bound bytes of one micro-batch.
+
+    Every residual of a layer (the `none` policy's set) is written once in the forward, again
     when recomputed, read once in the backward, and its gradient written and read once (4 or
     5 passes over HBM). Embedding and head count on the average stage (1/P of them).
     """
-    peak = hw.peak_flops(shape.dtype) * hw.matmul_efficiency
     per_replica = fl.hardware / layout.dp / layout.accum_steps  # one micro-batch, all stages
-    matmul_s = per_replica / layout.pipeline / layout.tensor / peak
     none_layer, head = layer_bytes(shape, layout, 'none', attention_for(shape, hw))
     passes = 4 + (1 if effective_remat(layout) != 'none' else 0)
-    memory_s = passes * (shape.num_layers * none_layer + head) / layout.pipeline / hw.memory_bytes_per_s
-    return matmul_s + memory_s
+    return ComputeWork(matmul_flops=per_replica / layout.pipeline / layout.tensor,
+                       memory_bytes=passes * (shape.num_layers * none_layer + head) / layout.pipeline,
+                       layer_flops=fl.layer_forward / layout.tensor, layers=shape.num_layers / layout.pipeline,
+                       num_devices=layout.num_devices, dtype=shape.dtype)
+
+
+def gemm_efficiency(hw: hw_lib.Hardware, layer_flops: float) -> float:
+    """Share of the peak a layer's matmuls reach: `matmul_efficiency`, less for small GEMMs."""
+    if hw.gemm_half_flops <= 0:
+        return hw.matmul_efficiency
+    return hw.matmul_efficiency * layer_flops / (layer_flops + hw.gemm_half_flops)
+
+
+def compute_s(work: ComputeWork, hw: hw_lib.Hardware) -> float:
+    """Roofline time of `work` on `hw`, plus the per-layer fixed cost."""
+    peak = hw.compute_flops(work.dtype, work.num_devices) * gemm_efficiency(hw, work.layer_flops)
+    memory_s = work.memory_bytes / hw.memory_bytes_per_s
+    return work.matmul_flops / peak + memory_s + hw.layer_overhead_s * work.layers
+
+
+def micro_batch_compute_s(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> float:
+    """Roofline time of one micro-batch through one pipeline stage of one replica.
+
+    Matmuls run at `gemm_efficiency` of the dense peak (`hw.matmul_efficiency` for large
+    GEMMs); everything else is memory bound (`compute_work`); a fixed cost per layer on top.
+    """
+    return compute_s(compute_work(shape, layout, hw, fl), hw)
 
 
 def accumulate_s(mem: Memory, layout, hw: hw_lib.Hardware) -> float:

@@ -160,16 +160,19 @@ class Plan:
 
 
 def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, flops: plan_model.Flops,
-              transfers: tuple[plan_comm.Transfer, ...], memory: plan_model.Memory) -> StepTime:
+              transfers: tuple[plan_comm.Transfer, ...], memory: plan_model.Memory,
+              per_mb: float | None = None) -> StepTime:
     """Roofline compute + exposed communication + pipeline bubble + update (docs/planner.md).
 
     Without a pipeline the micro-batches run back to back, each followed by the gradient
     accumulation. With one, a stage is busy for V M chunk units of (compute + exposed
-    communication) / V and idle for P - 1 of them (the bubble); the sends between stages are
-    exposed, and the lockstep executor pays one gradient accumulation per tick (staggered
-    1F1B: one per micro-batch).
+    communication) / V and idle for P - 1 of them (the bubble, of which `hw.bubble_scale` is
+    idle time); the sends between stages are exposed, and the lockstep executor pays one
+    gradient accumulation per tick (staggered 1F1B: one per micro-batch). `hw.step_overhead_s`
+    is added once per step.
     """
-    per_mb = plan_model.micro_batch_compute_s(shape, layout, hw, flops)
+    if per_mb is None:
+        per_mb = plan_model.micro_batch_compute_s(shape, layout, hw, flops)
     m, p = layout.accum_steps, layout.pipeline
     permute_s = sum(t.exposed_s for t in transfers if t.kind == 'collective-permute')
     exposed_mb = sum(t.exposed_s for t in transfers if t.per_micro_batch and t.kind != 'collective-permute') / m
@@ -181,15 +184,15 @@ def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware,
     else:
         v = layout.virtual_stages if layout.schedule == 'interleaved' else 1
         slots = plan_model.pipeline_slots(layout.schedule, p, m, v)
-        bubble_s, bubble_fraction = (p - 1) / v * stage_mb_s, slots.bubble
+        bubble_s, bubble_fraction = (p - 1) / v * stage_mb_s * hw.bubble_scale, slots.bubble
         # The lockstep executor adds a unit's gradients (or zeros) every tick; staggered 1F1B's
         # backward branches add into the sum themselves, M times per step.
         accumulations = m if plan_model.staggered(layout) else slots.ticks
         overhead_s = accumulations * accumulate_s + permute_s
-    update_s = plan_model.update_s(memory, hw)
+    update_s = plan_model.update_s(memory, hw) + hw.step_overhead_s
     step_s = m * stage_mb_s + bubble_s + overhead_s + exposed_step + update_s
     devices_s = step_s * layout.num_devices
-    peak = hw.peak_flops(shape.dtype)
+    peak = hw.compute_flops(shape.dtype, layout.num_devices)
     return StepTime(
         compute_s=m * per_mb, exposed_comm_s=m * exposed_mb + exposed_step + permute_s, bubble_s=bubble_s,
         update_s=update_s + overhead_s - permute_s, step_s=step_s, bubble_fraction=bubble_fraction,
@@ -198,19 +201,45 @@ def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware,
         megatron_tflops_per_device=flops.megatron_hw / devices_s / 1e12)
 
 
-def plan_layout(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, *,
-                rules: Any = config_lib.DEFAULT_RULES, name: str = '', notes: tuple[str, ...] = ()) -> Plan:
-    """The plan of `shape` with `layout` on `hw` (pure arithmetic after the first call per policy)."""
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What one step of a layout does, independent of the time model's parameters (`timing`)."""
+
+    shape: config_lib.ModelShape
+    layout: Layout
+    num_params: int
+    memory: plan_model.Memory
+    flops: plan_model.Flops
+    compute: plan_model.ComputeWork
+    traffic: tuple[plan_comm.Traffic, ...]
+
+
+def layout_work(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, *,
+                rules: Any = config_lib.DEFAULT_RULES) -> Work:
+    """Parameters, memory, FLOPs, compute work and traffic of `shape` with `layout` (hw: topology only)."""
     rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
     virtual = layout.virtual_stages if layout.pipeline > 1 else 1
     specs = plan_model.param_specs(shape, virtual)
     attention = plan_model.attention_for(shape, hw)
     memory = plan_model.memory(shape, layout, rules, specs, attention=attention)
     flops = plan_model.flops(shape, layout, attention)
-    compute_mb_s = plan_model.micro_batch_compute_s(shape, layout, hw, flops)
-    transfers = plan_comm.communication(shape, layout, rules, specs, hw, compute_mb_s)
-    time = step_time(shape, layout, hw, flops, transfers, memory)
-    return Plan(name, layout, hw, shape, plan_model.count_params(specs), memory, flops, transfers, time, notes)
+    return Work(shape, layout, plan_model.count_params(specs), memory, flops,
+                plan_model.compute_work(shape, layout, hw, flops), plan_comm.traffic(shape, layout, rules, specs, hw))
+
+
+def timing(work: Work, hw: hw_lib.Hardware) -> tuple[tuple[plan_comm.Transfer, ...], StepTime]:
+    """The transfers' times and the step time of `work` on `hw` (arithmetic only: what calibration refits)."""
+    per_mb = plan_model.compute_s(work.compute, hw)
+    transfers = plan_comm.timed(work.traffic, work.layout, hw, per_mb, work.shape.num_layers)
+    return transfers, step_time(work.shape, work.layout, hw, work.flops, transfers, work.memory, per_mb)
+
+
+def plan_layout(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, *,
+                rules: Any = config_lib.DEFAULT_RULES, name: str = '', notes: tuple[str, ...] = ()) -> Plan:
+    """The plan of `shape` with `layout` on `hw` (pure arithmetic after the first call per policy)."""
+    work = layout_work(shape, layout, hw, rules=rules)
+    transfers, time = timing(work, hw)
+    return Plan(name, layout, hw, shape, work.num_params, work.memory, work.flops, transfers, time, notes)
 
 
 def plan(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi250x', name: str = '') -> Plan:
@@ -259,6 +288,14 @@ def _si(x: float, unit: str) -> str:
     return f'{x:,.0f} {unit}'
 
 
+def calibration_line(hw: hw_lib.Hardware) -> str:
+    """How far a calibrated description's step times can be trusted (its held-out error)."""
+    c = hw.calibration
+    return (f'{hw.name}: fitted to {c.get("trials")} measured steps on {c.get("machine")}; held-out step-time '
+            f'error {c.get("holdout_median_abs_rel_error", float("nan")):.1%} median ({c.get("holdout")}), '
+            f'uncalibrated {c.get("uncalibrated_median_abs_rel_error", float("nan")):.1%}')
+
+
 def format_plan(p: Plan) -> str:
     """The plan as text for a terminal."""
     s, lay, mem, t, f = p.shape, p.layout, p.memory, p.time, p.flops
@@ -269,6 +306,7 @@ def format_plan(p: Plan) -> str:
         f'{s.vocab_size} (padded), {s.dtype}',
         f'  layout    {lay.describe()}; global batch {lay.global_batch}',
         f'  hardware  {p.hardware.description}',
+        *([f'  calibration  {calibration_line(p.hardware)}'] if p.hardware.calibration else []),
         f'memory per device ({mem.stage}; activations: {mem.activations_detail.strip("()")}):',
     ]
     lines += [f'  {label.split(" (")[0] if label.startswith("activations") else label:<30s} {_gib(v):>13s}'
@@ -304,6 +342,7 @@ def plan_to_json(p: Plan) -> dict[str, Any]:
     """The plan as plain JSON-able data."""
     return {
         'name': p.name, 'hardware': p.hardware.name, 'num_params': p.num_params,
+        **({'hardware_calibration': p.hardware.calibration} if p.hardware.calibration else {}),
         'layout': dataclasses.asdict(p.layout), 'num_devices': p.layout.num_devices,
         'global_batch': p.layout.global_batch,
         'memory_gib': {k: v / GIB for k, v in p.memory.items()} | {'total': p.memory.total_bytes / GIB},

@@ -62,8 +62,13 @@ def report(c: ml_collections.ConfigDict, *, hardware: str = 'mi250x', search: bo
     hw = hw_lib.get(hardware)
     if search:
         plans, planned, fitting = plan_search.search(c, hw, search_devices)
-        text = plan_search.format_search(plans, planned, fitting)
+        text = f'hardware {hw.name}: {hw.description}\n' + (
+            f'calibration {planner.calibration_line(hw)}\n' if hw.calibration else '')
+        text += plan_search.format_search(plans, planned, fitting)
         record = plan_search.search_to_json(plans, planned, fitting)
+        record['hardware'] = hw.name
+        if hw.calibration:
+            record['hardware_calibration'] = hw.calibration
         text += '\nJSON: ' + json.dumps(record, default=float)
     else:
         p = planner.plan(c, hw)

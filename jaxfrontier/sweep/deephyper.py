@@ -9,6 +9,11 @@ learns to avoid. Each distinct runnable trial proposed counts against --max_tria
 trials found already finished in results.jsonl (a rerun with the same seed replays them without
 running them again); a repeated proposal is answered from the results file and does not count.
 
+Seeded with the plan: when the planner filter is on, the points the planner (on `--hardware`,
+a calibrated description.json included) predicts fastest run first and are told to the
+optimiser before it proposes anything, so its first proposals start from the plan's best
+layouts instead of random ones (`plan_seeds`).
+
 DeepHyper is an optional extra: `pip install -e '.[tune]'`.
 """
 
@@ -32,6 +37,22 @@ def _hpo():
     return hpo
 
 
+MAX_SEED_POINTS = 4096  # spaces larger than this are not planned point by point
+
+
+def plan_seeds(study: Study, space: sweep_space.Space, devices: int, count: int) -> list[dict[str, Any]]:
+    """The `count` runnable points of the space the planner predicts fastest (none without the planner)."""
+    if study.predict is None or count < 1 or sweep_space.size(space) > MAX_SEED_POINTS:
+        return []
+    swept = [name for name, _ in space]
+    ranked = []
+    for point in sweep_space.grid(space):
+        item = study.prepare(point, devices, swept)
+        if isinstance(item, sweep_trials.Trial) and item.plan.get('tokens_per_s'):
+            ranked.append((-item.plan['tokens_per_s'], len(ranked), point))
+    return [point for _, _, point in sorted(ranked)[:count]]
+
+
 def search(study: Study, space: sweep_space.Space, devices: int, budget: int, seed: int,
            objective: str) -> list[dict[str, Any]]:
     """Runs up to `budget` trials proposed by DeepHyper's CBO; returns every evaluated point's record."""
@@ -48,8 +69,13 @@ def search(study: Study, space: sweep_space.Space, devices: int, budget: int, se
     runnable: set[str] = set()  # distinct trials evaluated: a repeated proposal is free
     proposals = 0
     limit = max(4 * budget, sweep_space.size(space))  # proposals, runnable or not: the loop always ends
+    seeds = [{n: str(v) for n, v in point.items()}
+             for point in plan_seeds(study, space, devices, max(1, min(3, budget // 3)))]
+    if seeds:
+        study.log(f'deephyper: seeded with the plan\'s {len(seeds)} fastest layouts')
     while len(runnable) < budget and proposals < limit:
-        asked = cbo.ask(min(study.launcher.capacity(devices), budget - len(runnable)))
+        asked = seeds or cbo.ask(min(study.launcher.capacity(devices), budget - len(runnable)))
+        seeds = []
         proposals += len(asked)
         items = [study.prepare({n: decode[n][str(cfg[n])] for n in swept}, devices, swept) for cfg in asked]
         runnable |= {i.trial_id for i in items if isinstance(i, sweep_trials.Trial)}

@@ -29,8 +29,9 @@ CONFIG = config_flags.DEFINE_config_file('config', None, 'Base config file (conf
 WORKDIR = flags.DEFINE_string('workdir', 'workdirs/sweep', 'results.jsonl, report, plots and trials/<id>/.')
 WARMUP = flags.DEFINE_integer('warmup', 3, 'Steps run before measuring (the first includes start-up).')
 STEPS = flags.DEFINE_integer('steps', 5, 'Measured steps per trial.')
-HARDWARE = flags.DEFINE_enum('hardware', 'local', list(hw_lib.NAMES), 'Device the planner filter assumes '
-                             '(local: this machine; name the GPU when trials run on GPUs).')
+HARDWARE = flags.DEFINE_string('hardware', 'local', 'Device the planner filter assumes: '
+                               f'{", ".join(hw_lib.NAMES)} (local: this machine; name the GPU when trials run on '
+                               'GPUs), or a description path.json (python -m jaxfrontier.calibrate).')
 PLAN_FILTER = flags.DEFINE_bool('plan_filter', True, 'Skip layouts the planner predicts will not fit '
                                 '(--noplan_filter runs them all).')
 LAUNCHER = flags.DEFINE_enum('launcher', 'local', ['local', 'slurm'], 'local: one trial at a time here. slurm: '

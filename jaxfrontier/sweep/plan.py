@@ -4,7 +4,8 @@
 It imports JAX (the planner traces the model's saved activations), so the sweep's parent
 restricts itself to the CPU first (`sweep.main`): it must not hold a GPU its trials need.
 `--hardware=local` on simulated CPU devices describes this host, whose memory the simulated
-devices share; on GPUs, name the device (h100, mi250x, ...) so the parent needs no GPU.
+devices share (as does a description calibrated from it); on GPUs, name the device (h100,
+mi250x, ..., or a calibrated path.json) so the parent needs no GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def predictor(hardware: str, cpu: bool) -> Callable[[ml_collections.ConfigDict, 
     host_bytes = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
     def predict(c: ml_collections.ConfigDict, devices: int) -> dict[str, Any]:
-        device = dataclasses.replace(hw, memory_bytes=host_bytes // devices) if hardware == 'local' else hw
+        device = dataclasses.replace(hw, memory_bytes=host_bytes // devices) if hw.shared_host_devices else hw
         p = planner.plan(c, device)
         return {'hardware': hardware, 'fits': bool(p.fits), 'memory_gib': p.memory.total_bytes / hw_lib.GIB,
                 'usable_gib': p.usable_bytes / hw_lib.GIB, 'tokens_per_s': p.time.tokens_per_s}

@@ -92,7 +92,7 @@ class Study:
             return sweep_trials.base_record(trial, 'invalid', error=str(e))
         args = head + [_arg(p, v) for p, v in sets.items()]
         trial = Trial(sweep_trials.trial_id(self.config_spec, args, devices, measure), point, devices, tuple(args),
-                      sweep_space.layout_of(c))
+                      sweep_space.layout_of(c), config=c.to_dict())
         unrunnable = self.launcher.unrunnable(trial)
         if unrunnable:
             return sweep_trials.base_record(trial, 'invalid', error=f'{self.launcher.name} launcher: {unrunnable}')

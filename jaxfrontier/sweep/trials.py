@@ -30,8 +30,10 @@ import hashlib
 import json
 import math
 import os
+import platform
 import re
 import signal
+import statistics
 import subprocess
 import time
 from typing import Any, Sequence
@@ -63,6 +65,7 @@ class Trial:
     args: tuple[str, ...]  # --config.* overrides of this trial, after the sweep's own
     layout: dict[str, Any]  # sweep_space.layout_of
     plan: dict[str, Any] = dataclasses.field(default_factory=dict)  # the planner's prediction, if any
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the trial's whole config (calibration reads it)
 
 
 def trial_id(config_spec: str, args: Sequence[str], devices: int, measure: tuple[int, int]) -> str:
@@ -71,10 +74,17 @@ def trial_id(config_spec: str, args: Sequence[str], devices: int, measure: tuple
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
+def machine() -> str:
+    """Where trials run, as results files name it (calibration refuses to mix machines)."""
+    cluster = os.environ.get('SLURM_CLUSTER_NAME', '')
+    return (f'{cluster}: ' if cluster else '') + f'{platform.system()} {platform.machine()}, {os.cpu_count()} cores'
+
+
 def base_record(trial: Trial, status: str, **fields: Any) -> dict[str, Any]:
     return {'trial_id': trial.trial_id, 'status': status, 'point': trial.point, 'devices': trial.devices,
             **trial.layout, **{f'plan_{k}': v for k, v in trial.plan.items()}, 'args': list(trial.args),
-            'finished_at': time.strftime('%Y-%m-%dT%H:%M:%S'), **fields}
+            'finished_at': time.strftime('%Y-%m-%dT%H:%M:%S'), 'machine': machine(),
+            **({'config': trial.config} if trial.config else {}), **fields}
 
 
 # --------------------------------------------------------------------------- results file
@@ -208,7 +218,8 @@ def measure(rows: list[dict[str, Any]], log_text: str, warmup: int, steps: int) 
                          'metrics.jsonl')
     times = [r['perf/step_time_s'] for r in measured]
     step_time = sum(times) / steps
-    out: dict[str, Any] = {'step_time_s': step_time, 'step_time_min_s': min(times), 'step_time_max_s': max(times)}
+    out: dict[str, Any] = {'step_time_s': step_time, 'step_time_min_s': min(times), 'step_time_max_s': max(times),
+                           'step_time_median_s': statistics.median(times)}
     for field, key in PERF_KEYS.items():  # each is (a constant per step) / step time: rescale to the mean
         values = [r.get(key) for r in measured]
         out[field] = None if None in values else sum(v * t for v, t in zip(values, times)) / steps / step_time
