@@ -1,6 +1,6 @@
 """KV-cached decoding against recomputing the prefix, at 256 new tokens.
 
-  PYTHONPATH=$PWD python benchmarks/decode.py [--layers=4] [--width=256] [--batch=4] [--new=256]
+  PYTHONPATH=$PWD python benchmarks/decode.py [--layers=2] [--width=128] [--batch=2] [--new=256]
 
 Both loops are jaxfrontier.inference.generate's, on one device, fp32, greedy, the same random
 parameters and prompts (16 tokens): `generate` prefills a key/value cache and then runs one
@@ -38,9 +38,9 @@ def time_runs(fn, args, runs=3):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument('--layers', type=int, default=4)
-    p.add_argument('--width', type=int, default=256)
-    p.add_argument('--batch', type=int, default=4)
+    p.add_argument('--layers', type=int, default=2)
+    p.add_argument('--width', type=int, default=128)
+    p.add_argument('--batch', type=int, default=2)
     p.add_argument('--new', type=int, default=256)
     p.add_argument('--prompt', type=int, default=16)
     a = p.parse_args()

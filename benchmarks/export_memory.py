@@ -6,32 +6,31 @@ For each depth: a checkpoint of a GPT of that depth (random fp32 parameters, voc
 seq_len 128) is written with the trainer's Checkpointer (params only: the export reads nothing
 else); then, each in a fresh process, `training.hf.export_hf` (one layer's slice at a time) and
 the older `training.export.export_params` (one whole stacked [L, ...] tensor at a time) run on
-it. Reported: the process's peak RSS (ru_maxrss) minus its RSS after imports, in MiB, and the
+it. Reported: the process's peak RSS (VmHWM) at the end minus the same after imports, in MiB, and the
 size of the largest stacked tensor for scale. JSON lines to benchmarks/results/export_memory.jsonl.
 """
 
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 
 CHILD = r'''
-import json, os, resource, sys
+import json, os, sys
 os.environ['JAX_PLATFORMS'] = 'cpu'
 from jaxfrontier.training import export, hf
-def rss_mib():
+def status_mib(key):  # VmHWM is this process's own peak (ru_maxrss would carry the parent's over exec)
     with open('/proc/self/status') as f:
-        return next(int(l.split()[1]) for l in f if l.startswith('VmRSS')) / 1024
-base = rss_mib()
+        return next(int(l.split()[1]) for l in f if l.startswith(key)) / 1024
+base = status_mib('VmHWM')
 kind, source, out = sys.argv[1:4]
 if kind == 'hf':
     hf.export_hf(source, out)
 else:
     export.export_params(source, out)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak = status_mib('VmHWM')
 print(json.dumps({'base_mib': base, 'peak_mib': peak, 'export_mib': peak - base}))
 '''
 
@@ -87,7 +86,6 @@ def main():
     print(f'{"layers":>6} {"export":>12} {"stacked MiB":>12} {"peak - base MiB":>16}')
     for r in rows:
         print(f'{r["layers"]:>6} {r["export"]:>12} {r["largest_stacked_mib"]:>12.1f} {r["export_mib"]:>16.1f}')
-    del resource
 
 
 if __name__ == '__main__':

@@ -111,3 +111,28 @@ def test_prompt_longer_than_the_model_is_refused():
         sample.encode_prompts(type('C', (), {'encode': staticmethod(lambda s: [1] * len(s))})(), ['x' * 30],
                               max_new=20, seq_len=40)
 
+
+
+def test_interleaved_pipeline_checkpoint_is_regathered_for_decoding(tmp_path):
+    """A checkpoint of pipeline 2 x virtual 2 ([V, L / V, ...] blocks) loads as [L, ...] on a mesh without pipeline."""
+    from jaxfrontier.inference import load as load_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.model.params import merge_virtual  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.training import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+
+    c = small_config(fsdp=2, tensor=2)
+    c.model.num_layers = 4
+    c.mesh.pipeline, c.pipeline.virtual_stages, c.pipeline.schedule = 2, 2, 'interleaved'
+    layout = ts.make_layout(c, mesh_lib.mesh_from_config(c))
+    state = ts.init_train_state(c, layout)
+    c.checkpoint.async_save = False
+    ckpt = ckpt_lib.Checkpointer(c, str(tmp_path / 'run'))
+    ckpt.save(1, state, force=True)
+    ckpt.close()
+    assert state['params']['blocks']['mlp']['w_in'].shape[:2] == (2, 2)
+
+    decode_c = small_config(fsdp=2, tensor=2)  # data 2 x fsdp 2 x tensor 2 after folding the pipeline: 8 devices
+    decode_c.mesh.update(pipeline=2, data=1)
+    loaded = load_lib.load(decode_c, str(tmp_path / 'run'))
+    assert (loaded.config.mesh.pipeline, loaded.config.mesh.data, loaded.config.model.num_layers) == (1, 2, 4)
+    expected = merge_virtual(jax.device_get(state['params']))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded.params), expected)
