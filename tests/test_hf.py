@@ -51,11 +51,12 @@ def write_corpus(directory) -> tuple[str, int]:
     return os.path.join(directory, 'corpus.bin'), vocab
 
 
-def main(*args) -> str:
+def main(*args, log: bool = False) -> str:
+    """stdout of `python -m jaxfrontier.main` (and its log on stderr when `log`); it must succeed."""
     proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *processes.TINY, *args], cwd=processes.REPO,
                           env=processes.subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
+    return proc.stdout + (proc.stderr if log else '')
 
 
 def our_logits(workdir: str, tokens_bt: np.ndarray) -> np.ndarray:
@@ -101,6 +102,11 @@ def test_corpus_to_transformers_through_the_clis(tmp_path):
     with torch.no_grad():
         greedy = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert greedy[0, prompt.shape[1]:].tolist() == sampled['tokens'][0]
+
+    # fine-tuning starts from the Hugging Face directory (checkpoint.init_params_from=<dir>)
+    tuned = main(*common[:-1], f'--workdir={tmp_path / "tuned"}', f'--config.checkpoint.init_params_from={out}',
+                 '--config.train.steps=1', log=True)
+    assert f'parameters from {out}' in tuned
 
     # the checkpoint stores block arrays in one-layer chunks: the export reads one layer at a time
     reader = hf.ParamReader(hf.step_dir_of(workdir), hf.read_meta(hf.step_dir_of(workdir))['config'])
