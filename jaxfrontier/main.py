@@ -26,7 +26,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (configs/
                                           f'default {_DEFAULT_CONFIG}.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/default', 'Directory for metrics, config and data cache.')
 _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safetensors file to write from the newest '
-                                   'checkpoint of --workdir (default <workdir>/params.safetensors).')
+                                   'checkpoint of --workdir (default <workdir>/params.safetensors; '
+                                   'with --export_format=hf a directory, default <workdir>/hf).')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'export', 'sample', 'eval'],
                           'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
                           'export: parameters of the newest checkpoint in --workdir to --export_path. '
