@@ -1,4 +1,4 @@
-"""Entry point: `python -m jaxfrontier.main --config=configs/tiny.py --workdir=DIR [--mode=train|plan|export]`.
+"""Entry point: `python -m jaxfrontier.main --config=configs/tiny.py --workdir=DIR [--mode=train|plan|export|sample|eval]`.
 
 The only module that reads flags. Config overrides come as `--config.train.steps=10`;
 a misspelt key is rejected. JAX is imported only after the config is read, so that
@@ -26,10 +26,25 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (configs/
                                           f'default {_DEFAULT_CONFIG}.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/default', 'Directory for metrics, config and data cache.')
 _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safetensors file to write from the newest '
-                                   'checkpoint of --workdir (default <workdir>/params.safetensors).')
-_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'export'],
+                                   'checkpoint of --workdir (default <workdir>/params.safetensors; '
+                                   'with --export_format=hf a directory, default <workdir>/hf).')
+_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'export', 'sample', 'eval'],
                           'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
-                          'export: parameters of the newest checkpoint in --workdir to --export_path.')
+                          'export: parameters of the newest checkpoint in --workdir to --export_path. '
+                          'sample: continue --prompt with the newest checkpoint. eval: loss, perplexity and bits '
+                          'per byte over --eval_path or the validation split (docs/inference.md).')
+_EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors', 'hf'],
+                                   'mode=export: our safetensors names, or a Hugging Face GPT-2 directory '
+                                   '(--export_path=DIR, loads with transformers.AutoModelForCausalLM).')
+_PROMPT = flags.DEFINE_string('prompt', '', 'mode=sample: the text to continue.')
+_PROMPT_FILE = flags.DEFINE_string('prompt_file', '', 'mode=sample: a file of prompts, one per line (one batch).')
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'mode=sample: tokens to generate per prompt.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'mode=sample: softmax temperature (0: greedy).')
+_TOP_K = flags.DEFINE_integer('top_k', 0, 'mode=sample: sample among the k most likely tokens (0: all).')
+_TOP_P = flags.DEFINE_float('top_p', 1.0, 'mode=sample: nucleus sampling mass (1: off).')
+_SEED = flags.DEFINE_integer('seed', 0, 'mode=sample: random seed of the sampling.')
+_EVAL_PATH = flags.DEFINE_string('eval_path', '', 'mode=eval: a token file to score whole (default: the run\'s '
+                                 'validation split).')
 _HARDWARE = flags.DEFINE_string('hardware', 'mi250x', 'mode=plan: the device to plan for: '
                                  f'{", ".join(hardware_lib.NAMES)} (local: this machine), or a description '
                                  'path.json (python -m jaxfrontier.calibrate writes one).')
@@ -66,6 +81,8 @@ def main(argv: list[str]) -> int:
             print(plan_report.report(config, hardware=_HARDWARE.value, search=_SEARCH.value,
                                      search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
                                      json_path=_PLAN_JSON.value))
+        elif _MODE.value in ('sample', 'eval') or (_MODE.value == 'export' and _EXPORT_FORMAT.value == 'hf'):
+            print(_run_inference(config))
         elif _MODE.value == 'export':
             from jaxfrontier.training import export  # pylint: disable=g-import-not-at-top
             out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
@@ -81,6 +98,25 @@ def main(argv: list[str]) -> int:
     except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
         return cli.exit_code(e)
     return 0
+
+
+def _run_inference(config) -> str:
+    """mode=sample, mode=eval and the Hugging Face export (jaxfrontier/inference/, training/hf.py)."""
+    # pylint: disable=g-import-not-at-top
+    if _MODE.value == 'export':
+        from jaxfrontier.training import hf
+        out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'hf')
+        summary = hf.export_hf(_WORKDIR.value, out)
+        return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face GPT-2 directory {out} ' \
+               f'({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]})'
+    if _MODE.value == 'eval':
+        from jaxfrontier.inference import evaluate
+        return evaluate.report(evaluate.evaluate(config, _WORKDIR.value, _EVAL_PATH.value))
+    from jaxfrontier.inference import generate, sample
+    rule = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    prompts = sample.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
+    return sample.report(sample.sample(config, _WORKDIR.value, prompts, max_new=_MAX_NEW.value, rule=rule,
+                                       seed=_SEED.value))
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -22,6 +22,7 @@ LAYERS = (
     ('model', 'data'),
     ('pipeline',),
     ('training',),
+    ('inference',),  # sample, eval, Hugging Face interop: runs what training wrote
     ('plan',),
     ('sweep',),
     ('main', 'scaling', 'prepare', 'calibrate'),  # entry points

@@ -368,7 +368,8 @@ class Checkpointer:
                 'data': {'next_step': int(step), 'seed': self.c.seed, 'kind': self.c.data.kind,
                          'path': self.c.data.path, 'global_batch': self.c.train.global_batch},
                 'config': json.loads(self.c.to_json_best_effort())}
-        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state, save_args=layer_chunks(
+            state, 2 if self.c.mesh.pipeline > 1 and self.c.pipeline.virtual_stages > 1 else 1)),
                                                       meta=ocp.args.JsonSave(meta)), force=True)
         self._last_saved = step
         return True
@@ -390,6 +391,15 @@ class Checkpointer:
         if self._mngr is not None:
             self._mngr.close()
             self._mngr = None
+
+
+def layer_chunks(state: State, layer_dims: int) -> Any:
+    """SaveArgs storing each block array in one-layer chunks (its `layer_dims` leading dimensions split
+    to 1), so one layer reads alone: the Hugging Face export streams layer by layer (training/hf.py)."""
+    def one(path, x):
+        blocks = 'blocks' in path_name(path).split('/') and getattr(x, 'ndim', 0) > layer_dims
+        return ocp.SaveArgs(shard_axes=tuple(range(layer_dims)) if blocks else ())
+    return jax.tree_util.tree_map_with_path(one, state)
 
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxfrontier.training import checkpoint as ckpt_lib
+from jaxfrontier.training import hf
 from jaxfrontier import config as config_lib
 from jaxfrontier.training import state as ts
 
@@ -245,10 +246,13 @@ def load_checkpoint_params(source: str, c: ml_collections.ConfigDict, layout: ts
 
 
 def load_params(source: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -> dict[str, Any]:
-    """Initial parameters for config.checkpoint.init_params_from: a .safetensors file or a checkpoint."""
+    """Initial parameters for config.checkpoint.init_params_from: a .safetensors file, a Hugging Face
+    GPT-2 directory or a checkpoint."""
     if not os.path.exists(source):
         raise config_lib.ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
                                      'name a training workdir, a checkpoint directory or a .safetensors file')
     if os.path.isfile(source):
         return load_safetensors(source, c, layout)
+    if hf.is_hf_dir(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
+        return hf.load_hf(source, c, layout)
     return load_checkpoint_params(source, c, layout)

@@ -1,0 +1,92 @@
+"""Peak host memory of the Hugging Face export for 4 vs 16 layers of the same width.
+
+  PYTHONPATH=$PWD python benchmarks/export_memory.py [--width=512] [--layers=4,16] [--dir=/tmp/jf_export_mem]
+
+For each depth: a checkpoint of a GPT of that depth (random fp32 parameters, vocabulary 256,
+seq_len 128) is written with the trainer's Checkpointer (params only: the export reads nothing
+else); then, each in a fresh process, `training.hf.export_hf` (one layer's slice at a time) and
+the older `training.export.export_params` (one whole stacked [L, ...] tensor at a time) run on
+it. Reported: the process's peak RSS (VmHWM) at the end minus the same after imports, in MiB, and the
+size of the largest stacked tensor for scale. JSON lines to benchmarks/results/export_memory.jsonl.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+CHILD = r'''
+import json, os, sys
+os.environ['JAX_PLATFORMS'] = 'cpu'
+from jaxfrontier.training import export, hf
+def status_mib(key):  # VmHWM is this process's own peak (ru_maxrss would carry the parent's over exec)
+    with open('/proc/self/status') as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(key)) / 1024
+base = status_mib('VmHWM')
+kind, source, out = sys.argv[1:4]
+if kind == 'hf':
+    hf.export_hf(source, out)
+else:
+    export.export_params(source, out)
+peak = status_mib('VmHWM')
+print(json.dumps({'base_mib': base, 'peak_mib': peak, 'export_mib': peak - base}))
+'''
+
+
+def write_checkpoint(workdir: str, layers: int, width: int) -> int:
+    """A params-only checkpoint of a GPT of `layers` x `width`; returns the largest stacked tensor's bytes."""
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    from jaxfrontier import config as config_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.model.params import init_params  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.training import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+
+    c = config_lib.base_config()
+    c.model.update(num_layers=layers, d_model=width, num_heads=width // 64, seq_len=128, vocab_size=256,
+                   dtype='float32')
+    c.checkpoint.async_save = False
+    params = jax.jit(lambda k: init_params(config_lib.model_shape(c), k))(jax.random.key(0))
+    ckpt = ckpt_lib.Checkpointer(c, workdir)
+    ckpt.save(1, {'step': jnp.ones((), jnp.int32), 'params': params, 'opt_state': jnp.zeros((), jnp.float32)},
+              force=True)
+    ckpt.close()
+    return max(x.nbytes for x in jax.tree.leaves(params['blocks']))
+
+
+def measure(kind: str, source: str, out: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, '-c', CHILD, kind, source, out], env=env, capture_output=True, text=True,
+                          check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--width', type=int, default=512)
+    p.add_argument('--layers', default='4,16')
+    p.add_argument('--dir', default='/tmp/jf_export_mem')
+    a = p.parse_args()
+    rows = []
+    for layers in [int(x) for x in a.layers.split(',')]:
+        root = os.path.join(a.dir, f'L{layers}')
+        shutil.rmtree(root, ignore_errors=True)
+        stacked = write_checkpoint(os.path.join(root, 'run'), layers, a.width)
+        for kind, out in (('hf', os.path.join(root, 'hf')), ('safetensors', os.path.join(root, 'p.safetensors'))):
+            row = {'layers': layers, 'width': a.width, 'export': kind, 'largest_stacked_mib': stacked / 2**20,
+                   **measure(kind, os.path.join(root, 'run'), out)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(os.path.join(os.path.dirname(__file__), 'results'), exist_ok=True)
+    with open(os.path.join(os.path.dirname(__file__), 'results', 'export_memory.jsonl'), 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in rows)
+    print(f'{"layers":>6} {"export":>12} {"stacked MiB":>12} {"peak - base MiB":>16}')
+    for r in rows:
+        print(f'{r["layers"]:>6} {r["export"]:>12} {r["largest_stacked_mib"]:>12.1f} {r["export_mib"]:>16.1f}')
+
+
+if __name__ == '__main__':
+    main()

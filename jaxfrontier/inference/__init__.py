@@ -1,0 +1,1 @@
+"""Inference: sampling (`--mode=sample`), evaluation (`--mode=eval`) and Hugging Face interop."""

@@ -1,0 +1,112 @@
+"""`--mode=eval`: loss, perplexity and bits per byte over a whole token file, every window once, in order.
+
+Windows are consecutive: window w holds tokens [w S, (w + 1) S + 1) and scores its last S, so
+every token after the first is predicted exactly once, with the context of its own window
+(no overlap). The last, shorter window is padded and its padding weighted 0; batches are
+`train.global_batch` windows (the last one padded with empty windows). Bits per byte divide
+the summed loss (in bits) by the UTF-8 bytes the scored tokens stand for (text.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.errors import UserError
+from jaxfrontier.inference import load as load_lib
+from jaxfrontier.inference import text
+
+
+def windows(tokens: np.ndarray, start: int, stop: int, seq_len: int):
+    """(inputs+targets [seq_len + 1], scored count) of each consecutive window of tokens[start:stop]."""
+    for begin in range(start, stop - 1, seq_len):
+        piece = np.asarray(tokens[begin:min(begin + seq_len + 1, stop)], np.int32)
+        row = np.zeros(seq_len + 1, np.int32)
+        row[:len(piece)] = piece
+        yield row, len(piece) - 1
+
+
+def make_nll_step(layout):
+    """`(params, tokens [B, S + 1], weights [B, S]) -> (weighted nll sum, weight sum)`, jitted."""
+    def nll(params, tokens_bt, weights_bt):
+        model = layout.model_def.bind(params)
+        inputs, targets = tokens_bt[:, :-1], tokens_bt[:, 1:]
+        logits_nv = model.logits(model.apply_blocks(model.embed(inputs), inputs.shape[1]))
+        vocab_v = jnp.arange(logits_nv.shape[-1])
+        logits_nv = jnp.where(vocab_v < model.shape.real_vocab_size, logits_nv, jnp.finfo(jnp.float32).min)
+        target_n = targets.reshape(-1)
+        nll_n = jax.nn.logsumexp(logits_nv, axis=-1) - jnp.sum(
+            jnp.where(vocab_v == target_n[:, None], logits_nv, 0.0), axis=-1)
+        w_n = weights_bt.reshape(-1)
+        return jnp.sum(nll_n * w_n), jnp.sum(w_n)
+    return jax.jit(nll)
+
+
+def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, int, int, object]:
+    """(token file, first token, stop, codec): --eval_path whole, else the run's validation split."""
+    c, vocab = loaded.config, loaded.config.model.vocab_size
+    if eval_path:
+        token_file = data_lib.open_token_file(eval_path, vocab, seq_len=1)
+        return token_file.path, 0, token_file.num_tokens, text.token_file_codec(eval_path, vocab)
+    data = loaded.run_config.get('data', {})
+    if data.get('kind') == 'builtin':
+        path = data_lib.builtin_corpus(os.path.join(workdir, 'data_cache'))
+    elif data.get('kind') == 'tokens':
+        path = data['path']
+    else:
+        raise UserError('the run has no token file to take a validation split from. Fix: pass --eval_path=FILE.bin.')
+    token_file = data_lib.open_token_file(path, vocab, seq_len=c.model.seq_len)
+    start = token_file.num_tokens - int(token_file.num_tokens * data.get('val_fraction', c.data.val_fraction))
+    return token_file.path, start, token_file.num_tokens, text.run_codec(data, vocab)
+
+
+def evaluate(c: ml_collections.ConfigDict, workdir: str, eval_path: str) -> dict[str, float]:
+    """Loss (nats/token), perplexity and bits per byte; see the module docstring."""
+    loaded = load_lib.load(c, workdir)
+    c, layout = loaded.config, loaded.layout
+    path, start, stop, codec = _range(loaded, eval_path, workdir)
+    tokens = data_lib.open_token_file(path, c.model.vocab_size).tokens
+    byte_lengths = codec.byte_lengths(c.model.vocab_size)
+    seq_len, batch = c.model.seq_len, c.train.global_batch
+    sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
+    step = make_nll_step(layout)
+    total, count, num_bytes, num_windows = 0.0, 0.0, 0, 0
+    rows, weights = [], []
+
+    def flush():
+        nonlocal total, count
+        while len(rows) < batch:
+            rows.append(np.zeros(seq_len + 1, np.int32))
+            weights.append(np.zeros(seq_len, np.float32))
+        nll, n = step(loaded.params, jax.device_put(np.stack(rows), sharding), jax.device_put(np.stack(weights), sharding))
+        total, count = total + float(nll), count + float(n)
+        rows.clear()
+        weights.clear()
+
+    with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
+        for row, scored in windows(tokens, start, stop, seq_len):
+            rows.append(row)
+            weights.append((np.arange(seq_len) < scored).astype(np.float32))
+            num_bytes += int(byte_lengths[row[1:scored + 1]].sum())
+            num_windows += 1
+            if len(rows) == batch:
+                flush()
+        if rows:
+            flush()
+    loss = total / max(count, 1.0)
+    return {'loss': loss, 'perplexity': math.exp(min(loss, 700.0)),
+            'bits_per_byte': total / math.log(2) / max(num_bytes, 1), 'tokens': int(count), 'bytes': num_bytes,
+            'windows': num_windows, 'path': path, 'first_token': start, 'step': loaded.step, 'source': loaded.source}
+
+
+def report(result: dict[str, float]) -> str:
+    return json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in result.items()})

@@ -1,0 +1,89 @@
+"""The model to sample from or evaluate: its parameters, on the config's mesh without a pipeline.
+
+Source: the newest checkpoint of --workdir, else config.checkpoint.init_params_from (a workdir,
+a checkpoint step, a .safetensors file or a Hugging Face GPT-2 directory). The model's shape
+comes from the source (the checkpoint's saved config, or config.json), so `--config` needs only
+the mesh. A pipelined checkpoint is regathered: the pipeline axis folds into `data`, and block
+arrays saved [V, L / V, ...] are read back as [L, ...] (restore onto any mesh, checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.errors import UserError
+from jaxfrontier.training import checkpoint as ckpt_lib
+from jaxfrontier.training import export
+from jaxfrontier.training import hf
+from jaxfrontier.training import state as ts
+
+ADOPTED_FIELDS = ckpt_lib.MODEL_SHAPE_FIELDS + ('vocab_multiple', 'init_std')
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A model ready to run: config (pipeline folded away), layout, parameters and where they came from."""
+
+    config: ml_collections.ConfigDict
+    layout: ts.StateLayout
+    params: Any
+    source: str
+    step: int | None
+    run_config: dict[str, Any]  # the saved config of the run ({} for a Hugging Face directory)
+    hf_dir: str | None
+
+
+def resolve_source(c: ml_collections.ConfigDict, workdir: str) -> str:
+    """The newest checkpoint of `workdir`, else checkpoint.init_params_from; one-line error without either."""
+    if ckpt_lib.committed_steps(ckpt_lib.checkpoint_dir(workdir)):
+        return os.path.abspath(workdir)
+    if c.checkpoint.init_params_from:
+        return c.checkpoint.init_params_from
+    raise UserError(f'no checkpoint in --workdir={workdir} and no checkpoint.init_params_from. Fix: train '
+                    'into that workdir first, or pass --config.checkpoint.init_params_from=<workdir, '
+                    '.safetensors file or Hugging Face directory>.')
+
+
+def decode_config(c: ml_collections.ConfigDict, model: dict[str, Any]) -> ml_collections.ConfigDict:
+    """`c` with the source's model shape and no pipeline (its stages fold into `data`), dropout off."""
+    c = ml_collections.ConfigDict(c.to_dict())  # unlocked copy
+    for key in ADOPTED_FIELDS:
+        if key in model:
+            c.model[key] = model[key]
+    c.model.dropout_rate = 0.0
+    c.mesh.data, c.mesh.pipeline = c.mesh.data * c.mesh.pipeline, 1
+    c.pipeline.virtual_stages = 1
+    c.sharding.zero1 = False
+    if c.model.num_heads % c.mesh.tensor:
+        raise config_lib.ConfigError('mesh.tensor', c.mesh.tensor, f'the model has {c.model.num_heads} heads, '
+                                     'which the tensor axis must divide', 'choose mesh.tensor dividing the heads')
+    return c
+
+
+def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
+    """Reads the parameters to run (see the module docstring) onto this config's devices."""
+    source = resolve_source(c, workdir)
+    step, run_config, hf_dir = None, {}, None
+    if os.path.isdir(source) and hf.is_hf_dir(source):
+        hf_dir = source
+        model = hf.model_fields(hf.read_hf_config(source), source)
+    elif os.path.isfile(source):
+        model = {}  # a .safetensors file: its metadata is checked against the config on load
+    else:
+        step_dir = hf.step_dir_of(source)
+        meta = hf.read_meta(step_dir)
+        step, run_config, model = meta['step'], meta['config'], meta['config']['model']
+    c = decode_config(c, model)
+    mesh = mesh_lib.mesh_from_config(c)
+    if config_lib.num_devices(c) != jax.device_count():
+        raise config_lib.ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
+                                     f'devices but {jax.device_count()} are present', 'change the mesh sizes')
+    layout = ts.make_layout(c, mesh)
+    return Loaded(c, layout, export.load_params(source, c, layout), source, step, run_config, hf_dir)
