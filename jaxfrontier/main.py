@@ -27,6 +27,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (configs/
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/default', 'Directory for metrics, config and data cache.')
 _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safetensors file to write from the newest '
                                    'checkpoint of --workdir (default <workdir>/params.safetensors).')
+_EXPORT_ALLOW_NONFINITE = flags.DEFINE_bool('export_allow_nonfinite', False, 'mode=export: write parameters '
+                                            'that hold NaN or Inf instead of refusing.')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'export'],
                           'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
                           'export: parameters of the newest checkpoint in --workdir to --export_path.')
@@ -68,7 +70,7 @@ def main(argv: list[str]) -> int:
         elif _MODE.value == 'export':
             from jaxfrontier.training import export  # pylint: disable=g-import-not-at-top
             out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
-            names = export.export_params(_WORKDIR.value, out)
+            names = export.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
         else:
             distributed.initialize(processes, config.distributed)

@@ -233,7 +233,6 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     config_lib.validate(c, jax.device_count())
     data_lib.check_data(c)
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
-    write_resolved_config(c, workdir)
 
     # 2. mesh
     mesh = mesh_lib.mesh_from_config(c)
@@ -255,6 +254,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout),
                                                    export.load_params)
     _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
+    write_resolved_config(c, workdir)  # only now: a refused resume leaves the old config.json
 
     # 5. compile
     t0 = time.perf_counter()
@@ -269,14 +269,15 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count(), first_row={'compile/time_s': compile_s, **memory})
     preemption = checkpoint_lib.PreemptionWatcher(c.checkpoint)
-    pending, stop = None, False
+    pending, stop, step_metrics = None, False, None
     try:
         with preemption, jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
             for step in range(done, c.train.steps):
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
                 state, step_metrics = train_step(state, batch)
                 done = step + 1
-                checkpointer.save(done, state)  # before the next step is dispatched: it donates `state`
+                # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
+                checkpointer.save(done, state, metrics=step_metrics)
                 stop = preemption.should_stop(done) and done < c.train.steps
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
                 eval_loss = (evaluate(eval_step, state['params'], val_source, c, batch_sharding)
@@ -289,8 +290,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
             if pending is not None:
                 reporter.report(*pending)
             # 7. final save (end of training or preemption), waited for until committed
-            checkpointer.save(done, state, force=True)
+            checkpointer.save(done, state, force=True, metrics=step_metrics)
             checkpointer.wait()
+    except metrics_lib.NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
+        raise checkpointer.with_resume_hint(e) from None
     finally:
         writer.close()
         checkpointer.close()
