@@ -509,8 +509,9 @@ class Checkpointer:
             self._mngr = None
 
 
-def _state_handler() -> ocp.PyTreeCheckpointHandler:
-    """Orbax's PyTree handler, with each shard written by one replica.
+def _state_handler(checksums: bool = True) -> ocp.PyTreeCheckpointHandler:
+    """Orbax's PyTree handler, with each shard written by one replica (zarr3 with a CRC32C per
+    chunk; `checksums=False`: Orbax's default zarr2 without, for benchmarks/checkpoint.py).
 
     Replica-parallel writing (Orbax's default except when JAX_PLATFORMS names a GPU) slices
     replicated shards on the device, which costs a compile per array shape on the first save
@@ -522,7 +523,7 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
     )
     # zarr3, whose chunks integrity.install_chunk_checksums gives a CRC32C each.
-    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=True)
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=checksums)
 
 
 def corrupted_error(directory: str, step: int | str, error: Exception, fix: str = '') -> CheckpointError:

@@ -2,7 +2,8 @@
 
 Checksums: every chunk of every saved array carries a CRC32C of its stored (compressed)
 bytes. Orbax 0.12 writes zarr3 arrays with a CRC32C on each shard's index only; we add
-TensorStore's `crc32c` codec to the chunk codec chain (`bytes -> zstd -> crc32c`), so the
+TensorStore's `crc32c` codec to the chunk codec chain (`bytes -> zstd -> crc32c`; zstd at level 1,
+the level of Orbax's zarr2 format, where zarr3 would pick a slower 3), so the
 checksum is written by the process that writes a chunk and verified, in TensorStore's native
 decode path, by whichever process reads it on restore (or export). A mismatch is TensorStore's
 `DATA_LOSS: ... Digest mismatch`; `is_checksum_error` recognises it. The codec is stored in
@@ -34,6 +35,9 @@ def _with_chunk_checksum(build):
         for codec in metadata.get('codecs', []):
             if codec.get('name') == 'sharding_indexed':
                 chunk_codecs = codec['configuration']['codecs']
+                for inner in chunk_codecs:  # zstd level 1, as Orbax's zarr2 format (zarr3 picks 3)
+                    if inner.get('name') == 'zstd':
+                        inner['configuration']['level'] = 1
                 if _CHECKSUM not in chunk_codecs:
                     chunk_codecs.append(dict(_CHECKSUM))
         return metadata
