@@ -1,6 +1,6 @@
 """Checkpoint throughput: save and restore GiB/s, and how long a save blocks the training loop.
 
-  python benchmarks/checkpoint.py [--quick] [--dir=/tmp/jf_ckpt_bench] [--rounds=2] > checkpoint.jsonl
+  python benchmarks/checkpoint.py [--quick] [--dir=/tmp/jf_ckpt_bench] [--rounds=2] [--formats=a,b] > checkpoint.jsonl
 
 The train state (parameters + two Adam moments, fp32) of a GPT of 6 layers x 1024 wide with a
 32,768-token vocabulary: 1.22 GiB over 8 simulated CPU devices with fsdp 8 (every device
@@ -23,6 +23,8 @@ one warm-up of each operation (first-call costs excluded), median of 3:
 Two formats, measured in alternating rounds (ABBA, so a change in the machine's load hits both):
   crc32c      what the checkpointer writes: zarr3 with a CRC32C per chunk (training/integrity.py)
   before      the format before checksums: Orbax's default zarr2, no checksum on the data
+  zarr3_no_crc  (--formats=crc32c,before,zarr3_no_crc) zarr3 + zstd 1 without the CRC32C: the
+              format change alone
 
 Numbers depend on the disk and on the page cache: the restore reads files just written, so
 it measures TensorStore decode + resharding more than the disk. JSON lines, then a table of
@@ -42,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from orbax.checkpoint._src.serialization import tensorstore_utils  # noqa: E402
 
 import harness  # noqa: E402
 from jaxfrontier.training import checkpoint as ckpt_lib  # noqa: E402
@@ -71,7 +74,29 @@ def layout_for(c):
 
 
 _STATE_HANDLER = ckpt_lib._state_handler  # pylint: disable=protected-access
-FORMATS = {'crc32c': lambda: _STATE_HANDLER(checksums=True), 'before': lambda: _STATE_HANDLER(checksums=False)}
+ckpt_integrity.install_chunk_checksums()
+_WITH_CRC32C = tensorstore_utils._build_zarr3_metadata  # pylint: disable=protected-access
+
+
+def _zarr3_without_crc32c(*args, **kwargs):
+    metadata = _WITH_CRC32C(*args, **kwargs)
+    for codec in metadata['codecs']:
+        codec['configuration']['codecs'] = [c for c in codec['configuration']['codecs'] if c['name'] != 'crc32c']
+    return metadata
+
+
+_zarr3_without_crc32c.jaxfrontier_checksum = True  # install_chunk_checksums leaves it in place
+
+
+def _use(build, checksums):
+    def handler():
+        tensorstore_utils._build_zarr3_metadata = build  # pylint: disable=protected-access
+        return _STATE_HANDLER(checksums=checksums)
+    return handler
+
+
+FORMATS = {'crc32c': _use(_WITH_CRC32C, True), 'before': _use(_WITH_CRC32C, False),
+           'zarr3_no_crc': _use(_zarr3_without_crc32c, True)}
 
 
 @jax.jit
@@ -134,6 +159,8 @@ def one_round(quick, fmt, state, root, gib, emit):
 
 def main():
     quick = '--quick' in sys.argv
+    formats = next((a.split('=', 1)[1].split(',') for a in sys.argv[1:] if a.startswith('--formats=')),
+                   ['crc32c', 'before'])
     root = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--dir=')), '/tmp/jf_ckpt_bench')
     rounds = int(next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--rounds=')), '2'))
     shutil.rmtree(root, ignore_errors=True)
@@ -148,7 +175,7 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
 
     for r in range(rounds):
-        for fmt in FORMATS if r % 2 == 0 else reversed(FORMATS):  # ABBA: neither format always goes first
+        for fmt in formats if r % 2 == 0 else reversed(formats):  # ABBA: neither format always goes first
             one_round(quick, fmt, state, root, gib, emit)
     keys = ('op', 'format', 'async_save', 'mesh')
     table = []
