@@ -203,6 +203,9 @@ def base_config() -> ml_collections.ConfigDict:
             # Start from these parameters (a workdir, checkpoint directory or .safetensors file)
             # when the workdir has no checkpoint yet: fine-tuning. Optimizer state starts fresh.
             init_params_from='',
+            # Resume from this step instead of the newest finite checkpoint (-1): roll back after
+            # a loss spike. Newer checkpoints are moved to <workdir>/checkpoints.superseded/.
+            restore_step=-1,
         )
     )
     return c
@@ -440,7 +443,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
 
 
 def _validate_checkpoint(ck: ml_collections.ConfigDict) -> None:
-    for field, low in (('every_steps', 0), ('keep', 1), ('keep_period', 0), ('preemption_sync_every', 1)):
+    for field, low in (('every_steps', 0), ('keep', 1), ('keep_period', 0), ('preemption_sync_every', 1),
+                       ('restore_step', -1)):
         _require(isinstance(ck[field], int) and not isinstance(ck[field], bool) and ck[field] >= low,
                  f'checkpoint.{field}', ck[field], f'must be an integer >= {low}',
                  f'set checkpoint.{field} to an integer >= {low}')

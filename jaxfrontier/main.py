@@ -28,6 +28,8 @@ _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/default', 'Directory for met
 _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safetensors file to write from the newest '
                                    'checkpoint of --workdir (default <workdir>/params.safetensors; '
                                    'with --export_format=hf a directory, default <workdir>/hf).')
+_EXPORT_ALLOW_NONFINITE = flags.DEFINE_bool('export_allow_nonfinite', False, 'mode=export: write parameters '
+                                            'that hold NaN or Inf instead of refusing.')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'export', 'sample', 'eval'],
                           'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
                           'export: parameters of the newest checkpoint in --workdir to --export_path. '
@@ -86,7 +88,7 @@ def main(argv: list[str]) -> int:
         elif _MODE.value == 'export':
             from jaxfrontier.training import export  # pylint: disable=g-import-not-at-top
             out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
-            names = export.export_params(_WORKDIR.value, out)
+            names = export.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
         else:
             distributed.initialize(processes, config.distributed)

@@ -4,7 +4,11 @@ A run's checkpoints live in `<workdir>/checkpoints/<step>/`, each with two items
 
   state/  the whole train state `{'step', 'params', 'opt_state'}` as an Orbax PyTree (OCDBT):
           every process writes the shards it holds, and nothing is gathered on one host.
-  meta/   JSON: the format version, the step, the data position and the resolved config.
+          Every chunk carries a CRC32C checksum, verified by the process that reads it
+          (training/integrity.py).
+  meta/   JSON: the format version, the step, the data position, the resolved config and the
+          step's health (loss, gradient and parameter norms, all finite: a non-finite state is
+          never committed).
 
 Nothing else is needed to continue exactly: batches are a pure function of (seed, step)
 (jaxfrontier/data/dataset.py) and so is the dropout randomness (jaxfrontier/training/loop.py), so the step
@@ -16,7 +20,7 @@ and deleted when the next run starts. Restoring builds every array directly in t
 layout's shardings (`ArrayRestoreArgs(sharding=...)`), so a checkpoint written on one mesh
 is read onto any other: each process reads only the slices its devices hold.
 
-Preemption: `PreemptionWatcher` turns the configured signals (SIGTERM from Slurm at the time
+Preemption (training/preemption.py): `PreemptionWatcher` turns the configured signals (SIGTERM from Slurm at the time
 limit, or an early warning such as `--signal=USR1@120`) into a flag; the loop finishes its
 step, saves, waits for the commit and returns. See docs/checkpoints.md.
 """
@@ -28,8 +32,6 @@ import json
 import logging as pylogging
 import math
 import os
-import signal
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +46,9 @@ from orbax.checkpoint._src.metadata import array_metadata_store  # pinned orbax 
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.training import integrity
+from jaxfrontier.training import metrics as metrics_lib
+from jaxfrontier.training.preemption import PreemptionWatcher, agree_any  # noqa: F401  (the loop's names)
 from jaxfrontier.training import state as ts
 
 State = dict[str, Any]
@@ -51,11 +56,11 @@ State = dict[str, Any]
 FORMAT = 'jaxfrontier-checkpoint'
 VERSION = 1
 CHECKPOINT_SUBDIR = 'checkpoints'
+SUPERSEDED_SUBDIR = 'checkpoints.superseded'  # steps newer than the one a run rolled back to
 # The config fields that fix the shapes of the train state; a checkpoint restores only into
 # a config that agrees on all of them.
 MODEL_SHAPE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio',
                       'tied_embeddings')
-_BARRIER_TIMEOUT_MS = 30 * 60 * 1000
 
 
 class CheckpointError(config_lib.UserError):
@@ -249,9 +254,12 @@ class Checkpointer:
         self.enabled = bool(self.cc.enabled)
         self._mngr = None
         self._last_saved: int | None = None
+        self._last_good: int | None = None  # the newest step known finite (restored or saved)
+        self._rolled_back_to: int | None = None  # checkpoint.restore_step this run resumed from
         if not self.enabled:
             return
         quiet_orbax_logs()
+        integrity.install_chunk_checksums()
         ensure_writable(self.directory, f'the checkpoint directory {self.directory!r}')
         policies = [ocp_policies.LatestN(n=self.cc.keep)]
         if self.cc.keep_period:
@@ -299,38 +307,111 @@ class Checkpointer:
                                   'Fix: move it away, or use a new --workdir.')
         return meta
 
-    def restore(self, layout: ts.StateLayout, step: int | None = None) -> State:
+    def restore(self, layout: ts.StateLayout, step: int | None = None,
+                meta: dict[str, Any] | None = None) -> State:
         """Restores `step` (default: the newest) directly into `layout`'s shardings.
 
         Raises:
           ConfigError: the checkpoint's model differs from the config (names the field).
-          CheckpointError: the checkpoint is missing, incomplete or corrupted.
+          CheckpointError: the checkpoint is missing, incomplete or corrupted (checksums included).
         """
         step = self._check_listing() if step is None else step
         if step is None:
             raise CheckpointError(f'no checkpoint in {self.directory}')
         where = f'{self.directory}/{step}'
-        meta = self.read_meta(step)
+        meta = self.read_meta(step) if meta is None else meta
         check_model_matches(meta['config'], self.c, where, 'use a new --workdir to start a new run')
         _check_data_position(meta, self.c, where)
+        if not os.path.exists(os.path.join(where, 'state', '_METADATA')):
+            raise CheckpointError(f'checkpoint {where} is corrupted: state/_METADATA (the index of its arrays) '
+                                  f'is missing. Fix: {self._older_fix(step)}. Nothing was trained.')
         target = abstract_target(layout)
         try:
             saved_shapes = saved_shapes_of(self._mngr.item_metadata(step)['state'])
         except Exception as e:  # noqa: BLE001
-            raise corrupted_error(self.directory, step, e) from e
+            raise corrupted_error(self.directory, step, e, self._older_fix(step)) from e
         item, restore_args, reshaped = plan_restore(
             target, saved_shapes, (padded_vocab_of(meta['config']), config_lib.padded_vocab(self.c)), where)
         try:
             restored = self._mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))['state']
         except Exception as e:  # noqa: BLE001
-            raise corrupted_error(self.directory, step, e) from e
+            raise corrupted_error(self.directory, step, e, self._older_fix(step)) from e
+        if 'checksums' not in meta:
+            _log(f'warning: checkpoint {where} was written without checksums (before they were added); '
+                 'its bytes were not verified')
         return finish_restore(restored, reshaped)
+
+    def _older_fix(self, step: int) -> str:
+        older = [s for s in self._mngr.all_steps() if s < step] if self._mngr is not None else []
+        pick = (f'resume from an older step with --config.checkpoint.restore_step={older[-1]} '
+                f'(steps: {", ".join(map(str, older))}), or ' if older else '')
+        return f'{pick}move {self.directory}/{step} away, or use a new --workdir'
+
+    def _restore_chosen(self, layout: ts.StateLayout) -> tuple[State, int] | None:
+        """The checkpoint to resume from: checkpoint.restore_step, else the newest finite one.
+
+        A checkpoint whose metadata says it is not finite is skipped with a warning; one written
+        before finiteness was recorded is checked on the devices after it is read. Steps newer
+        than the one resumed from are moved to <workdir>/checkpoints.superseded/ so that this
+        run can save those step numbers again (and rotation cannot delete the step resumed from).
+        """
+        newest = self._check_listing()
+        if newest is None and self.cc.restore_step < 0:
+            return None
+        steps = list(self._mngr.all_steps())
+        wanted = self.cc.restore_step
+        if wanted >= 0 and newest is not None and self.read_meta(newest).get('rolled_back_to') == wanted:
+            _log(f'checkpoint.restore_step={wanted}: step {newest} was trained after that roll-back; resuming it')
+            wanted = -1
+        if wanted >= 0:
+            if wanted not in steps:
+                raise config_lib.ConfigError(
+                    'checkpoint.restore_step', wanted, f'{self.directory} has no checkpoint of step {wanted} '
+                    f'(available: {", ".join(map(str, steps)) or "none"})',
+                    'pick an available step, or -1 for the newest finite checkpoint')
+            state = self.restore(layout, wanted)
+            self._supersede([s for s in steps if s > wanted])
+            self._rolled_back_to = wanted
+            return state, wanted
+        for step in sorted(steps, reverse=True):
+            meta = self.read_meta(step)
+            finite = meta.get('health', {}).get('finite')
+            if finite is not False:
+                state = self.restore(layout, step, meta)
+                if finite is True or integrity.all_finite(state):
+                    self._supersede([s for s in steps if s > step])
+                    return state, step
+                del state
+            _log(f'warning: checkpoint {self.directory}/{step} holds NaN/Inf values; skipping it')
+        raise CheckpointError(
+            f'every checkpoint in {self.directory} holds NaN/Inf values (steps {", ".join(map(str, steps))}). '
+            'Fix: move that directory away to start from scratch, or continue from one anyway with '
+            '--config.checkpoint.restore_step=N.')
+
+    def _supersede(self, steps: list[int]) -> None:
+        """Moves the step directories `steps` to <workdir>/checkpoints.superseded/ (process 0), then syncs."""
+        if not steps:
+            return
+        target_dir = os.path.join(os.path.dirname(self.directory), SUPERSEDED_SUBDIR)
+        if jax.process_index() == 0:
+            os.makedirs(target_dir, exist_ok=True)
+            for step in steps:
+                target, n = os.path.join(target_dir, str(step)), 1
+                while os.path.exists(target):
+                    target, n = os.path.join(target_dir, f'{step}-{n}'), n + 1
+                os.replace(os.path.join(self.directory, str(step)), target)
+            logging.warning('moved the newer checkpoints %s to %s', steps, target_dir)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+            multihost_utils.sync_global_devices('jaxfrontier_supersede')
+        self._mngr.reload()
 
     def restore_or_init(self, layout: ts.StateLayout, init_fn: Callable[[], State],
                         load_params: Callable[[str, ml_collections.ConfigDict, ts.StateLayout], Any] | None = None,
                         ) -> tuple[State, str]:
-        """The newest checkpoint of this run, else `init_fn()` (with config.checkpoint.init_params_from).
+        """The newest finite checkpoint of this run (or checkpoint.restore_step), else `init_fn()`
+        (with config.checkpoint.init_params_from).
 
         `load_params(source, config, layout)` reads config.checkpoint.init_params_from
         (`export.load_params`, passed in: export builds on this module, not the reverse).
@@ -338,9 +419,11 @@ class Checkpointer:
         Returns:
           (state, a one-line description of where it came from).
         """
-        step = self._check_listing() if self.enabled else None
-        if step is not None:
-            return self.restore(layout, step), f'restored step {step} from {self.directory}/{step}'
+        chosen = self._restore_chosen(layout) if self.enabled else None
+        if chosen is not None:
+            state, step = chosen
+            self._last_saved = self._last_good = step
+            return state, f'restored step {step} from {self.directory}/{step}'
         state = init_fn()
         source = self.cc.init_params_from
         if not source:
@@ -355,24 +438,58 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.enabled and self.cc.every_steps and step % self.cc.every_steps == 0)
 
-    def save(self, step: int, state: State, *, force: bool = False) -> bool:
+    def save(self, step: int, state: State, *, force: bool = False,
+             metrics: dict[str, jax.Array] | None = None) -> bool:
         """Starts saving `state` as `step` if due (or `force`); returns whether it did.
 
         Returns once the arrays are off the devices (the write continues in the background
         when config.checkpoint.async_save), so `state` may be donated right after. A step
-        already saved is not saved again.
+        already saved is not saved again. With `metrics` (the step's train metrics) the
+        step's loss, gradient norm and parameter norm are fetched first (one host sync) and
+        recorded; if any is not finite nothing is saved and NonFiniteLossError is raised.
         """
         if not (self.enabled and (force or self.due(step))) or self._last_saved == step:
             return False
+        health = {'finite': None} if metrics is None else integrity.health(metrics)
+        if health['finite'] is False:
+            error = metrics_lib.NonFiniteLossError(self.nonfinite_message(step, health))
+            error.names_checkpoint = True
+            raise error
         meta = {'format': FORMAT, 'version': VERSION, 'step': int(step),
                 'data': {'next_step': int(step), 'seed': self.c.seed, 'kind': self.c.data.kind,
                          'path': self.c.data.path, 'global_batch': self.c.train.global_batch},
+                'health': health, 'checksums': 'crc32c per chunk',
                 'config': json.loads(self.c.to_json_best_effort())}
+        if self._rolled_back_to is not None:
+            meta['rolled_back_to'] = self._rolled_back_to
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state, save_args=layer_chunks(
             state, 2 if self.c.mesh.pipeline > 1 and self.c.pipeline.virtual_stages > 1 else 1)),
                                                       meta=ocp.args.JsonSave(meta)), force=True)
         self._last_saved = step
+        if health['finite']:
+            self._last_good = step
         return True
+
+    def resume_hint(self) -> str:
+        """Where to resume from after a divergence: the newest finite checkpoint and the command."""
+        lower = f'--config.optim.lr={self.c.optim.lr / 10:g}'
+        if not self.enabled or self._last_good is None:
+            return f'No finite checkpoint was saved; rerun with a lower learning rate (e.g. {lower}).'
+        return (f'The newest finite checkpoint is step {self._last_good} ({self.directory}/{self._last_good}): '
+                f'rerun the same command with a lower learning rate, e.g. {lower}, to resume from it, or roll '
+                'back further with --config.checkpoint.restore_step=N.')
+
+    def with_resume_hint(self, error: metrics_lib.NonFiniteLossError) -> metrics_lib.NonFiniteLossError:
+        """`error` (the loop's NaN check), with the checkpoint to resume from added once."""
+        if getattr(error, 'names_checkpoint', False):
+            return error
+        return metrics_lib.NonFiniteLossError(f'{error} {self.resume_hint()}')
+
+    def nonfinite_message(self, step: int, health: dict[str, Any]) -> str:
+        values = ', '.join(f'{k} {v}' for k, v in health.items() if k != 'finite')
+        return (f'training diverged at step {step} ({values}); stopping without saving that state. '
+                f'{self.resume_hint()} Also worth checking: the data (token ids below model.vocab_size), '
+                'and float32 compute (--config.model.dtype=float32) to rule out bf16/fp16 overflow.')
 
     def stop_message(self, step: int, signal_name: str) -> str:
         """The one line printed when a signal stopped the run."""
@@ -402,8 +519,9 @@ def layer_chunks(state: State, layer_dims: int) -> Any:
     return jax.tree_util.tree_map_with_path(one, state)
 
 
-def _state_handler() -> ocp.PyTreeCheckpointHandler:
-    """Orbax's PyTree handler, with each shard written by one replica.
+def _state_handler(checksums: bool = True) -> ocp.PyTreeCheckpointHandler:
+    """Orbax's PyTree handler, with each shard written by one replica (zarr3 with a CRC32C per
+    chunk; `checksums=False`: Orbax's default zarr2 without, for benchmarks/checkpoint.py).
 
     Replica-parallel writing (Orbax's default except when JAX_PLATFORMS names a GPU) slices
     replicated shards on the device, which costs a compile per array shape on the first save
@@ -414,12 +532,18 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
                                                    array_metadata_store=array_metadata_store.Store())),
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
     )
-    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    # zarr3, whose chunks integrity.install_chunk_checksums gives a CRC32C each.
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=checksums)
 
 
-def corrupted_error(directory: str, step: int | str, error: Exception) -> CheckpointError:
-    """The error for a checkpoint that Orbax or TensorStore could not read."""
+def corrupted_error(directory: str, step: int | str, error: Exception, fix: str = '') -> CheckpointError:
+    """The error for a checkpoint that Orbax or TensorStore could not read (`fix`: what to do instead)."""
     detail = ' '.join(str(error).split())[:300]
+    if integrity.is_checksum_error(error):
+        return CheckpointError(
+            f'checkpoint {directory}/{step} fails its checksum ({detail}): its files were changed on disk. '
+            f'Fix: {fix or "move that step directory away to resume from the previous checkpoint"}. '
+            'Nothing was trained.')
     return CheckpointError(
         f'checkpoint {directory}/{step} cannot be read ({type(error).__name__}: {detail}); it is '
         'truncated or corrupted. Fix: move that step directory away to resume from the previous '
@@ -453,64 +577,6 @@ def ensure_writable(directory: str, what: str) -> None:
         raise config_lib.UserError(
             f'{what} cannot be written ({e.strerror or e}). '
             'Fix: choose a --workdir you can write to, or fix its permissions.') from None
-
-
-# --------------------------------------------------------------------------- preemption
-
-
-class PreemptionWatcher:
-    """Turns the signals in config.checkpoint.preemption_signals into a stop request.
-
-    The handler only records the signal. `should_stop(step)` is asked after every step; with
-    several processes they agree (through the JAX coordination service, every
-    config.checkpoint.preemption_sync_every steps) so that all stop after the same step even
-    if the signal reached them at different steps. Use as a context manager: the previous
-    handlers come back on exit.
-    """
-
-    def __init__(self, cc: ml_collections.ConfigDict):
-        self.signals = [signal.Signals[name] for name in cc.preemption_signals]
-        self.sync_every = int(cc.preemption_sync_every)
-        self.received: str | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-
-    def _handle(self, signum, frame) -> None:  # pylint: disable=unused-argument
-        self.received = signal.Signals(signum).name
-
-    def __enter__(self) -> PreemptionWatcher:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def should_stop(self, step: int) -> bool:
-        """Whether every process should stop after `step` (the step just dispatched)."""
-        if jax.process_count() == 1:
-            return self.received is not None
-        if step % self.sync_every:
-            return False
-        from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top  (no public API)
-        agreed = agree_any(global_state.client, f'jaxfrontier/preempt/{step}', self.received, jax.process_index())
-        self.received = self.received or agreed
-        return agreed is not None
-
-
-def agree_any(client: Any, key: str, value: str | None, process: int) -> str | None:
-    """On every process, the smallest `value` any process holds (None if none does).
-
-    One barrier on the JAX coordination service: each process holding a value writes it to
-    `<key>/<process>` before the barrier; after it every process reads the same directory, so
-    all decide alike. Host-only: the devices are not touched.
-    """
-    if value is not None:
-        client.key_value_set(f'{key}/{process}', value)
-    client.wait_at_barrier(key.replace('/', '_'), _BARRIER_TIMEOUT_MS)
-    return min((v for _, v in client.key_value_dir_get(f'{key}/')), default=None)
 
 
 def describe_arrays(state: State) -> tuple[int, float]:

@@ -126,17 +126,48 @@ def _safetensors_header(shapes: dict[str, tuple[tuple[int, ...], np.dtype]], met
     return len(raw).to_bytes(8, 'little') + raw
 
 
-def export_params(source: str, out_path: str) -> dict[str, tuple[int, ...]]:
+def _check_out_path(out_path: str) -> None:
+    """Fails with one line when `out_path` is a directory or its directory cannot be written."""
+    if os.path.isdir(out_path):
+        raise config_lib.UserError(f'--export_path={out_path!r} is a directory. '
+                                   'Fix: name a file, e.g. --export_path=params.safetensors.')
+    directory = os.path.dirname(os.path.abspath(out_path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(f'{out_path}.tmp{os.getpid()}', 'wb'):
+            pass
+        os.remove(f'{out_path}.tmp{os.getpid()}')
+    except OSError as e:
+        raise config_lib.UserError(f'--export_path={out_path!r} cannot be written ({e.strerror or e}). '
+                                   'Fix: choose a path in a directory you can write to.') from None
+
+
+def _nonfinite_error(step_dir: str, name: str, count: int, size: int) -> ckpt_lib.CheckpointError:
+    older = ckpt_lib.committed_steps(os.path.dirname(step_dir))
+    older = [s for s in older if str(s) != os.path.basename(step_dir)]
+    pick = f' (e.g. --workdir={os.path.dirname(step_dir)}/{older[-1]})' if older else ''
+    return ckpt_lib.CheckpointError(
+        f'{step_dir}: parameter {name!r} has {count} of {size} values NaN or Inf; refusing to export them. '
+        f'Fix: export an older step directory{pick}, or pass --export_allow_nonfinite to write them anyway.')
+
+
+def export_params(source: str, out_path: str, allow_nonfinite: bool = False) -> dict[str, tuple[int, ...]]:
     """Writes the parameters of a checkpoint to a safetensors file, one tensor at a time.
 
     Args:
       source: a training workdir (its newest checkpoint), its checkpoints/ directory, or
         one step directory.
       out_path: the .safetensors file to write (replaced atomically).
+      allow_nonfinite: write parameters that hold NaN or Inf instead of refusing.
 
     Returns:
       {name: shape} of the tensors written.
+
+    Raises:
+      UserError: `out_path` is a directory or cannot be written.
+      CheckpointError: no checkpoint, a corrupted one, or NaN/Inf parameters (unless allowed).
     """
+    _check_out_path(out_path)
     step_dir = resolve_step_dir(source)
     meta = _read_meta(step_dir)
     saved = _param_shapes(step_dir)
@@ -146,7 +177,6 @@ def export_params(source: str, out_path: str) -> dict[str, tuple[int, ...]]:
     metadata = {'format': FORMAT, 'step': str(meta['step']), 'source': step_dir,
                 'config': json.dumps(meta['config'], sort_keys=True),
                 'vocab_size': str(meta['config']['model']['vocab_size'])}
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp_path = f'{out_path}.tmp{os.getpid()}'
     try:
         with open(tmp_path, 'wb') as f:
@@ -155,6 +185,9 @@ def export_params(source: str, out_path: str) -> dict[str, tuple[int, ...]]:
                 names = {name: jax.ShapeDtypeStruct(saved[name][0], dtype)}
                 value = flatten_names(_restore_params(step_dir, _unflatten(names), _unflatten(
                     {name: ocp.RestoreArgs(restore_type=np.ndarray)})))[name]
+                bad = int(value.size - np.count_nonzero(np.isfinite(value)))
+                if bad and not allow_nonfinite:
+                    raise _nonfinite_error(step_dir, name, bad, int(value.size))
                 f.write(np.ascontiguousarray(value.reshape(shape), dtype=dtype.newbyteorder('<')).tobytes())
         os.replace(tmp_path, out_path)
     finally:

@@ -303,7 +303,6 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
     data_lib.check_data(c)
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
     locks.append(workdir_lock.acquire_for_job(workdir, c.train.workdir_lease_s))
-    write_resolved_config(c, workdir)
 
     # 2. mesh
     mesh = mesh_lib.mesh_from_config(c)
@@ -325,6 +324,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
     state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout),
                                                    export.load_params)
     _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
+    write_resolved_config(c, workdir)  # only now: a refused resume leaves the old config.json
     if int(state['step']) >= c.train.steps:  # nothing to do: say so instead of `done: {}`
         checkpointer.close()
         message = (f'nothing ran: the checkpoint restored is at step {int(state["step"])} and train.steps = '
@@ -347,7 +347,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count(), first_row={'compile/time_s': compile_s, **memory})
     preemption = checkpoint_lib.PreemptionWatcher(c.checkpoint)
-    pending, stop = None, False
+    pending, stop, step_metrics = None, False, None
     commits = _CommitLog(checkpointer)
     try:
         with preemption, interrupt.first_interrupt_stops(preemption), jax.set_mesh(mesh), \
@@ -356,7 +356,8 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
                 state, step_metrics = train_step(state, batch)
                 done = step + 1
-                if checkpointer.save(done, state):  # before the next step is dispatched: it donates `state`
+                # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
+                if checkpointer.save(done, state, metrics=step_metrics):
                     commits.started(done, state)
                 commits.poll()
                 stop = preemption.should_stop(done) and done < c.train.steps
@@ -371,10 +372,12 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
             if pending is not None:
                 reporter.report(*pending)
             # 7. final save (end of training or preemption), waited for until committed
-            if checkpointer.save(done, state, force=True):
+            if checkpointer.save(done, state, force=True, metrics=step_metrics):
                 commits.started(done, state)
             checkpointer.wait()
             commits.poll(committed=True)
+    except metrics_lib.NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
+        raise checkpointer.with_resume_hint(e) from None
     finally:
         writer.close()
         checkpointer.close()
