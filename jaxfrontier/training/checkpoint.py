@@ -48,7 +48,6 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import integrity
 from jaxfrontier.training import metrics as metrics_lib
-from jaxfrontier.training.preemption import PreemptionWatcher, agree_any  # noqa: F401  (the loop's names)
 from jaxfrontier.training import state as ts
 
 State = dict[str, Any]
@@ -469,6 +468,10 @@ class Checkpointer:
         if health['finite']:
             self._last_good = step
         return True
+
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written (a host-side flag, no sync)."""
+        return self._mngr is not None and self._mngr.is_saving_in_progress()
 
     def resume_hint(self) -> str:
         """Where to resume from after a divergence: the newest finite checkpoint and the command."""

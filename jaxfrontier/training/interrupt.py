@@ -21,7 +21,7 @@ def first_interrupt_stops(watcher: Any) -> Iterator[None]:
     """Within the block, SIGINT sets `watcher.received = 'SIGINT'` once; the second kills the process.
 
     Args:
-      watcher: a checkpoint.PreemptionWatcher (its `received` is what the loop asks).
+      watcher: a preemption.PreemptionWatcher (its `received` is what the loop asks).
     """
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -20,6 +20,7 @@ from absl import logging
 from jax.sharding import NamedSharding
 
 from jaxfrontier.training import checkpoint as checkpoint_lib
+from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
 from jaxfrontier.training import export
 from jaxfrontier.training import interrupt
@@ -254,8 +255,7 @@ class _CommitLog:
     def poll(self, committed: bool = False) -> None:
         if self.pending is None:
             return
-        manager = getattr(self.checkpointer, '_mngr', None)  # Orbax's CheckpointManager
-        if not committed and (manager is None or manager.is_saving_in_progress()):
+        if not committed and self.checkpointer.saving():
             return
         step, t0 = self.pending
         self.pending = None
@@ -346,7 +346,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count(), first_row={'compile/time_s': compile_s, **memory})
-    preemption = checkpoint_lib.PreemptionWatcher(c.checkpoint)
+    preemption = preemption_lib.PreemptionWatcher(c.checkpoint)
     pending, stop, step_metrics = None, False, None
     commits = _CommitLog(checkpointer)
     try:

@@ -239,7 +239,7 @@ class WorkdirLock:
 def acquire_for_job(workdir: str, lease_s: float) -> WorkdirLock:
     """Process 0 takes the lock for the whole job; every process raises the same UserError if it cannot."""
     import jax  # pylint: disable=g-import-not-at-top  (the module itself stays JAX-free for its tests)
-    from jaxfrontier.training import checkpoint  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.training import preemption  # pylint: disable=g-import-not-at-top
 
     lock = WorkdirLock(workdir, lease_s)
     refusal = None
@@ -250,7 +250,7 @@ def acquire_for_job(workdir: str, lease_s: float) -> WorkdirLock:
             refusal = str(e)
     if jax.process_count() > 1:
         from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top  (no public API)
-        refusal = checkpoint.agree_any(global_state.client, 'jaxfrontier/workdir_lock', refusal, jax.process_index())
+        refusal = preemption.agree_any(global_state.client, 'jaxfrontier/workdir_lock', refusal, jax.process_index())
     if refusal is not None:
         lock.release()
         raise errors.UserError(refusal)
