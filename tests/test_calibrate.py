@@ -99,7 +99,7 @@ def test_fresh_fit_of_the_checked_in_cpu_sweep():
     """The CPU sweep measured on this project's machine, refitted from scratch.
 
     The issue asked for <= 15 % held-out error and a rank correlation >= 0.8 here. Not met: the
-    machine (2 cores, load 13-15 from other jobs) measures the same layout up to 3x apart between
+    machine (2 cores, load 8-15 from other jobs) measures the same layout up to 3x apart between
     two passes (`repeat_median_abs_rel_spread`, docs/planner.md), a noise floor no model fits
     through. What holds: calibration improves on the uncalibrated error, held out.
     """
