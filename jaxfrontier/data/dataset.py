@@ -481,8 +481,10 @@ def resolve_vocab(c: ml_collections.ConfigDict) -> None:
         except ConfigError as e:
             raise (_as_blend_error(c, e, p) if blend else e) from None
     if len(set(vocabs)) > 1:
-        raise ConfigError('data.blend', blend, f'the files have different vocabularies {vocabs}: they were '
-                          'tokenised differently', 'blend only files written with the same tokenizer')
+        i = next(i for i, v in enumerate(vocabs) if v != vocabs[0])
+        raise ConfigError('data.blend', blend, f'{paths[0]} has vocab_size {vocabs[0]} but {paths[i]} has '
+                          f'{vocabs[i]}: the files were tokenised differently',
+                          'blend only files written with the same tokenizer')
     c.model.vocab_size = int(vocabs[0])
 
 
