@@ -453,6 +453,13 @@ def _check_same_tokenizer(blend: str, files: list[TokenFile]) -> None:
                               'files', 'blend only files written with the same tokenizer')
 
 
+def run_token_path(data_config: Any) -> str:
+    """The token file a run's data config names: data.path, or the first file of data.blend
+    (the files of a blend share one tokenizer); '' for none. Takes a dict or ConfigDict."""
+    blend = data_config.get('blend', '')
+    return sampling.parse_blend(blend)[0][1] if blend else data_config.get('path', '')
+
+
 def resolve_vocab(c: ml_collections.ConfigDict) -> None:
     """`model.vocab_size = 0`: sets it to the token file's header `vocab_size` (data.path or data.blend).
 
