@@ -64,8 +64,9 @@ def main(argv: list[str]) -> int:
 
     try:  # validate, then decide how this process joins the job, before JAX starts
         processes = distributed.ProcessSettings('none')
-        if _MODE.value == 'train':
+        if _MODE.value in ('train', 'plan'):
             data_lib.resolve_vocab(config)  # model.vocab_size=0: from the token file header
+        if _MODE.value == 'train':
             config_lib.validate(config)
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
         per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
