@@ -80,7 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
             d_model=128,
             num_heads=4,
             seq_len=128,
-            vocab_size=256,
+            vocab_size=256,  # 0: the token file header's vocab_size (data.kind=tokens)
             # The vocabulary is padded to a multiple of vocab_multiple * mesh.tensor
             # (Megatron pads GPT-2's 50,257 to a multiple of 128 * TP).
             vocab_multiple=128,
@@ -168,6 +168,8 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             kind='builtin',  # builtin | tokens | synthetic
             path='',  # kind=tokens: path of the .bin token file (header beside it)
+            # kind=tokens, instead of path: 'WEIGHT:PATH,WEIGHT:PATH' mixes token files (docs/data.md)
+            blend='',
             val_fraction=0.02,
         )
     )
@@ -419,8 +421,13 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
 
     _require(c.data.kind in DATA_KINDS, 'data.kind', c.data.kind, 'unknown dataset kind',
              f'use one of {DATA_KINDS}')
-    _require(c.data.kind != 'tokens' or bool(c.data.path), 'data.path', c.data.path,
+    blend = c.data.get('blend', '')
+    _require(c.data.kind != 'tokens' or bool(c.data.path) or bool(blend), 'data.path', c.data.path,
              'data.kind=tokens needs a token file', 'set data.path to a .bin token file (docs/data.md)')
+    _require(not (blend and c.data.path), 'data.blend', blend, 'data.blend and data.path are both set',
+             "keep one: data.path='' with a blend, or data.blend='' for one file")
+    _require(not blend or c.data.kind == 'tokens', 'data.blend', blend, f'a blend mixes token files, but '
+             f'data.kind={c.data.kind!r}', 'set data.kind=tokens')
     dist = c.distributed
     _require(dist.mode in DISTRIBUTED_MODES, 'distributed.mode', dist.mode, 'unknown mode',
              f'use one of {DISTRIBUTED_MODES}')

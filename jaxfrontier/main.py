@@ -17,6 +17,7 @@ from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
+from jaxfrontier.data import dataset as data_lib  # no JAX import at module level
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
 
@@ -65,6 +66,8 @@ def main(argv: list[str]) -> int:
 
     try:  # validate, then decide how this process joins the job, before JAX starts
         processes = distributed.ProcessSettings('none')
+        if _MODE.value in ('train', 'plan'):
+            data_lib.resolve_vocab(config)  # model.vocab_size=0: from the token file header
         if _MODE.value == 'train':
             config_lib.validate(config)
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)

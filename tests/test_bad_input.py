@@ -137,11 +137,11 @@ def test_padded_vocab_divisible_by_tensor(vocab_size, tensor, multiple):
     assert vocab_size <= v < vocab_size + multiple * tensor  # the smallest such padding
 
 
-@pytest.mark.parametrize('vocab_size', [0, -5])
-def test_vocab_size_must_be_positive(tmp_path, no_compile, vocab_size):
-    c = good_config()
+@pytest.mark.parametrize('vocab_size,words', [(0, 'no token file'), (-5, 'positive integer')])
+def test_vocab_size_must_be_positive(tmp_path, no_compile, vocab_size, words):
+    c = good_config()  # synthetic data: 0 (the token file's vocabulary) has no file to read
     c.model.vocab_size = vocab_size
-    assert_fails_cleanly(c, tmp_path / 'wd', 'model.vocab_size', vocab_size, 'positive integer')
+    assert_fails_cleanly(c, tmp_path / 'wd', 'model.vocab_size', vocab_size, words)
 
 
 def test_builtin_corpus_needs_byte_vocabulary(tmp_path, no_compile):

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import dataset as data
+from jaxfrontier.data import sampling
 
 SEQ_LEN, BATCH = 13, 8  # distinct sizes so a swapped axis fails
 
@@ -155,8 +156,11 @@ def test_token_source_rows_are_windows_and_deterministic(tmp_path):
     assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
     # each row is seq_len + 1 consecutive tokens starting at the drawn offset
     np.testing.assert_array_equal(batch_bl, batch_bl[:, :1] + np.arange(SEQ_LEN + 1))
-    offsets = np.random.default_rng([0, data.TRAIN, 3]).integers(0, train.stop - SEQ_LEN, BATCH)
+    # windows k = step * B + row of epoch 0's permutation of the stride-seq_len windows
+    k = 3 * BATCH + rows
+    offsets = sampling.permute(k, (train.stop - 1) // SEQ_LEN, [0, data.TRAIN, 0]) * SEQ_LEN
     np.testing.assert_array_equal(batch_bl[:, 0], offsets)
+    assert len(set(offsets.tolist())) == BATCH  # without replacement
     np.testing.assert_array_equal(train.read_rows(3, rows, BATCH), batch_bl)
     again, _ = data.make_datasets(c, str(tmp_path / 'work'))
     np.testing.assert_array_equal(again.read_rows(3, rows, BATCH), batch_bl)
@@ -174,7 +178,8 @@ def test_train_and_val_windows_never_cross_the_boundary(tmp_path):
     train_bl = np.concatenate([train.read_rows(s, np.arange(64), 64) for s in range(20)])
     val_bl = np.concatenate([val.read_rows(s, np.arange(64), 64) for s in range(20)])
     assert train_bl.max() < boundary and val_bl.min() >= boundary and val_bl.max() < 1000
-    assert val_bl.min() == boundary and val_bl.max() == 999  # the split's first and last windows
+    # the split's first and last windows: 50 tokens hold 3 windows at stride 13 (tokens 950..989)
+    assert val_bl.min() == boundary and val_bl.max() == boundary + 3 * SEQ_LEN
 
 
 def test_validation_split_too_small(tmp_path):

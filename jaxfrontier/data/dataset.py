@@ -3,11 +3,12 @@
 On disk (docs/data.md) a dataset is `<name>.bin`, raw little-endian uint16 or uint32 tokens,
 with a small JSON header `<name>.json` beside it. Token files are memory-mapped, never loaded.
 
-A batch is a pure function of (seed, split, step): row r of step s is the window of
-seq_len + 1 tokens starting at the r-th offset drawn from
-`np.random.default_rng([seed, split_id, step])`. Any process can read any subset of rows and
-get the same values however many processes or devices there are; `make_global_batch` relies
-on that to read only the rows of the shards a process holds.
+A batch is a pure function of (seed, split, step): row r of step s is the source's window
+k = step * global_batch + r, drawn without replacement within an epoch (jaxfrontier/data/
+sampling.py: a seeded permutation of the split's windows per epoch); `data.blend` mixes
+several files with fixed rows per step. Any process can read any subset of rows and get the
+same values however many processes or devices there are; `make_global_batch` relies on that
+to read only the rows of the shards a process holds.
 
 JAX is imported only inside `make_global_batch`: importing this module starts nothing.
 """
@@ -30,6 +31,7 @@ import ml_collections
 import numpy as np
 
 from jaxfrontier.config import DATA_KINDS, ConfigError
+from jaxfrontier.data import sampling
 
 FORMAT = 'jaxfrontier-tokens'
 VERSION = 1
@@ -300,6 +302,9 @@ class Source(Protocol):
     def read_rows(self, step: int, rows: np.ndarray, global_batch: int) -> np.ndarray:
         ...  # rows `rows` of step's global batch: [len(rows), seq_len + 1] int32
 
+    def epochs(self, step: int, global_batch: int) -> dict[str, float]:
+        ...  # `data/epoch` (per file for a blend): epochs completed once step is read
+
     def describe(self) -> str: ...
 
 
@@ -315,22 +320,42 @@ class TokenSource:
     split_id: int  # TRAIN or VAL
     name: str
 
-    def offsets(self, step: int, global_batch: int) -> np.ndarray:
-        """Window start offsets [global_batch] of step; a pure function of (seed, split, step)."""
-        rng = np.random.default_rng([self.seed, self.split_id, step])
-        num_windows = self.stop - self.start - self.seq_len  # every window ends before stop
-        return self.start + rng.integers(0, num_windows, size=global_batch)
+    @property
+    def num_windows(self) -> int:
+        """Windows of one epoch: seq_len + 1 tokens at stride seq_len (sampling.num_windows)."""
+        return sampling.num_windows(self.stop - self.start, self.seq_len)
 
-    def read_rows(self, step: int, rows: np.ndarray, global_batch: int) -> np.ndarray:
-        """Reads only rows `rows` of step's global batch: [len(rows), seq_len + 1] int32."""
-        offsets = self.offsets(step, global_batch)[np.asarray(rows, dtype=np.int64)]
+    def offsets_of(self, k: np.ndarray) -> np.ndarray:
+        """Start offsets of the source's k-th windows: epoch k // W, permuted position k % W."""
+        starts, _ = sampling.window_starts(k, self.stop - self.start, self.seq_len, self.seed, self.split_id)
+        return self.start + starts
+
+    def offsets(self, step: int, global_batch: int) -> np.ndarray:
+        """Window start offsets [global_batch] of step; windows k = step * global_batch + row."""
+        return self.offsets_of(step * global_batch + np.arange(global_batch, dtype=np.int64))
+
+    def read_windows(self, k: np.ndarray) -> np.ndarray:
+        """The source's k-th windows: [len(k), seq_len + 1] int32."""
+        offsets = self.offsets_of(k)
         out_rl = np.empty((len(offsets), self.seq_len + 1), np.int32)
         for i, offset in enumerate(offsets):
             out_rl[i] = self.tokens[offset:offset + self.seq_len + 1]
         return out_rl
 
+    def read_rows(self, step: int, rows: np.ndarray, global_batch: int) -> np.ndarray:
+        """Reads only rows `rows` of step's global batch: [len(rows), seq_len + 1] int32."""
+        return self.read_windows(step * global_batch + np.asarray(rows, dtype=np.int64))
+
+    def epoch_progress(self, step: int, rows_per_step: int) -> float:
+        """Epochs completed once `step` is read (1.25: a quarter into epoch 1, counting from 0)."""
+        return (step + 1) * rows_per_step / self.num_windows
+
+    def epochs(self, step: int, global_batch: int) -> dict[str, float]:
+        return {'data/epoch': self.epoch_progress(step, global_batch)}
+
     def describe(self) -> str:
-        return f'{self.name}: tokens [{self.start:,}, {self.stop:,}) of {len(self.tokens):,}'
+        return (f'{self.name}: tokens [{self.start:,}, {self.stop:,}) of {len(self.tokens):,}, '
+                f'{self.num_windows:,} windows per epoch')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +375,10 @@ class SyntheticSource:
             rng = np.random.default_rng([self.seed, self.split_id, step, int(row)])
             out_rl[i] = rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int32)
         return out_rl
+
+    def epochs(self, step: int, global_batch: int) -> dict[str, float]:
+        del step, global_batch
+        return {}
 
     def describe(self) -> str:
         return f'synthetic: uniform tokens in [0, {self.vocab_size})'
@@ -375,8 +404,99 @@ def _open_checked(c: ml_collections.ConfigDict, path: str) -> tuple[TokenFile, i
     return token_file, _split_boundary(c, token_file)
 
 
+def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str) -> ConfigError:
+    """A data.path error about one file of data.blend, renamed to data.blend."""
+    problem = str(e).split('. Fix: ')[0][len(f'config.{e.field} = {e.value!r}: '):]
+    fix = str(e).split('. Fix: ', 1)[1] if '. Fix: ' in str(e) else 'check the path'
+    return ConfigError('data.blend', c.data.blend, f'{path}: {problem}' if path not in problem else problem, fix)
+
+
+def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[float], list[str], list[tuple[TokenFile, int]]]:
+    """Parses data.blend, opens and checks every file: (weights, paths, [(file, boundary)])."""
+    entries = sampling.parse_blend(c.data.blend)
+    weights, paths = [w for w, _ in entries], [p for _, p in entries]
+    opened = []
+    for path in paths:
+        try:
+            opened.append(_open_checked(c, path))
+        except ConfigError as e:
+            if e.field != 'data.path':
+                raise
+            raise _as_blend_error(c, e, path) from None
+    _check_same_tokenizer(c.data.blend, [f for f, _ in opened])
+    sampling.check_blend_counts(c.data.blend, paths, weights, c.train.global_batch)
+    return weights, paths, opened
+
+
+def _tokenizer_bytes(token_file: TokenFile) -> bytes | None:
+    path = tokenizer_path(token_file)
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, 'rb') as f:
+        return f.read()
+
+
+def _check_same_tokenizer(blend: str, files: list[TokenFile]) -> None:
+    """All files of a blend share vocab_size, eot_id and (where recorded) the tokenizer file."""
+    first = files[0]
+    for other in files[1:]:
+        for key in ('vocab_size', 'eot_id'):
+            a, b = first.header.get(key), other.header.get(key)
+            if key == 'vocab_size' or (a is not None and b is not None):
+                if a != b:
+                    raise ConfigError('data.blend', blend, f'{first.path} has {key} {a} but {other.path} has {b}: '
+                                      'the files were tokenised differently', 'blend only files written with '
+                                      'the same tokenizer (re-run python -m jaxfrontier.prepare --tokenizer=...)')
+        a, b = _tokenizer_bytes(first), _tokenizer_bytes(other)
+        if a is not None and b is not None and a != b:
+            raise ConfigError('data.blend', blend, f'{first.path} and {other.path} name different tokenizer '
+                              'files', 'blend only files written with the same tokenizer')
+
+
+def run_token_path(data_config: Any) -> str:
+    """The token file a run's data config names: data.path, or the first file of data.blend
+    (the files of a blend share one tokenizer); '' for none. Takes a dict or ConfigDict."""
+    blend = data_config.get('blend', '')
+    return sampling.parse_blend(blend)[0][1] if blend else data_config.get('path', '')
+
+
+def resolve_vocab(c: ml_collections.ConfigDict) -> None:
+    """`model.vocab_size = 0`: sets it to the token file's header `vocab_size` (data.path or data.blend).
+
+    Raises:
+      ConfigError: vocab_size is 0 but there is no token file (data.kind != tokens, no path),
+        or the file or its header cannot be read.
+    """
+    if c.model.vocab_size != 0:
+        return
+    blend, path = c.data.get('blend', ''), c.data.path
+    if c.data.kind != 'tokens' or not (blend or path):
+        raise ConfigError('model.vocab_size', 0, f'0 takes the vocabulary from a token file header, but '
+                          f'data.kind={c.data.kind!r} has no token file',
+                          'set model.vocab_size to a positive number, or use data.kind=tokens with data.path '
+                          'or data.blend')
+    paths = [p for _, p in sampling.parse_blend(blend)] if blend else [path]
+    vocabs = []
+    for p in paths:
+        bin_path, header_path = token_paths(p)
+        field, value = ('data.blend', blend) if blend else ('data.path', p)
+        if not os.path.isfile(bin_path):
+            raise ConfigError(field, value, f'the token file {bin_path} does not exist (model.vocab_size=0 reads '
+                              'the vocabulary from its header)', 'check the path, or set model.vocab_size')
+        try:
+            vocabs.append(_read_header(p, header_path)['vocab_size'])
+        except ConfigError as e:
+            raise (_as_blend_error(c, e, p) if blend else e) from None
+    if len(set(vocabs)) > 1:
+        i = next(i for i, v in enumerate(vocabs) if v != vocabs[0])
+        raise ConfigError('data.blend', blend, f'{paths[0]} has vocab_size {vocabs[0]} but {paths[i]} has '
+                          f'{vocabs[i]}: the files were tokenised differently',
+                          'blend only files written with the same tokenizer')
+    c.model.vocab_size = int(vocabs[0])
+
+
 def check_data(c: ml_collections.ConfigDict) -> None:
-    """Validates the data config cheaply and writes nothing; for kind=tokens, checks the file.
+    """Validates the data config cheaply and writes nothing; for kind=tokens, checks the file(s).
 
     Raises:
       ConfigError: naming the field to fix.
@@ -389,28 +509,43 @@ def check_data(c: ml_collections.ConfigDict) -> None:
         raise ConfigError('model.vocab_size', c.model.vocab_size,
                           f'the built-in corpus is byte-level ({BYTE_VOCAB} tokens)',
                           f'set model.vocab_size to at least {BYTE_VOCAB}')
-    if c.data.kind == 'tokens':
+    if c.data.kind == 'tokens' and c.data.get('blend', ''):
+        _blend_files(c)
+    elif c.data.kind == 'tokens':
         _open_checked(c, c.data.path)
+
+
+def _splits(c: ml_collections.ConfigDict, token_file: TokenFile, boundary: int,
+            name: str) -> tuple[TokenSource, TokenSource]:
+    m, seed = c.model, c.seed
+    return (TokenSource(token_file.tokens, 0, boundary, m.seq_len, seed, TRAIN, f'{name} train'),
+            TokenSource(token_file.tokens, boundary, token_file.num_tokens, m.seq_len, seed, VAL,
+                        f'{name} val'))
 
 
 def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, Source]:
     """Returns (train, validation) sources for `c.data.kind`.
 
-    builtin: the stdlib corpus, cached in `<workdir>/data_cache`; tokens: `c.data.path`;
+    builtin: the stdlib corpus, cached in `<workdir>/data_cache`; tokens: `c.data.path`, or
+    the files of `c.data.blend` mixed with their weights (each split per file);
     synthetic: random tokens, no file. Token files split into train (first part) and
-    validation (the last `c.data.val_fraction`); no sampled window crosses the boundary.
+    validation (the last `c.data.val_fraction`); no window crosses the boundary.
     """
     check_data(c)
     m, seed = c.model, c.seed
     if c.data.kind == 'synthetic':
         return (SyntheticSource(m.vocab_size, m.seq_len, seed, TRAIN),
                 SyntheticSource(m.vocab_size, m.seq_len, seed, VAL))
+    if c.data.kind == 'tokens' and c.data.get('blend', ''):
+        weights, paths, opened = _blend_files(c)
+        splits = [_splits(c, f, boundary, f'tokens {f.path}') for f, boundary in opened]
+        counts = tuple(sampling.blend_counts(weights, c.train.global_batch))
+        names = tuple(sampling.metric_names(paths))
+        return tuple(sampling.BlendSource(tuple(s[i] for s in splits), counts, names, seed, i)  # type: ignore
+                     for i in (TRAIN, VAL))
     path = builtin_corpus(os.path.join(workdir, 'data_cache')) if c.data.kind == 'builtin' else c.data.path
     token_file, boundary = _open_checked(c, path)
-    name = f'{c.data.kind} {token_file.path}'
-    return (TokenSource(token_file.tokens, 0, boundary, m.seq_len, seed, TRAIN, f'{name} train'),
-            TokenSource(token_file.tokens, boundary, token_file.num_tokens, m.seq_len, seed, VAL,
-                        f'{name} val'))
+    return _splits(c, token_file, boundary, f'{c.data.kind} {token_file.path}')
 
 
 def make_global_batch(source: Source, step: int, sharding: Any, global_batch: int) -> Any:

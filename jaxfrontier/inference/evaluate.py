@@ -60,6 +60,9 @@ def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, 
     data = loaded.run_config.get('data', {})
     if data.get('kind') == 'builtin':
         path = data_lib.builtin_corpus(os.path.join(workdir, 'data_cache'))
+    elif data.get('kind') == 'tokens' and data.get('blend'):
+        raise UserError('the run blends several token files (data.blend), each with its own validation split. '
+                        'Fix: pass --eval_path=FILE.bin to score one file whole.')
     elif data.get('kind') == 'tokens':
         path = data['path']
     else:

@@ -86,7 +86,7 @@ def run_codec(data: dict[str, Any], vocab_size: int, hf_dir: str | None = None) 
         raise UserError(f'{hf_dir} has no tokenizer.json. Fix: save the tokenizer beside the model '
                         '(tokenizer.save_pretrained(DIR)).')
     if data.get('kind') == 'tokens':
-        return token_file_codec(data['path'], vocab_size)
+        return token_file_codec(data_lib.run_token_path(data), vocab_size)  # a blend: its first file
     if vocab_size < data_lib.BYTE_VOCAB:
         raise UserError(f'the run has no tokenizer and a vocabulary of {vocab_size} < 256 bytes. '
                         "Fix: train on data.kind='builtin' or on a token file from jaxfrontier.prepare.")

@@ -456,7 +456,8 @@ class Checkpointer:
             raise error
         meta = {'format': FORMAT, 'version': VERSION, 'step': int(step),
                 'data': {'next_step': int(step), 'seed': self.c.seed, 'kind': self.c.data.kind,
-                         'path': self.c.data.path, 'global_batch': self.c.train.global_batch},
+                         'path': self.c.data.path, 'blend': self.c.data.get('blend', ''),
+                         'global_batch': self.c.train.global_batch},
                 'health': health, 'checksums': 'crc32c per chunk',
                 'config': json.loads(self.c.to_json_best_effort())}
         if self._rolled_back_to is not None:
@@ -556,7 +557,8 @@ def corrupted_error(directory: str, step: int | str, error: Exception, fix: str 
 def _check_data_position(meta: dict[str, Any], c: ml_collections.ConfigDict, where: str) -> None:
     """Warns when the data stream would not continue where the checkpoint left it."""
     data = meta.get('data', {})
-    ours = {'seed': c.seed, 'kind': c.data.kind, 'path': c.data.path, 'global_batch': c.train.global_batch}
+    ours = {'seed': c.seed, 'kind': c.data.kind, 'path': c.data.path, 'blend': c.data.get('blend', ''),
+            'global_batch': c.train.global_batch}
     changed = {k: (data.get(k), v) for k, v in ours.items() if k in data and data[k] != v}
     if changed:
         _log(f'warning: resuming {where} with a different data stream: '

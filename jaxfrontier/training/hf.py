@@ -164,12 +164,13 @@ def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     if data.get('kind') != 'tokens':
         return None, {}
     try:
-        header = data_lib.open_token_file(data['path'], config['model']['vocab_size']).header
+        path = data_lib.run_token_path(data)  # a blend: its first file (they share the tokenizer)
+        header = data_lib.open_token_file(path, config['model']['vocab_size']).header
     except config_lib.ConfigError:
         return None, {}  # the data moved: export the weights without the tokenizer
     if not header.get('tokenizer'):
         return None, header
-    return os.path.join(os.path.dirname(os.path.abspath(data['path'])), header['tokenizer']), header
+    return os.path.join(os.path.dirname(os.path.abspath(path)), header['tokenizer']), header
 
 
 def _safetensors_header(entries: list[tuple[str, tuple[int, ...]]]) -> bytes:

@@ -299,6 +299,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
 
 def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list) -> dict[str, float]:
     # 1. validate everything before writing or compiling anything
+    data_lib.resolve_vocab(c)  # model.vocab_size=0: from the token file header
     config_lib.validate(c, jax.device_count())
     data_lib.check_data(c)
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
@@ -355,6 +356,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
             for step in range(done, c.train.steps):
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
                 state, step_metrics = train_step(state, batch)
+                step_metrics = {**step_metrics, **train_source.epochs(step, c.train.global_batch)}
                 done = step + 1
                 # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
                 if checkpointer.save(done, state, metrics=step_metrics):

@@ -109,6 +109,9 @@ class MetricsWriter:
             postfix['loss'] = f"{values['train/loss']:.4f}"
         if 'perf/tokens_per_s' in values:
             postfix['tok/s'] = f"{values['perf/tokens_per_s']:.4g}"
+        epochs = {k[len('data/epoch'):].lstrip('/'): v for k, v in values.items() if k.startswith('data/epoch')}
+        if epochs:  # epochs completed (per file for a blend): 1.25 = a quarter into epoch 1
+            postfix['epoch'] = ' '.join(f'{k}={v:.3f}' if k else f'{v:.3f}' for k, v in epochs.items())
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
 
