@@ -93,8 +93,10 @@ def base_config() -> ml_collections.ConfigDict:
             attention='auto',  # auto | reference | xla | cudnn
             remat='full',  # none | full | save_dots | save_dots_no_batch
             # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
-            # Unrolling is 15-30 % faster on XLA:CPU for small models and costs compile time.
-            scan_unroll=1,
+            # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
+            # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
+            # where unrolling costs compile time.
+            scan_unroll=0,
         )
     )
 
@@ -299,7 +301,18 @@ class ModelShape:
         return self.d_model // self.num_heads
 
 
-def model_shape(c: ml_collections.ConfigDict) -> ModelShape:
+GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
+
+
+def resolve_scan_unroll(scan_unroll: int, num_layers: int, platform: str | None) -> int:
+    """model.scan_unroll with 0 (auto) resolved: every layer unrolled on GPUs, rolled elsewhere."""
+    if scan_unroll:
+        return scan_unroll
+    return num_layers if platform in GPU_PLATFORMS else 1
+
+
+def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> ModelShape:
+    """The model's static shape; `platform` (a JAX platform name) resolves model.scan_unroll=0."""
     m = c.model
     return ModelShape(
         num_layers=m.num_layers,
@@ -315,7 +328,7 @@ def model_shape(c: ml_collections.ConfigDict) -> ModelShape:
         dtype=m.dtype,
         attention=m.attention,
         remat=m.remat,
-        scan_unroll=m.scan_unroll,
+        scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform),
     )
 
 
@@ -358,8 +371,9 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
             'python -m jaxfrontier.main --config=... --mode=plan',
         )
 
-    for field in ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple',
-                  'scan_unroll'):
+    _require(isinstance(m.scan_unroll, int) and m.scan_unroll >= 0, 'model.scan_unroll', m.scan_unroll,
+             'must be an integer >= 0', 'set 0 (auto), 1 (rolled) or the layers per scan iteration')
+    for field in ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple'):
         _require(isinstance(m[field], int) and m[field] >= 1, f'model.{field}', m[field],
                  'must be a positive integer', f'set model.{field} to a positive integer')
     _require(m.dtype in DTYPES, 'model.dtype', m.dtype, 'unknown dtype', f'use one of {DTYPES}')

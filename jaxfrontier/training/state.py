@@ -101,10 +101,16 @@ class StateLayout:
     abstract_state: dict[str, Any]
 
 
+def _platform(mesh) -> str | None:
+    """The mesh's device platform (None for an AbstractMesh: model.scan_unroll=0 then means rolled)."""
+    devices = getattr(mesh, 'devices', None) if isinstance(mesh, Mesh) else None
+    return None if devices is None else devices.flat[0].platform
+
+
 def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
     """Builds the abstract train state and its shardings for `mesh` (no arrays allocated)."""
     rules = tuple(tuple(r) for r in c.sharding.rules)
-    model_def = ModelDef.create(config_lib.model_shape(c))
+    model_def = ModelDef.create(config_lib.model_shape(c, _platform(mesh)))
     tx, schedule = make_optimizer(c)
     virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
     abstract_params = split_virtual(model_def.abstract_params(), virtual)
