@@ -37,4 +37,5 @@ export JAX_COMPILATION_CACHE_DIR="${JF_NODE_LOCAL}/jax_cache"
 
 export PYTHONUNBUFFERED=1  # nothing lost when a process is killed
 JF_VENV="${JF_VENV:-${PWD}/.venv}"
+source "$(dirname "${BASH_SOURCE[0]}")/xla_flags.sh"  # GPU XLA flags (docs/PERFORMANCE.md, "GPU flags")
 if [[ -f "${JF_VENV}/bin/activate" ]]; then source "${JF_VENV}/bin/activate"; fi
