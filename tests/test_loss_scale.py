@@ -94,3 +94,28 @@ def test_loss_scale_state_is_checkpointed(tmp_path):
     ckpt.close()
     assert {k: float(v) for k, v in restored['loss_scale'].items()} == {
         'scale': 256.0, 'good_steps': 5.0, 'skipped_steps': 3.0}
+
+
+@pytest.mark.slow
+def test_pipeline_seeds_its_backward_with_the_loss_scale():
+    """Pipeline 2 (staggered 1F1B, M = 2): scaled float16 gradients match fp32 where unscaled ones lose digits."""
+    def grads(dtype, loss_scale, pipeline):
+        c = small_config(dtype, loss_scale)
+        c.model.update(num_layers=2, seq_len=32)
+        c.mesh.pipeline = pipeline
+        c.train.update(global_batch=8, micro_batch=4, accum_steps=2)
+        mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:pipeline])
+        layout = ts.make_layout(c, mesh)
+        tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, 256)
+        with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+            state = ts.init_train_state(c, layout)
+            scale = state['loss_scale']['scale'] if 'loss_scale' in state else None
+            _, g = jax.jit(lambda p, t: train.make_loss_and_grads(c, layout)(p, t, state['step'], scale))(
+                state['params'], tokens)
+        g = jax.device_get(g)
+        return jnp.concatenate([jnp.asarray(x).ravel() for x in jax.tree.leaves(g['blocks'])]) / (scale or 1.0)
+
+    ref = grads('float32', 'none', 1)
+    rel_err = lambda g: float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref))  # noqa: E731
+    # Measured: scaled 0.0013, unscaled 0.019.
+    assert rel_err(grads('float16', 'dynamic', 2)) < 0.005 < rel_err(grads('float16', 'none', 2))
