@@ -43,6 +43,11 @@ class GPT(nn.Module):
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads, mlp) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
+        for module in self.modules():  # GPT-2's N(0, 0.02) weights, zero biases (jaxfrontier's init_std)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
 
     def forward(self, tokens, targets):
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))

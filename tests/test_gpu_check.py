@@ -23,7 +23,7 @@ def test_gpu_check_quick_runs_every_part(tmp_path):
     assert record['matmul']['tflops'] > 0
     assert record['layout'].get('ok') is True, record['layout']
     assert record['checkpoint']['save_gib_per_s'] > 0 and record['checkpoint']['restore_gib_per_s'] > 0
-    ran = [r for r in record['steps'] if 'step_s' in r]
+    ran = [r for r in record['steps'] if 'step_s' in r and r.get('impl') != 'torch']
     assert {(r['attention'], r['remat']) for r in ran} == {('auto', 'full'), ('auto', 'none'), ('xla', 'none')}
     for r in ran:
         assert r['tokens_per_s'] > 0 and r['xla_peak_gib'] > 0 and r['planner_gib'] > 0, r
