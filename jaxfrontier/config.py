@@ -44,6 +44,7 @@ REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
 STAGGERED_RESIDUALS = {'full': 'save_dots_no_batch', 'save_dots_no_batch': 'save_dots_no_batch',
                        'save_dots': 'save_dots', 'none': 'none'}
 DTYPES = ('float32', 'bfloat16', 'float16')
+LOSS_SCALES = ('dynamic', 'none')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
 PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
@@ -96,8 +97,10 @@ def base_config() -> ml_collections.ConfigDict:
             attention_block_kv=64,
             remat='full',  # none | full | save_dots | save_dots_no_batch
             # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
-            # Unrolling is 15-30 % faster on XLA:CPU for small models and costs compile time.
-            scan_unroll=1,
+            # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
+            # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
+            # where unrolling costs compile time.
+            scan_unroll=0,
         )
     )
 
@@ -143,6 +146,11 @@ def base_config() -> ml_collections.ConfigDict:
             eps=1e-8,
             weight_decay=0.1,
             clip_norm=1.0,
+            # float16 compute only (training/loss_scale.py): 'dynamic' scales the loss so small
+            # gradients do not underflow and skips steps that overflow; 'none' trains unscaled.
+            loss_scale='dynamic',
+            loss_scale_init=2.0**15,
+            loss_scale_period=2000,  # finite steps before the scale doubles
         )
     )
 
@@ -161,6 +169,11 @@ def base_config() -> ml_collections.ConfigDict:
             workdir_lease_s=600.0,
             # Start even when the compiled step needs more memory than the device has.
             ignore_memory_check=False,
+            # jax.profiler trace of steps [profile_start, profile_start + profile_steps) to
+            # <workdir>/profile/ (0 steps: off); process 0 only unless profile_all_processes.
+            profile_start=5,
+            profile_steps=0,
+            profile_all_processes=False,
         )
     )
 
@@ -304,7 +317,18 @@ class ModelShape:
         return self.d_model // self.num_heads
 
 
-def model_shape(c: ml_collections.ConfigDict) -> ModelShape:
+GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
+
+
+def resolve_scan_unroll(scan_unroll: int, num_layers: int, platform: str | None) -> int:
+    """model.scan_unroll with 0 (auto) resolved: every layer unrolled on GPUs, rolled elsewhere."""
+    if scan_unroll:
+        return scan_unroll
+    return num_layers if platform in GPU_PLATFORMS else 1
+
+
+def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> ModelShape:
+    """The model's static shape; `platform` (a JAX platform name) resolves model.scan_unroll=0."""
     m = c.model
     return ModelShape(
         num_layers=m.num_layers,
@@ -320,7 +344,7 @@ def model_shape(c: ml_collections.ConfigDict) -> ModelShape:
         dtype=m.dtype,
         attention=m.attention,
         remat=m.remat,
-        scan_unroll=m.scan_unroll,
+        scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform),
         attention_block_q=m.attention_block_q,
         attention_block_kv=m.attention_block_kv,
     )
@@ -370,8 +394,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
             'python -m jaxfrontier.main --config=... --mode=plan',
         )
 
+    _require(isinstance(m.scan_unroll, int) and m.scan_unroll >= 0, 'model.scan_unroll', m.scan_unroll,
+             'must be an integer >= 0', 'set 0 (auto), 1 (rolled) or the layers per scan iteration')
     for field in ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple',
-                  'scan_unroll', 'attention_block_q', 'attention_block_kv'):
+                  'attention_block_q', 'attention_block_kv'):
         _require(isinstance(m[field], int) and m[field] >= 1, f'model.{field}', m[field],
                  'must be a positive integer', f'set model.{field} to a positive integer')
     _require(m.dtype in DTYPES, 'model.dtype', m.dtype, 'unknown dtype', f'use one of {DTYPES}')
@@ -397,6 +423,12 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     for field in ('steps', 'global_batch', 'micro_batch', 'accum_steps', 'log_every', 'eval_batches'):
         _require(isinstance(t[field], int) and t[field] >= 1, f'train.{field}', t[field],
                  'must be a positive integer', f'set train.{field} to a positive integer')
+    for field in ('profile_start', 'profile_steps'):
+        _require(isinstance(t[field], int) and t[field] >= 0, f'train.{field}', t[field],
+                 'must be an integer >= 0', f'set train.{field} to 0 or a number of steps')
+    _require(t.profile_steps == 0 or t.profile_start < t.steps, 'train.profile_start', t.profile_start,
+             f'no step of the run (train.steps = {t.steps}) would be traced',
+             'set train.profile_start below train.steps')
     _require(isinstance(t.eval_every, int) and t.eval_every >= 0, 'train.eval_every', t.eval_every,
              'must be an integer >= 0', 'set train.eval_every to 0 (only at the end) or a step interval')
     dp = data_parallel_size(c)
@@ -416,6 +448,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _require(0 <= o.min_lr <= o.lr, 'optim.min_lr', o.min_lr, 'must be in [0, optim.lr]', 'lower optim.min_lr')
     _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, 'optim.b1/b2', (o.b1, o.b2), 'must be in [0, 1)',
              'use e.g. b1=0.9, b2=0.95')
+    _require(o.loss_scale in LOSS_SCALES, 'optim.loss_scale', o.loss_scale, 'unknown loss scaling',
+             f'use one of {LOSS_SCALES}')
+    _require(o.loss_scale_init >= 1 and o.loss_scale_period >= 1, 'optim.loss_scale_init/period',
+             (o.loss_scale_init, o.loss_scale_period), 'must be >= 1', 'use e.g. 2.0**15 and 2000')
     _require(o.warmup_steps >= 0 and o.decay_steps >= 0, 'optim.warmup_steps', o.warmup_steps,
              'warm-up and decay steps must be >= 0', 'set them to non-negative integers')
 

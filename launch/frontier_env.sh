@@ -83,5 +83,6 @@ export MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}"
 unset CUDA_VISIBLE_DEVICES HIP_VISIBLE_DEVICES
 export PYTHONUNBUFFERED=1  # nothing lost when a process is killed
 JF_VENV="${JF_VENV:-${PWD}/.venv}"
+source "$(dirname "${BASH_SOURCE[0]}")/xla_flags.sh"  # GPU XLA flags (docs/PERFORMANCE.md, "GPU flags")
 if [[ -f "${JF_VENV}/bin/activate" ]]; then source "${JF_VENV}/bin/activate"; fi
 unset _jf_nodes _jf_user _jf_project

@@ -24,15 +24,13 @@ def build_schedule(c: ml_collections.ConfigDict) -> schedules.Schedule | schedul
 
 
 def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropout_key_fn):
-    """`(params, micro_abt, step) -> (mean loss, grads)` of a pipelined layout (train.py lays out the result)."""
+    """`(params, micro_abt, step[, scale]) -> (mean loss, grads)` of a pipelined layout (train.py lays out the result)."""
     schedule = build_schedule(c)
 
-    def pipeline_grads(params, micro_abt, step):
+    def pipeline_grads(params, micro_abt, step, scale=None):  # scale: float16's loss scale (grads come back scaled)
         blocks, shared = split_shared(params)
-        if isinstance(schedule, schedules.Staggered):
-            engine = staggered.make_engine(c, model_def, schedule, lambda m: dropout_key_fn(c, step, m))
-        else:
-            engine = lockstep.make_engine(c, model_def, schedule, lambda m: dropout_key_fn(c, step, m))
+        make_engine = staggered.make_engine if isinstance(schedule, schedules.Staggered) else lockstep.make_engine
+        engine = make_engine(c, model_def, schedule, lambda m: dropout_key_fn(c, step, m), scale)
         block_spec = jax.tree.map(lambda _: P(None, AXIS) if schedule.virtual > 1 else P(AXIS), blocks)
         shared_spec = jax.tree.map(lambda _: P(), shared)
         run = jax.shard_map(engine, in_specs=(block_spec, shared_spec, P()),

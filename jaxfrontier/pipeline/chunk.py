@@ -61,9 +61,10 @@ class ChunkOps:
     """
 
     def __init__(self, model_def: ModelDef, seq_len: int, layers_per_chunk: int, num_micro: int, dropout_key_fn,
-                 tokens: TokenSplit):
+                 tokens: TokenSplit, loss_scale: jax.Array | None = None):
         self.model_def, self.seq_len, self.lc = model_def, seq_len, layers_per_chunk
         self.num_micro, self.dropout_key_fn, self.tokens = num_micro, dropout_key_fn, tokens
+        self.loss_scale = loss_scale  # float16: the backward pass starts from this instead of 1
 
     def model(self, chunk, shared):
         return self.model_def.bind({'blocks': chunk, **shared})
@@ -104,7 +105,8 @@ class ChunkOps:
     def loss_vjp(self, chunk, shared, y, tokens):
         fn = lambda sh, yy: self.model(chunk, sh).head_loss(yy, tokens[:, 1:]) / self.num_micro
         loss, pull = jax.vjp(fn, shared, y)
-        g_shared, g_y = pull(jnp.ones((), jnp.float32))
+        seed = jnp.ones((), jnp.float32) if self.loss_scale is None else self.loss_scale.astype(jnp.float32)
+        g_shared, g_y = pull(seed)
         return loss, g_shared, g_y
 
     def f_none(self, chunk, shared, tokens, stash_lx, m, c):

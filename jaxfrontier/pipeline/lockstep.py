@@ -32,12 +32,13 @@ from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, s
                                          zero_activation)
 
 
-def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: schedules.Schedule, dropout_key_fn):
+def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: schedules.Schedule, dropout_key_fn,
+                loss_scale=None):
     """The per-stage tick loop: (local blocks, shared, micro tokens) -> (loss, grads)."""
     p_size, v_size = schedule.num_stages, schedule.virtual
     lc = c.model.num_layers // (p_size * v_size)
     ops = ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                    TokenSplit(c.pipeline.shard_activations))
+                    TokenSplit(c.pipeline.shard_activations), loss_scale)
     f_ops = [ops.f_none, ops.f_first, ops.f_mid]
     b_ops = [ops.b_none, ops.b_first, ops.b_mid, ops.b_last, ops.b_only]
     dtype = jnp.dtype(c.model.dtype)

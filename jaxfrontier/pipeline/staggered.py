@@ -175,13 +175,14 @@ _B_KINDS = {schedules.BS_NONE: 'none', schedules.BS_FIRST: 'first', schedules.BS
             schedules.BS_LAST: 'last'}
 
 
-def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: schedules.Staggered, dropout_key_fn):
+def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: schedules.Staggered, dropout_key_fn,
+                loss_scale=None):
     """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, grads); pipeline.py's contract."""
     p_size = schedule.num_stages
     lc = c.model.num_layers // p_size
     dtype = jnp.dtype(c.model.dtype)
     ops = StaggeredOps(ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                                         TokenSplit(c.pipeline.shard_activations)), dtype, c.model.remat)
+                                         TokenSplit(c.pipeline.shard_activations), loss_scale), dtype, c.model.remat)
     a_ops = [ops.a_branch(*_A_KINDS[k]) for k in range(len(_A_KINDS))]
     b_ops = [ops.b_branch(_B_KINDS[k]) for k in range(len(_B_KINDS))]
     a_table, b_table = jnp.asarray(schedule.a_table), jnp.asarray(schedule.b_table)

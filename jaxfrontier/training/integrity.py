@@ -66,12 +66,14 @@ def is_checksum_error(error: BaseException) -> bool:
 def health(metrics: dict[str, Any]) -> dict[str, Any]:
     """{'loss', 'grad_norm', 'param_norm' (floats), 'finite' (bool)} of one step's metrics.
 
-    One host sync on three scalars; at a save step the save waits for that step anyway.
+    One host sync on three scalars; at a save step the save waits for that step anyway. A step
+    that float16 loss scaling skipped (`train/step_skipped`) kept the old, finite state: its
+    overflowing gradient norm is not divergence.
     """
-    values = jax.device_get([metrics[k] for k in HEALTH_KEYS if k in metrics])
-    out: dict[str, Any] = {k.split('/', 1)[1]: float(v) for k, v in zip([k for k in HEALTH_KEYS if k in metrics],
-                                                                         values)}
-    out['finite'] = all(math.isfinite(v) for v in out.values())
+    keys = [k for k in HEALTH_KEYS if k in metrics]
+    values, skipped = jax.device_get(([metrics[k] for k in keys], metrics.get('train/step_skipped', 0)))
+    out: dict[str, Any] = {k.split('/', 1)[1]: float(v) for k, v in zip(keys, values)}
+    out['finite'] = all(math.isfinite(v) for k, v in out.items() if not (k == 'grad_norm' and int(skipped)))
     return out
 
 

@@ -32,6 +32,8 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import memory_check
 from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier import pipeline
+from jaxfrontier.training import loss_scale
+from jaxfrontier.training import profile as profile_lib
 from jaxfrontier.training import reduction
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import workdir_lock
@@ -60,7 +62,7 @@ def _dropout_key(c: ml_collections.ConfigDict, step: jax.Array, micro: jax.Array
 
 
 def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs):
-    """`(params, micro_abt, step) -> (mean loss, mean grads)` over the micro-batches (no pipeline).
+    """`(params, micro_abt, step[, scale]) -> (mean loss, mean grads)` over the micro-batches (no pipeline).
 
     The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
     """
@@ -69,17 +71,25 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs
     def micro_loss(params, tokens_bt, key):
         return model_def.bind(params).loss(tokens_bt[:, :-1], tokens_bt[:, 1:], key)
 
-    grad_fn = jax.value_and_grad(micro_loss)
+    value_and_grad = jax.value_and_grad(micro_loss)
+
+    def grad_fn(params, tokens_bt, key, scale):
+        if scale is None:
+            return value_and_grad(params, tokens_bt, key)
+        # Loss scaling (float16): the backward pass starts from `scale`, not 1; the loss is unscaled.
+        loss, pull = jax.vjp(lambda p: micro_loss(p, tokens_bt, key), params)
+        return loss, pull(scale.astype(loss.dtype))[0]
+
     constrain = lambda tree: jax.lax.with_sharding_constraint(tree, grad_specs)  # noqa: E731
 
-    def accumulate(params, micro_abt, step):
+    def accumulate(params, micro_abt, step, scale=None):
         if accum == 1:
-            return grad_fn(params, micro_abt[0], _dropout_key(c, step, 0))
+            return grad_fn(params, micro_abt[0], _dropout_key(c, step, 0), scale)
 
         def body(carry, xs):
             loss_sum, grad_sum = carry
             tokens_bt, index = xs
-            loss, grads = grad_fn(params, tokens_bt, _dropout_key(c, step, index))
+            loss, grads = grad_fn(params, tokens_bt, _dropout_key(c, step, index), scale)
             return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), None
 
         zeros = constrain(jax.tree.map(jnp.zeros_like, params))
@@ -91,7 +101,7 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs
 
 
 def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    """Returns `loss_and_grads(params, tokens, step) -> (loss, grads)` over the accumulation steps.
+    """Returns `loss_and_grads(params, tokens, step, scale=None) -> (loss, grads)` over the accumulation steps.
 
     The loss is the mean over all tokens of the global batch; gradients are averaged over the
     micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
@@ -110,8 +120,9 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     if once:
         micro_fn = reduction.data_local(micro_fn, layout.rules)
 
-    def loss_and_grads(params, tokens_gt, step):
-        loss, grads = micro_fn(params, split_micro_batches(tokens_gt, accum, dp), step)
+    def loss_and_grads(params, tokens_gt, step, scale=None):
+        scaled = () if scale is None else (scale,)  # float16: gradients come back multiplied by `scale`
+        loss, grads = micro_fn(params, split_micro_batches(tokens_gt, accum, dp), step, *scaled)
         return loss, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
 
     return loss_and_grads
@@ -123,17 +134,26 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     loss_and_grads = make_loss_and_grads(c, layout)
 
     def train_step(state: State, tokens_gt: jax.Array) -> tuple[State, dict[str, jax.Array]]:
-        params = state['params']
-        loss, grads = loss_and_grads(params, tokens_gt, state['step'])
+        params, scale_state = state['params'], state.get('loss_scale')
+        scale = None if scale_state is None else scale_state['scale']
+        loss, grads = loss_and_grads(params, tokens_gt, state['step'], scale)
+        if scale_state is not None:
+            grads = loss_scale.unscale(c, scale_state, grads)
         updates, opt_state = tx.update(grads, state['opt_state'], params)
-        params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), layout.param_shardings)
+        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), layout.param_shardings)
+        new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
+        extra = {}
+        if scale_state is not None:  # float16: an overflowing step keeps the old params and moments
+            (new_state['params'], new_state['opt_state']), new_state['loss_scale'], extra = loss_scale.finish_step(
+                c, scale_state, grads, (new_params, opt_state), (params, state['opt_state']))
         metrics = {
             'train/loss': loss,
             'train/grad_norm': optax.tree.norm(grads),
-            'train/param_norm': optax.tree.norm(params),
+            'train/param_norm': optax.tree.norm(new_state['params']),
             'train/lr': schedule(state['step']),
+            **extra,
         }
-        return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+        return new_state, metrics
 
     return train_step
 
@@ -348,6 +368,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count(), first_row={'compile/time_s': compile_s, **memory})
     preemption = preemption_lib.PreemptionWatcher(c.checkpoint)
+    profiler = profile_lib.StepProfiler(c, workdir)
     pending, stop, step_metrics = None, False, None
     commits = _CommitLog(checkpointer)
     try:
@@ -355,9 +376,11 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
                 mesh_lib.use_rules(layout.rules):
             for step in range(done, c.train.steps):
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
-                state, step_metrics = train_step(state, batch)
+                with profiler.step(step):
+                    state, step_metrics = train_step(state, batch)
                 step_metrics = {**step_metrics, **train_source.epochs(step, c.train.global_batch)}
                 done = step + 1
+                profiler.after(done, step_metrics)
                 # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
                 if checkpointer.save(done, state, metrics=step_metrics):
                     commits.started(done, state)
@@ -381,6 +404,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
     except metrics_lib.NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
         raise checkpointer.with_resume_hint(e) from None
     finally:
+        profiler.close()
         writer.close()
         checkpointer.close()
     peaks = [hardware.memory_stats(d).get('peak_bytes_in_use') for d in jax.local_devices()]

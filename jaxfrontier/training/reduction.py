@@ -42,7 +42,7 @@ def local_rules(rules: mesh_lib.Rules) -> mesh_lib.Rules:
 
 
 def data_local(fn, rules: mesh_lib.Rules):
-    """`fn(params, micro_abt, step) -> (loss, grads)` run per data-parallel replica, reduced once.
+    """`fn(params, micro_abt, step[, scale]) -> (loss, grads)` run per data-parallel replica, reduced once.
 
     micro_abt's rows are split over `data` (each replica keeps the rows it already holds:
     train.split_micro_batches lays rows out data-major); loss and gradients are averaged over
@@ -50,10 +50,13 @@ def data_local(fn, rules: mesh_lib.Rules):
     """
     inner_rules = local_rules(rules)
 
-    def local(params, micro_abt, step):
+    def local(params, micro_abt, step, *scale):
         with mesh_lib.use_rules(inner_rules):
-            loss, grads = fn(params, micro_abt, step)
+            loss, grads = fn(params, micro_abt, step, *scale)
         return jax.lax.pmean(loss, AXIS), jax.lax.pmean(grads, AXIS)
 
-    return jax.shard_map(local, in_specs=(P(), P(None, AXIS), P()), out_specs=(P(), P()),
-                         axis_names={AXIS}, check_vma=False)
+    def run(params, micro_abt, step, *scale):  # `scale`: float16's loss scale, when there is one
+        return jax.shard_map(local, in_specs=(P(), P(None, AXIS), P()) + (P(),) * len(scale),
+                             out_specs=(P(), P()), axis_names={AXIS}, check_vma=False)(params, micro_abt, step, *scale)
+
+    return run

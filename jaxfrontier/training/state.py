@@ -1,6 +1,7 @@
 """Train state, optimizer and their placement on the mesh.
 
-The train state is a plain pytree, `{'step', 'params', 'opt_state'}`, with `params` a nested
+The train state is a plain pytree, `{'step', 'params', 'opt_state'}` (plus `'loss_scale'` for
+float16, training/loss_scale.py), with `params` a nested
 dict of fp32 arrays (the model's `nnx.State` as a pure dict) — easy to checkpoint, export and
 reshard. It is built abstractly with `jax.eval_shape`, its shardings come from the logical
 axis names of the parameters, and one jitted init materialises it already sharded.
@@ -28,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier.training import loss_scale
 from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual, split_virtual_specs
 def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
     """Linear warm-up from 0 to optim.lr, then cosine decay to optim.min_lr."""
@@ -99,10 +101,16 @@ class StateLayout:
     abstract_state: dict[str, Any]
 
 
+def _platform(mesh) -> str | None:
+    """The mesh's device platform (None for an AbstractMesh: model.scan_unroll=0 then means rolled)."""
+    devices = getattr(mesh, 'devices', None) if isinstance(mesh, Mesh) else None
+    return None if devices is None else devices.flat[0].platform
+
+
 def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
     """Builds the abstract train state and its shardings for `mesh` (no arrays allocated)."""
     rules = tuple(tuple(r) for r in c.sharding.rules)
-    model_def = ModelDef.create(config_lib.model_shape(c))
+    model_def = ModelDef.create(config_lib.model_shape(c, _platform(mesh)))
     tx, schedule = make_optimizer(c)
     virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
     abstract_params = split_virtual(model_def.abstract_params(), virtual)
@@ -137,6 +145,9 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
         'opt_state': abstract_opt,
     }
     state_shardings = {'step': replicated, 'params': param_shardings, 'opt_state': opt_shardings}
+    if loss_scale.enabled(c):  # float16: the dynamic loss scale travels with the state (and checkpoints)
+        abstract_state['loss_scale'] = loss_scale.abstract_state()
+        state_shardings['loss_scale'] = jax.tree.map(lambda _: replicated, abstract_state['loss_scale'])
     return StateLayout(model_def, tx, schedule, mesh, rules, param_shardings, update_shardings,
                        state_shardings, abstract_state)
 
@@ -148,7 +159,10 @@ def init_train_state(c: ml_collections.ConfigDict, layout: StateLayout) -> dict[
 
     def init(key):
         params = split_virtual(init_params(shape, key), virtual)
-        return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': layout.tx.init(params)}
+        state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': layout.tx.init(params)}
+        if loss_scale.enabled(c):
+            state['loss_scale'] = loss_scale.init_state(c)
+        return state
 
     with jax.set_mesh(layout.mesh):
         return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(c.seed))

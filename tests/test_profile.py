@@ -1,0 +1,31 @@
+"""`train.profile_start` / `train.profile_steps`: a jax.profiler trace under <workdir>/profile/."""
+
+import glob
+import os
+import subprocess
+import sys
+
+from processes import REPO, TINY, subprocess_env
+
+
+def run_main(workdir, *more):
+    return subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *TINY, f'--workdir={workdir}',
+                           '--config.train.steps=4', '--config.checkpoint.enabled=False', *more],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_trace_of_the_requested_steps_is_written(tmp_path):
+    out = run_main(tmp_path, '--config.train.profile_start=1', '--config.train.profile_steps=2')
+    assert out.returncode == 0, out.stderr[-3000:]
+    traces = glob.glob(str(tmp_path / 'profile' / 'plugins' / 'profile' / '*' / '*.xplane.pb'))
+    assert len(traces) == 1 and os.path.getsize(traces[0]) > 0, os.listdir(tmp_path)
+    # The trace holds the annotated train steps 1 and 2 (their names are in the serialized XPlane).
+    data = open(traces[0], 'rb').read()
+    assert b'train' in data
+    assert 'profile: steps 1..2 traced to' in out.stderr
+
+
+def test_profile_off_by_default_and_bad_values_fail_cleanly(tmp_path):
+    out = run_main(tmp_path / 'bad', '--config.train.profile_start=9', '--config.train.profile_steps=2')
+    assert out.returncode == 2 and 'config.train.profile_start = 9' in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / 'bad' / 'profile').exists()
