@@ -208,8 +208,11 @@ def test_bad_input_is_one_line_and_runs_nothing(tmp_path, args, message):
 # Stubs for a Slurm allocation of 2 nodes: scontrol names them; srun records its arguments and the
 # time, then exits 0 without training (the trials are recorded as crashed: no measured steps).
 _SCONTROL = '#!/bin/bash\n[[ "$*" == "show hostnames nid[01-02]" ]] && printf "nid01\\nnid02\\n"\n'
+# Concurrent steps append to one log: one O_APPEND write per record keeps the lines whole.
 _SRUN = '''#!/bin/bash
-python3 -c 'import json, sys, time; print(json.dumps({"args": sys.argv[1:], "start": time.time()}))' "$@" >> "$STUB_LOG"
+python3 -c 'import json, os, sys, time
+fd = os.open(os.environ["STUB_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+os.write(fd, (json.dumps({"args": sys.argv[1:], "start": time.time()}) + "\\n").encode())' "$@"
 sleep 1.5
 '''
 

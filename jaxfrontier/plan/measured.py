@@ -84,14 +84,29 @@ def _set(c: ml_collections.ConfigDict, layout: dict[str, Any]) -> None:
         c.train.global_batch = (c.train.micro_batch * c.train.accum_steps * c.mesh.data * c.mesh.fsdp)
 
 
+def _with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A recorded config, with the fields added since it was written at today's defaults."""
+    c = ml_collections.ConfigDict(saved)
+
+    def fill(dst: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict) -> None:
+        for key, value in defaults.items():
+            if key not in dst:
+                dst[key] = value
+            elif isinstance(value, ml_collections.ConfigDict) and isinstance(dst[key], ml_collections.ConfigDict):
+                fill(dst[key], value)
+
+    fill(c, config_lib.base_config())
+    return c
+
+
 def _trial_config(record: dict[str, Any], path: str, line: int) -> ml_collections.ConfigDict:
     if 'config' in record:
-        return ml_collections.ConfigDict(record['config'])
+        return _with_defaults(record['config'])
     fallback = os.path.join(os.path.dirname(os.path.abspath(path)), 'trials', str(record.get('trial_id')),
                             'config.json')
     try:
         with open(fallback, encoding='utf-8') as f:
-            return ml_collections.ConfigDict(json.load(f))
+            return _with_defaults(json.load(f))
     except (OSError, ValueError):
         raise _fail(path, line, f'trial {record.get("trial_id")} has no config and {fallback} is not readable',
                     'rerun the sweep with this version (its records hold the config), or keep the trials/ '
