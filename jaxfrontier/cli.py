@@ -38,9 +38,18 @@ def user_error_in_chain(e: BaseException | None) -> errors.UserError | None:
 
 
 def exit_code(e: Exception) -> int:
-    """Prints a user-facing error as one line; returns 2 (bad input), 3 (NaN/Inf loss) or 4 (process group)."""
+    """Prints a user-facing error as one line; returns 2 (bad input), 3 (NaN/Inf loss) or 4 (process group).
+
+    An error marked `abandon_threads` (a full disk under Orbax's writer threads) ends the
+    process here, so their shutdown noise cannot follow the one line.
+    """
     print(f'error: {e}', file=sys.stderr)
-    return getattr(e, 'exit_code', 2 if isinstance(e, errors.UserError) else 3)
+    code = getattr(e, 'exit_code', 2 if isinstance(e, errors.UserError) else 3)
+    if getattr(e, 'abandon_threads', False):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # pylint: disable=protected-access  (skip joining the failed writer threads)
+    return code
 
 
 def wants_help(argv: list[str]) -> bool:

@@ -38,6 +38,14 @@ def _size(n: int) -> str:
     return f'{n / 2**30:.2f} GiB' if n >= 2**30 else f'{n / 2**20:.1f} MiB'
 
 
+class DiskFullError(UserError):
+    """A write failed for lack of space. Orbax's failed writer threads would print tracebacks at
+    interpreter exit, after the one line: the process leaves without waiting for them
+    (`cli.exit_code`'s `abandon_threads`); what was committed before is on disk already."""
+
+    abandon_threads = True
+
+
 def disk_full_error(e: OSError, workdir: str) -> UserError:
     """One line: the path that could not be written, the free space there, the fix."""
     path = e.filename or workdir
@@ -49,7 +57,7 @@ def disk_full_error(e: OSError, workdir: str) -> UserError:
         free = f'{_size(usage.free)} free of {_size(usage.total)}'
     except OSError:
         free = 'free space unknown'
-    return UserError(
+    return DiskFullError(
         f'no space left on the device holding {path} ({free}; {e.strerror or e}). Checkpoints committed '
         f'before are intact. Fix: free space there (older runs, {os.path.join(workdir, "checkpoints")} steps '
         'you do not need) or use a --workdir on a file system with room, then rerun the same command to '
