@@ -107,6 +107,20 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def main(workdir, *overrides, mode='train'):
+    """`python -m jaxfrontier.main` on the tiny test config, as a user runs it (output captured)."""
+    from processes import TINY, subprocess_env  # pylint: disable=g-import-not-at-top
+    cmd = [sys.executable, '-m', 'jaxfrontier.main', *TINY, f'--workdir={workdir}', f'--mode={mode}', *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+
+
+def error_line(proc):
+    """The one `error: ` line of a refused command (asserts there is exactly one)."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
 def no_init():
     raise AssertionError('must not start from scratch')
 

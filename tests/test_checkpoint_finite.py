@@ -9,8 +9,6 @@ without compiling a train step.
 
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -19,25 +17,14 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import metrics as metrics_lib
-from processes import REPO, TINY, read_metrics, subprocess_env
+from processes import read_metrics
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    make_config, layout_for, random_state, save_state, read_numpy, flat_numpy, no_init)
+    make_config, layout_for, random_state, save_state, read_numpy, flat_numpy, no_init, main, error_line)
 
 pytestmark = pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
 
 DIVERGE = ('--config.optim.lr=1e4', '--config.checkpoint.every_steps=1', '--config.checkpoint.keep=3')
-
-
-def main(workdir, *overrides, mode='train'):
-    cmd = [sys.executable, '-m', 'jaxfrontier.main', *TINY, f'--workdir={workdir}', f'--mode={mode}', *overrides]
-    return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-
-
-def error_line(proc):
-    lines = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
 
 
 def steps_of(workdir):

@@ -3,8 +3,6 @@
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +11,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.training import loop as train
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    REPO, make_config, layout_for, no_init, _largest_file, vocab300)
+    REPO, make_config, layout_for, no_init, _largest_file, vocab300, main, error_line)
 
 # A failed Orbax read (the corruption tests) leaves TensorStore callbacks aimed at the asyncio
 # loop it has closed; Python reports them as unraisable at some later test. Nothing leaks.
@@ -111,18 +109,6 @@ def test_missing_state_metadata_is_corruption(vocab300, tmp_path):
 
 
 # --------------------------------------------------------------------------- command line (slow)
-
-
-def main(workdir, *overrides, mode='train'):
-    from processes import TINY, subprocess_env  # pylint: disable=g-import-not-at-top
-    cmd = [sys.executable, '-m', 'jaxfrontier.main', *TINY, f'--workdir={workdir}', f'--mode={mode}', *overrides]
-    return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-
-
-def error_line(proc):
-    lines = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
 
 
 @pytest.fixture(scope='module')
