@@ -3,7 +3,8 @@
   python benchmarks/checkpoint.py [--quick] [--dir=/tmp/jf_ckpt_bench] [--rounds=2] [--formats=a,b] > checkpoint.jsonl
 
 The train state (parameters + two Adam moments, fp32) of a GPT of 6 layers x 1024 wide with a
-32,768-token vocabulary: 1.22 GiB over 8 simulated CPU devices with fsdp 8 (every device
+32,768-token vocabulary, every array drawn at random as a trained state's are (Adam's moments
+are zeros at init, which zstd would shrink to nothing): 1.22 GiB over 8 simulated CPU devices with fsdp 8 (every device
 holds 1/8; nothing replicated). `--quick` uses 2 layers x 512 (0.26 GiB) to check the script.
 
 Measured through jaxfrontier.training.checkpoint.Checkpointer, the code the training loop runs, after
@@ -25,6 +26,8 @@ Two formats, measured in alternating rounds (ABBA, so a change in the machine's 
   before      the format before checksums: Orbax's default zarr2, no checksum on the data
   zarr3_no_crc  (--formats=crc32c,before,zarr3_no_crc) zarr3 + zstd 1 without the CRC32C: the
               format change alone
+  crc32c_no_zstd  (likewise) zarr3 chunks with the CRC32C but no compression
+disk_gib is the size of one committed step directory.
 
 Numbers depend on the disk and on the page cache: the restore reads files just written, so
 it measures TensorStore decode + resharding more than the disk. JSON lines, then a table of
@@ -95,8 +98,34 @@ def _use(build, checksums):
     return handler
 
 
+def _zarr3_crc32c_no_zstd(*args, **kwargs):
+    metadata = _WITH_CRC32C(*args, **kwargs)
+    for codec in metadata['codecs']:
+        codec['configuration']['codecs'] = [c for c in codec['configuration']['codecs'] if c['name'] != 'zstd']
+    return metadata
+
+
+_zarr3_crc32c_no_zstd.jaxfrontier_checksum = True
+
+
 FORMATS = {'crc32c': _use(_WITH_CRC32C, True), 'before': _use(_WITH_CRC32C, False),
-           'zarr3_no_crc': _use(_zarr3_without_crc32c, True)}
+           'zarr3_no_crc': _use(_zarr3_without_crc32c, True),
+           'crc32c_no_zstd': _use(_zarr3_crc32c_no_zstd, True)}
+
+
+def trained_like(state):
+    """The state with every floating array drawn at random: Adam's moments are zeros at init,
+    which zstd shrinks to nothing, while a trained run's moments are as incompressible as its
+    parameters."""
+    leaves, treedef = jax.tree.flatten(state)
+
+    def fill(leaves):
+        keys = jax.random.split(jax.random.key(0), len(leaves))
+        return [x + 1e-3 * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                for x, k in zip(leaves, keys)]
+
+    out = jax.jit(fill, out_shardings=[x.sharding for x in leaves])(leaves)
+    return jax.tree.unflatten(treedef, out)
 
 
 @jax.jit
@@ -124,8 +153,11 @@ def time_saves(c, state, directory, gib, with_metrics=False):
         if step:
             times.append((blocked, total, check))
     checkpointer.close()
+    newest = os.path.join(checkpointer.directory, str(ckpt_lib.committed_steps(checkpointer.directory)[-1]))
+    disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(newest) for f in fs)
     blocked_s, total_s, check_s = (statistics.median(t[i] for t in times) for i in range(3))
-    return {'blocked_s': blocked_s, 'total_s': total_s, 'check_s': check_s, 'gib_per_s': gib / total_s}
+    return {'blocked_s': blocked_s, 'total_s': total_s, 'check_s': check_s, 'gib_per_s': gib / total_s,
+            'disk_gib': disk / 2**30}
 
 
 def time_restores(c, directory, gib):
@@ -165,7 +197,7 @@ def main():
     rounds = int(next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--rounds=')), '2'))
     shutil.rmtree(root, ignore_errors=True)
     c = bench_config(quick)
-    state = ts.init_train_state(c, layout_for(c))
+    state = trained_like(ts.init_train_state(c, layout_for(c)))
     arrays, gib = ckpt_lib.describe_arrays(state)
     common = {'state_gib': gib, 'arrays': arrays, 'devices': jax.device_count(), 'platform': jax.devices()[0].platform}
     rows = []
@@ -182,8 +214,9 @@ def main():
     for key in dict.fromkeys(tuple(row[k] for k in keys) for row in rows):
         same = [row for row in rows if tuple(row[k] for k in keys) == key]
         table.append({**same[0], **{k: statistics.median(row[k] for row in same)
-                                    for k in ('blocked_s', 'total_s', 'check_s', 'gib_per_s') if k in same[0]}})
-    harness.print_table(table, [*keys, 'state_gib', 'blocked_s', 'check_s', 'total_s', 'gib_per_s'])
+                                    for k in ('blocked_s', 'total_s', 'check_s', 'gib_per_s', 'disk_gib')
+                                    if k in same[0]}})
+    harness.print_table(table, [*keys, 'state_gib', 'disk_gib', 'blocked_s', 'check_s', 'total_s', 'gib_per_s'])
     shutil.rmtree(root, ignore_errors=True)
 
 
