@@ -1,10 +1,10 @@
 """Calibrating the planner on this machine and on the paper's numbers; the tables of docs/planner.md.
 
-  python benchmarks/calibrate.py                      # sweep (24 layouts, ~40 min on 2 busy cores) + fits
+  python benchmarks/calibrate.py                      # sweep (24 layouts, ~20 min on 2 quiet cores) + fits
   python benchmarks/calibrate.py --results=/tmp/calib_sweep/results.jsonl   # fit an existing sweep
 
 1. CPU: a sweep of tensor 1, 2, 4 x pipeline 1, 2 x micro-batch 1, 2 x remat none, full of
-   configs/tiny.py (fsdp 1) on 8 simulated CPU devices (`python -m jaxfrontier.sweep`), its
+   configs/tiny.py widened to 4 x 256, sequence 256 (fsdp 1) on 8 simulated CPU devices (`python -m jaxfrontier.sweep`), its
    records copied to benchmarks/results/calibrate_cpu_sweep.jsonl (the test suite refits them),
    the starting description (`local`, this host's measured matmul peak) to
    calibrate_cpu_prior.json, then `python -m jaxfrontier.calibrate` -> calibrate_cpu.json and
@@ -26,7 +26,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, 'benchmarks', 'results')
-SWEEP = ['--config=configs/tiny.py', '--config.mesh.fsdp=1', '--devices=8', '--space=tensor=1,2,4',
+# configs/tiny.py widened (4 layers x 256, sequence 256) so that a step is mostly compute, not the
+# fixed cost of running 8 simulated devices on the host's threads, which no layout changes.
+SWEEP = ['--config=configs/tiny.py', '--config.mesh.fsdp=1', '--config.model.num_layers=4',
+         '--config.model.d_model=256', '--config.model.seq_len=256', '--devices=8', '--space=tensor=1,2,4',
          '--space=pipeline=1,2', '--space=micro_batch=1,2', '--space=remat=none,full', '--warmup=3', '--steps=10']
 SCALING = {'175b': '128,256,512,1024', '1t': '512,1024,1536,3072'}
 

@@ -96,22 +96,22 @@ def test_identifiability_leaves_out_zero_and_collinear_columns():
 
 
 def test_fresh_fit_of_the_checked_in_cpu_sweep():
-    """The CPU sweep measured on this project's machine, refitted from scratch.
+    """The CPU sweep measured on this project's machine, refitted from scratch (deterministic).
 
-    The issue asked for <= 15 % held-out error and a rank correlation >= 0.8 here. Not met: the
-    machine (2 cores, load 8-15 from other jobs) measures the same layout up to 3x apart between
-    two passes (`repeat_median_abs_rel_spread`, docs/planner.md), a noise floor no model fits
-    through. What holds: calibration improves on the uncalibrated error, held out.
+    The issue asks for <= 15 % held-out error and a rank correlation >= 0.8. The error holds
+    (13.3 % leave-one-out on the quiet-machine sweep of benchmarks/calibrate.py, 34 %
+    uncalibrated). The rank correlation does not (0.12): the 24 layouts measure within 1.0-1.8 s,
+    a spread close to the run-to-run noise, and remat=full measures faster than remat=none in 7
+    of 12 pairs on this CPU, which a model that charges recomputation in FLOPs cannot rank.
     """
     prior = hw_lib.load(CPU_PRIOR)
     ms = measured.load([CPU_SWEEP], prior)
-    assert len(ms) >= 12
     assert len({(m.work.layout.tensor, m.work.layout.pipeline, m.work.layout.micro_batch, m.work.layout.remat)
                 for m in ms}) == len(ms) == 24
     _, report = fit_lib.calibrate(ms, prior)
+    assert report['holdout_median_abs_rel_error'] <= 0.15, report['holdout_median_abs_rel_error']
     assert report['holdout_median_abs_rel_error'] < report['uncalibrated_median_abs_rel_error']
     assert report['fit_median_abs_rel_error'] <= report['holdout_median_abs_rel_error']
-    assert report['repeated_layouts'] >= 1 and report['repeat_median_abs_rel_spread'] > 0.05
 
 
 def test_paper_points_calibrate_mi250x():
