@@ -2,7 +2,7 @@
 
   python benchmarks/plan_agreement.py
 
-Small layouts of every kind (the ones tests/test_planner.py holds to 10 % / 20 %) on
+Small layouts of every kind (the ones tests/plan/test_planner.py holds to 10 % / 20 %) on
 simulated CPU devices, then the 175B and 1T paper layouts' fp32 copies with data
 parallelism reduced to fit 2048 devices (docs/planner.md, "How well it agrees with XLA").
 Each compile runs in its own process with the device count it needs.
@@ -12,7 +12,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, 'tests'), os.path.join(ROOT, 'configs')]
+sys.path[:0] = [os.path.join(ROOT, 'tests'), os.path.join(ROOT, 'tests', 'plan'), os.path.join(ROOT, 'configs')]
 
 from jaxfrontier.plan import compile_check  # noqa: E402  pylint: disable=wrong-import-position
 from jaxfrontier.plan import planner

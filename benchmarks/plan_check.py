@@ -12,7 +12,7 @@ For each model (configs/<model>.py, the paper's layout):
      upcasts 16-bit work (docs/planner.md);
   4. the layout search on the paper's device count (175B: 1,024 GCDs, 1T: 3,072).
 Writes everything to --out (default benchmarks/results/plan_check.json) and prints a summary.
-The checked-in file is regenerated with the code it describes (tests/test_calibrate.py holds its
+The checked-in file is regenerated with the code it describes (tests/plan/test_calibrate.py holds its
 plans equal to fresh ones); `--no-compile` leaves out step 3 (hours of XLA:CPU for 1T).
 """
 

@@ -15,7 +15,7 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier import scaling
 from processes import REPO, subprocess_env
-from test_sweep import _png_axes
+from sweeps import png_axes
 
 # tensor 1, fsdp 1: the data axis takes every device; 8 sequences per step at 4 devices.
 SMALL = ('--config=configs/tiny.py', '--config.model.d_model=32', '--config.model.seq_len=32',
@@ -76,7 +76,7 @@ def test_weak_and_strong_scaling_on_two_device_counts(tmp_path):
         assert float(table[study, 4]['efficiency']) == pytest.approx((t4 / 4) / (t2 / 2))
     report = (tmp_path / 'scaling.md').read_text()
     assert report.count('| weak |') == 2 and report.count('| strong |') == 2 and '![scaling](scaling.png)' in report
-    axes = _png_axes(tmp_path / 'scaling.png')
+    axes = png_axes(tmp_path / 'scaling.png')
     assert [(a['x'], a['y']) for a in axes] == [('devices', 'tokens/s'), ('devices', 'scaling efficiency (%)')]
     records = [json.loads(line) for line in (tmp_path / 'results.jsonl').read_text().splitlines()]
     assert all(r['tokens_per_s'] > 0 and r['compile_time_s'] > 0 for r in records)

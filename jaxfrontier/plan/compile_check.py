@@ -15,7 +15,7 @@ which the planner then computes for the same copy).
 
 XLA:CPU is not XLA:GPU: it upcasts 16-bit dots and element-wise ops to fp32 and emits
 all-reduce + dynamic-slice where GPUs get a reduce-scatter. Agreement is therefore stated for
-fp32 configs (docs/planner.md, tests/test_planner.py).
+fp32 configs (docs/planner.md, tests/plan/test_planner.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Kernel inputs are [batch 2, sequence, heads 3, head dim 8] with sequences that are and are
 not multiples of the blocks (4 and 8 rows, also mixed and coprime); fp32 tolerances allow
-reduction-order differences only (rtol 1e-5 / atol 1e-6, as tests/test_model.py), and the
+reduction-order differences only (rtol 1e-5 / atol 1e-6, as tests/model/test_model.py), and the
 float64 numpy attention of test_model checks both kernels. Model-level checks use the tiny GPT
 of test_model (sequence 16, blocks 4 x 8, so queries see up to four key blocks) and the
 layouts of layout_check.py (sequence 24, blocks 8 x 16: the last key block is half padding).

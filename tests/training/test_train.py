@@ -10,7 +10,7 @@ from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier.training import loop as train
 from ml_collections import config_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Byte-unigram entropy of the built-in corpus (CPython 3.11's stdlib sources): 3.25 nats.
 UNIGRAM_ENTROPY_NATS = 3.25
 EVAL_LOSS_BOUND = 2.6

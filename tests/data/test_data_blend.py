@@ -12,7 +12,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.data import dataset as data
 from jaxfrontier.data import sampling
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LEN, BATCH = 7, 10
 VOCAB = 6000
 

@@ -27,8 +27,7 @@ from jaxfrontier.plan import calibrate as fit_lib
 from jaxfrontier.plan import measured
 from jaxfrontier.plan import planner
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from processes import REPO, subprocess_env  # noqa: E402  pylint: disable=wrong-import-position
+from processes import REPO, subprocess_env
 
 RESULTS = os.path.join(REPO, 'benchmarks', 'results')
 CPU_SWEEP = os.path.join(RESULTS, 'calibrate_cpu_sweep.jsonl')
@@ -280,7 +279,7 @@ def test_deephyper_is_seeded_with_the_plans_fastest_points():
 @pytest.mark.slow
 def test_real_sweep_then_calibrate_then_plan_with_it(tmp_path):
     """End to end: a 4-layout sweep on 4 simulated CPU devices, calibrated, its description used."""
-    from test_sweep import sweep  # pylint: disable=g-import-not-at-top
+    from sweeps import sweep  # pylint: disable=g-import-not-at-top
 
     proc = sweep(tmp_path / 'sw', '--devices=4', '--config.mesh.fsdp=1', '--space=tensor=1,2',
                  '--space=micro_batch=1,2', '--warmup=2', '--steps=3')

@@ -22,7 +22,7 @@ from jaxfrontier.data import corpus
 from jaxfrontier.data import dataset as data
 from jaxfrontier.data import encode as tokenize_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOT = '<|endoftext|>'
 SPECIAL = ['héllo wörld — ünïcode ✓ 🚀\n\n  indented\ttab\n', 'a document that mentions <|endoftext|> literally',
            ' leading space', 'x']

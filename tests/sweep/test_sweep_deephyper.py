@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from processes import REPO, subprocess_env
-from test_sweep import SMALL, _png_axes
+from sweeps import SMALL, png_axes
 
 
 def deephyper_sweep(workdir):
@@ -36,7 +36,7 @@ def test_deephyper_search_runs_real_trials_and_resumes(tmp_path):
         assert set(r['point']) == {'tensor', 'micro_batch', 'zero1'} and r['zero1'] == r['point']['zero1']
     report = (tmp_path / 'report.md').read_text()
     assert all(f'| {r["trial_id"]} |' in report for r in records)
-    assert all(ax['x'] and ax['y'] for ax in _png_axes(tmp_path / 'plots' / 'tokens_per_s_vs_tensor.png'))
+    assert all(ax['x'] and ax['y'] for ax in png_axes(tmp_path / 'plots' / 'tokens_per_s_vs_tensor.png'))
 
     again = deephyper_sweep(tmp_path)
     assert again.returncode == 0 and 'started' not in again.stdout, again.stdout + again.stderr[-2000:]

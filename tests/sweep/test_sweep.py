@@ -10,7 +10,6 @@ rerun must not repeat a finished trial.
 import csv
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -19,17 +18,9 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier.sweep import space as sweep_space
 from jaxfrontier.sweep import trials as sweep_trials
-from processes import REPO, subprocess_env
-from test_slurm import job_env, sbatch, slurm  # noqa: F401  (slurm: the loopback cluster fixture)
-
-# configs/tiny.py (fsdp 2, global batch 16) with a 2-layer, 32-wide model: a trial takes ~15 s here.
-SMALL = ('--config=configs/tiny.py', '--config.model.d_model=32', '--config.model.seq_len=32')
-
-
-def sweep(workdir, *args, env=None, timeout=600):
-    return subprocess.run([sys.executable, '-m', 'jaxfrontier.sweep', *SMALL, f'--workdir={workdir}', *args],
-                          cwd=REPO, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
-
+from processes import subprocess_env
+from slurm_cluster import job_env, sbatch
+from sweeps import SMALL, png_axes, sweep
 
 def tiny_base():
     c = config_lib.base_config()
@@ -267,16 +258,6 @@ exec {python} "$@"
 '''
 
 
-def _png_axes(path):
-    from PIL import Image  # matplotlib's own dependency
-    with Image.open(path) as img:
-        img.load()
-        assert img.size[0] > 200 and img.size[1] > 200
-        low, high = img.convert('L').getextrema()
-        assert high - low > 100, path  # not blank
-        return json.loads(img.text['jaxfrontier:axes'])
-
-
 @pytest.mark.slow
 def test_grid_sweep_end_to_end_records_failures_reports_and_resumes(tmp_path):
     python = tmp_path / 'python'
@@ -320,9 +301,9 @@ def test_grid_sweep_end_to_end_records_failures_reports_and_resumes(tmp_path):
     assert plots == ['best_per_model.png', 'tokens_per_s_vs_micro_batch.png', 'tokens_per_s_vs_pipeline.png',
                      'tokens_per_s_vs_tensor.png']
     for name in plots:
-        for ax in _png_axes(workdir / 'plots' / name):
+        for ax in png_axes(workdir / 'plots' / name):
             assert ax['x'] and ax['y'] and ax['title'], (name, ax)
-    assert _png_axes(workdir / 'plots' / 'tokens_per_s_vs_tensor.png')[0]['x'] == 'tensor'
+    assert png_axes(workdir / 'plots' / 'tokens_per_s_vs_tensor.png')[0]['x'] == 'tensor'
 
     logs = {r['trial_id']: os.path.getmtime(workdir / 'trials' / r['trial_id'] / 'log.txt')
             for r in records if r['status'] != 'invalid'}

@@ -44,7 +44,7 @@ from jaxfrontier.training import loop as train
 from jaxfrontier.training import state as ts
 from jaxfrontier.model import params as params_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
 
 MEMORY_TOL = {False: 0.10, True: 0.20}  # keyed by "has a pipeline"
