@@ -286,11 +286,6 @@ def padded_vocab(c: ml_collections.ConfigDict) -> int:
     return -(-c.model.vocab_size // m) * m
 
 
-def micro_rows(c: ml_collections.ConfigDict) -> int:
-    """Rows of one accumulation step across all data-parallel replicas."""
-    return c.train.micro_batch * data_parallel_size(c)
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """The numbers the model needs, and nothing else (see jaxfrontier/model/gpt.py)."""

@@ -160,6 +160,17 @@ def parse_device_ids(text: str) -> tuple[int, ...] | None:
                           "write e.g. '0' or '0,1', or '' for automatic") from None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 # --------------------------------------------------------------------------- resolution
 
 

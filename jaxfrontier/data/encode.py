@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from jaxfrontier import distributed
 from jaxfrontier.data import corpus
 from jaxfrontier.data import dataset as data_lib
 from jaxfrontier.data.corpus import FlagError
@@ -220,19 +221,9 @@ def _remove_stale_temporaries(paths: dict[str, str]) -> None:
     for final in paths.values():
         for tmp in glob.glob(glob.escape(final) + '.tmp-*'):
             match = re.fullmatch(r'.*\.tmp-(\d+)', tmp)
-            if match and not _alive(int(match.group(1))):
+            if match and not distributed.pid_alive(int(match.group(1))):
                 with contextlib.suppress(OSError):
                     os.remove(tmp)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_small(path: str, text: str) -> None:

@@ -27,7 +27,6 @@ import numpy as np
 
 from jaxfrontier.config import ConfigError
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _ROUNDS = 4
 
 

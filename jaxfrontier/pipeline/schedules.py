@@ -206,18 +206,6 @@ def build(name: str, num_stages: int, num_micro: int, virtual: int = 1) -> Sched
     return Schedule(name, p_size, m_size, v_size, f_table, b_table, recv_f, recv_b, act_n, grad_n)
 
 
-def layer_order(num_layers: int, num_stages: int, virtual: int) -> np.ndarray:
-    """Storage position -> model layer, so that stage p's contiguous slice holds its chunks.
-
-    Stage p stores chunks p, P + p, 2P + p, ... (each num_layers / (P V) layers) in that
-    order. The identity when V == 1.
-    """
-    per_chunk = num_layers // (num_stages * virtual)
-    order = [(v * num_stages + p) * per_chunk + j
-             for p in range(num_stages) for v in range(virtual) for j in range(per_chunk)]
-    return np.asarray(order, np.int32)
-
-
 # --------------------------------------------------------------------------- staggered 1F1B
 # A kinds: what a stage does in its A half-slot (a forward, a recomputation, or both).
 A_NONE, A_F_FIRST, A_F_MID, A_R, A_R_LAST, A_F_FIRST_R, A_F_MID_R = range(7)

@@ -24,7 +24,6 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import hf
@@ -32,7 +31,6 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.training import state as ts
 
 FORMAT = 'jaxfrontier-params'
-_SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'int32': 'I32'}
 
 
 def flatten_names(tree: Any) -> dict[str, Any]:
@@ -58,39 +56,17 @@ def resolve_step_dir(source: str) -> str:
     Raises:
       CheckpointError: when there is no committed checkpoint there.
     """
-    source = os.path.abspath(source)
-    if os.path.isdir(os.path.join(source, 'state')):
-        return source
-    for directory in (os.path.join(source, ckpt_lib.CHECKPOINT_SUBDIR), source):
-        steps = ckpt_lib.committed_steps(directory)
-        if steps:
-            return os.path.join(directory, str(steps[-1]))
-    raise ckpt_lib.CheckpointError(
-        f'no committed checkpoint under {source}. Fix: name a training workdir, its checkpoints/ '
-        'directory, one step directory in it, or a .safetensors file.')
-
-
-def _read_item(step_dir: str, item: str, handler: Any, call) -> Any:
-    """`call(handler, <step_dir>/<item>)`, with any failure reported as a corrupted checkpoint."""
-    try:
-        return call(handler, epath.Path(step_dir) / item)
-    except Exception as e:  # noqa: BLE001 -- whatever Orbax or TensorStore raise
-        raise ckpt_lib.corrupted_error(os.path.dirname(step_dir), os.path.basename(step_dir), e) from e
-    finally:
-        handler.close()
+    return hf.step_dir_of(source, fix='name a training workdir, its checkpoints/ directory, one step directory '
+                                      'in it, or a .safetensors file.')
 
 
 def _read_meta(step_dir: str) -> dict[str, Any]:
-    meta = _read_item(step_dir, 'meta', ocp.JsonCheckpointHandler(), lambda h, path: h.restore(path))
-    if not isinstance(meta, dict) or meta.get('format') != ckpt_lib.FORMAT:
-        raise ckpt_lib.CheckpointError(f'{step_dir} is not a jaxfrontier checkpoint. '
-                                       'Fix: name a jaxfrontier checkpoint.')
-    return meta
+    return hf.read_meta(step_dir, fix='name a jaxfrontier checkpoint.')
 
 
 def saved_tree(step_dir: str) -> dict[str, Any]:
     """The saved train state's tree of array metadata (shape, dtype), read without the arrays."""
-    return _read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(), lambda h, path: h.metadata(path).tree)
+    return hf.read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(), lambda h, path: h.metadata(path).tree)
 
 
 def _param_shapes(step_dir: str) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -101,7 +77,8 @@ def _param_shapes(step_dir: str) -> dict[str, tuple[tuple[int, ...], Any]]:
 
 def _restore_params(step_dir: str, item: dict[str, Any], restore_args: dict[str, Any]) -> dict[str, Any]:
     args = ocp.args.PyTreeRestore(item={'params': item}, restore_args={'params': restore_args}, partial_restore=True)
-    restored = _read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(), lambda h, path: h.restore(path, args=args))
+    restored = hf.read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(),
+                            lambda h, path: h.restore(path, args=args))
     return restored['params']
 
 
@@ -111,19 +88,6 @@ def _virtual_stages(config: dict[str, Any]) -> int:
 
 
 # --------------------------------------------------------------------------- export
-
-
-def _safetensors_header(shapes: dict[str, tuple[tuple[int, ...], np.dtype]], metadata: dict[str, str]) -> bytes:
-    header: dict[str, Any] = {'__metadata__': metadata}
-    offset = 0
-    for name, (shape, dtype) in shapes.items():
-        size = int(np.prod(shape)) * dtype.itemsize
-        header[name] = {'dtype': _SAFETENSORS_DTYPES[dtype.name], 'shape': list(shape),
-                        'data_offsets': [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(',', ':')).encode()
-    raw += b' ' * (-len(raw) % 8)  # the data starts 8-byte aligned
-    return len(raw).to_bytes(8, 'little') + raw
 
 
 def _check_out_path(out_path: str) -> None:
@@ -177,22 +141,18 @@ def export_params(source: str, out_path: str, allow_nonfinite: bool = False) -> 
     metadata = {'format': FORMAT, 'step': str(meta['step']), 'source': step_dir,
                 'config': json.dumps(meta['config'], sort_keys=True),
                 'vocab_size': str(meta['config']['model']['vocab_size'])}
-    tmp_path = f'{out_path}.tmp{os.getpid()}'
-    try:
-        with open(tmp_path, 'wb') as f:
-            f.write(_safetensors_header(shapes, metadata))
-            for name, (shape, dtype) in shapes.items():
-                names = {name: jax.ShapeDtypeStruct(saved[name][0], dtype)}
-                value = flatten_names(_restore_params(step_dir, _unflatten(names), _unflatten(
-                    {name: ocp.RestoreArgs(restore_type=np.ndarray)})))[name]
-                bad = int(value.size - np.count_nonzero(np.isfinite(value)))
-                if bad and not allow_nonfinite:
-                    raise _nonfinite_error(step_dir, name, bad, int(value.size))
-                f.write(np.ascontiguousarray(value.reshape(shape), dtype=dtype.newbyteorder('<')).tobytes())
-        os.replace(tmp_path, out_path)
-    finally:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
+
+    def arrays():
+        for name, (_, dtype) in shapes.items():
+            names = {name: jax.ShapeDtypeStruct(saved[name][0], dtype)}
+            value = flatten_names(_restore_params(step_dir, _unflatten(names), _unflatten(
+                {name: ocp.RestoreArgs(restore_type=np.ndarray)})))[name]
+            bad = int(value.size - np.count_nonzero(np.isfinite(value)))
+            if bad and not allow_nonfinite:
+                raise _nonfinite_error(step_dir, name, bad, int(value.size))
+            yield value
+
+    hf.write_safetensors(out_path, shapes, metadata, arrays())
     return {name: shape for name, (shape, _) in shapes.items()}
 
 

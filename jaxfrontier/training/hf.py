@@ -73,8 +73,13 @@ def _hf_2d(name: str, a: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- the checkpoint side
 
 
-def step_dir_of(source: str) -> str:
-    """The newest committed step directory of a workdir, its checkpoints/ directory, or a step directory."""
+def step_dir_of(source: str, fix: str = 'train first, or name a training workdir, its checkpoints/ directory '
+                'or one step directory.') -> str:
+    """The newest committed step directory of a workdir, its checkpoints/ directory, or a step directory.
+
+    Raises:
+      CheckpointError: when there is no committed checkpoint there; its message ends in `fix`.
+    """
     source = os.path.abspath(source)
     if os.path.isdir(os.path.join(source, 'state')):
         return source
@@ -82,21 +87,24 @@ def step_dir_of(source: str) -> str:
         steps = ckpt_lib.committed_steps(directory)
         if steps:
             return os.path.join(directory, str(steps[-1]))
-    raise ckpt_lib.CheckpointError(f'no committed checkpoint under {source}. Fix: train first, or name a '
-                                   'training workdir, its checkpoints/ directory or one step directory.')
+    raise ckpt_lib.CheckpointError(f'no committed checkpoint under {source}. Fix: {fix}')
 
 
-def read_meta(step_dir: str) -> dict[str, Any]:
-    """The JSON saved with a checkpoint step (format, step, config)."""
-    handler = ocp.JsonCheckpointHandler()
+def read_item(step_dir: str, item: str, handler: Any, call) -> Any:
+    """`call(handler, <step_dir>/<item>)`, with any failure reported as a corrupted checkpoint."""
     try:
-        meta = handler.restore(epath.Path(step_dir) / 'meta')
-    except Exception as e:  # noqa: BLE001
+        return call(handler, epath.Path(step_dir) / item)
+    except Exception as e:  # noqa: BLE001 -- whatever Orbax or TensorStore raise
         raise ckpt_lib.corrupted_error(os.path.dirname(step_dir), os.path.basename(step_dir), e) from e
     finally:
         handler.close()
+
+
+def read_meta(step_dir: str, fix: str = 'name one.') -> dict[str, Any]:
+    """The JSON saved with a checkpoint step (format, step, config)."""
+    meta = read_item(step_dir, 'meta', ocp.JsonCheckpointHandler(), lambda h, path: h.restore(path))
     if not isinstance(meta, dict) or meta.get('format') != ckpt_lib.FORMAT:
-        raise ckpt_lib.CheckpointError(f'{step_dir} is not a jaxfrontier checkpoint. Fix: name one.')
+        raise ckpt_lib.CheckpointError(f'{step_dir} is not a jaxfrontier checkpoint. Fix: {fix}')
     return meta
 
 
@@ -173,16 +181,39 @@ def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     return os.path.join(os.path.dirname(os.path.abspath(path)), header['tokenizer']), header
 
 
-def _safetensors_header(entries: list[tuple[str, tuple[int, ...]]]) -> bytes:
-    header: dict[str, Any] = {'__metadata__': {'format': 'pt'}}
+_SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'int32': 'I32'}
+
+
+def _safetensors_header(shapes: dict[str, tuple[tuple[int, ...], np.dtype]], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {'__metadata__': metadata}
     offset = 0
-    for name, shape in entries:
-        size = int(np.prod(shape)) * 4
-        header[name] = {'dtype': 'F32', 'shape': list(shape), 'data_offsets': [offset, offset + size]}
+    for name, (shape, dtype) in shapes.items():
+        size = int(np.prod(shape)) * dtype.itemsize
+        header[name] = {'dtype': _SAFETENSORS_DTYPES[dtype.name], 'shape': list(shape),
+                        'data_offsets': [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(',', ':')).encode()
-    raw += b' ' * (-len(raw) % 8)
+    raw += b' ' * (-len(raw) % 8)  # the data starts 8-byte aligned
     return len(raw).to_bytes(8, 'little') + raw
+
+
+def write_safetensors(path: str, shapes: dict[str, tuple[tuple[int, ...], np.dtype]], metadata: dict[str, str],
+                      arrays) -> None:
+    """Writes a safetensors file through `<path>.tmp<pid>`, replacing `path` atomically.
+
+    `arrays` yields one array per entry of `shapes` ({name: (shape, dtype)}), in the same order;
+    each is written as soon as it comes, so the host holds one tensor at a time.
+    """
+    tmp = f'{path}.tmp{os.getpid()}'
+    try:
+        with open(tmp, 'wb') as f:
+            f.write(_safetensors_header(shapes, metadata))
+            for (shape, dtype), value in zip(shapes.values(), arrays):
+                f.write(np.ascontiguousarray(value.reshape(shape), dtype=dtype.newbyteorder('<')).tobytes())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _tensors(reader: ParamReader, m: dict[str, Any]):
@@ -221,19 +252,15 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
     tokenizer, header = _tokenizer_of(config)
     os.makedirs(out_dir, exist_ok=True)
     tensors = list(_tensors(reader, config['model']))
-    path = os.path.join(out_dir, 'model.safetensors')
-    tmp = f'{path}.tmp{os.getpid()}'
-    try:
-        with open(tmp, 'wb') as f:
-            f.write(_safetensors_header([(name, shape) for name, shape, _ in tensors]))
-            for name, shape, read in tensors:
-                value = np.ascontiguousarray(read(), dtype='<f4')
-                assert value.shape == shape, (name, value.shape, shape)
-                f.write(value.tobytes())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    def arrays():
+        for name, shape, read in tensors:
+            value = read()
+            assert value.shape == shape, (name, value.shape, shape)
+            yield value
+
+    write_safetensors(os.path.join(out_dir, 'model.safetensors'),
+                      {name: (shape, np.dtype('float32')) for name, shape, _ in tensors}, {'format': 'pt'}, arrays())
     eot_id = header.get('eot_id')
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump(hf_config(config, eot_id), f, indent=2)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 
 from absl import logging
 
+from jaxfrontier import distributed
 from jaxfrontier import errors
 
 LOCK_NAME = 'workdir.lock'
@@ -51,16 +52,6 @@ def describe(holder: Mapping[str, Any]) -> str:
             f'started {holder.get("start_time")}')
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def stale_reason(holder: Mapping[str, Any], me: Mapping[str, Any], lease_s: float,
                  now: float | None = None) -> str | None:
     """Why `holder` no longer holds the lock (None: it is live).
@@ -74,7 +65,8 @@ def stale_reason(holder: Mapping[str, Any], me: Mapping[str, Any], lease_s: floa
     now = time.time() if now is None else now
     if holder.get('host') == me['host'] and holder.get('pid') == me['pid']:
         return 'it is this process'
-    if holder.get('host') == me['host'] and isinstance(holder.get('pid'), int) and not _pid_alive(holder['pid']):
+    if (holder.get('host') == me['host'] and isinstance(holder.get('pid'), int)
+            and not distributed.pid_alive(holder['pid'])):
         return f'its process {holder["pid"]} on this host is gone'
     if me.get('slurm_job_id') and holder.get('slurm_job_id') == me['slurm_job_id']:
         return f'it is this Slurm job ({me["slurm_job_id"]}), requeued'
