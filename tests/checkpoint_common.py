@@ -136,15 +136,21 @@ def _largest_file(directory):
 
 @pytest.fixture(scope='module', autouse=True)
 def compile_cache(tmp_path_factory):
-    """A persistent compilation cache for this module only: runs of one config compile once.
+    """A persistent compilation cache, on while a module that imports it runs: runs of one config compile once.
 
-    Loading an executable from the cache gives the same binary, so bit-for-bit comparisons
-    between runs are unaffected. Switched off again for the other test modules.
+    One directory per test process, shared by every module that uses this fixture: the
+    default checkpoint config (whose train step does not depend on train.steps, see
+    optim.decay_steps) compiles once per process, in whichever of test_checkpoint_restore and
+    test_checkpoint_preemption runs first. Loading an executable from the cache gives the
+    same binary, so bit-for-bit comparisons between runs are unaffected. Switched off again
+    for the other test modules.
     """
     from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top  (test-only)
 
     saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update('jax_compilation_cache_dir', str(tmp_path_factory.mktemp('jax_cache')))
+    shared = tmp_path_factory.getbasetemp() / 'jax_cache'  # basetemp: one per process (and xdist worker)
+    shared.mkdir(exist_ok=True)
+    jax.config.update('jax_compilation_cache_dir', str(shared))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
     compilation_cache.reset_cache()
     yield

@@ -56,8 +56,11 @@ def batches(global_batch, n=3):
     return [rng.integers(0, 250, (global_batch, SEQ + 1), dtype=np.int32) for _ in range(n)]
 
 
-def run_layout(c):
-    """(loss, grads) of step 0 and params after 3 steps, as numpy, for config `c`."""
+def run_layout(c, steps=True):
+    """(loss, grads) of step 0 and params after 3 steps, as numpy, for config `c`.
+
+    steps=False: only (loss, grads) of step 0, without compiling the train step (params None).
+    """
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
     layout = ts.make_layout(c, mesh)
     state = ts.init_train_state(c, layout)
@@ -66,6 +69,8 @@ def run_layout(c):
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         loss, grads = jax.jit(train.make_loss_and_grads(c, layout))(state['params'], data[0], 0)
         loss, grads = jax.device_get((loss, grads))
+        if not steps:
+            return float(loss), params_lib.merge_virtual(grads), None
         step = jax.jit(train.make_train_step(c, layout), donate_argnums=0)
         for batch in data:
             state, _ = step(state, batch)

@@ -20,6 +20,7 @@ from jaxfrontier.plan import flop_count
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.pipeline import schedules
+from jaxfrontier.model import params as params_lib
 from jaxfrontier.training import loop as train
 from jaxfrontier.training import state as ts
 from layout_check import LOSS_RTOL, assert_trees_close, check_against_reference, make_config, run_layout
@@ -151,10 +152,8 @@ def test_bad_pipeline_configs_fail_before_compiling():
 
 
 def compiled_step(c):
-    mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
-    layout = ts.make_layout(c, mesh)
-    compiled, _, _ = train.compile_steps(c, layout)
-    return compiled, None
+    """The compiled train step of `c` (the program train.compile_steps compiles, without its eval step)."""
+    return compile_check.compile_on_cpu(c), None
 
 
 def lowered_op_counts(c) -> collections.Counter:
@@ -260,30 +259,45 @@ def test_executed_flops_do_not_grow_with_pipeline(schedule, virtual):
 
 
 @pytest.mark.slow
-def test_pipeline_dropout_matches_non_pipelined():
+def test_pipeline_dropout_matches_non_pipelined(reference):
     """Dropout masks depend on (seed, step, micro-batch, layer), not on the layout.
 
     Loss and gradients of step 0 are compared at the usual tolerances: a different mask
-    would change them by O(1). Parameters after 3 steps are not: dropout zeroes some
-    gradient entries' main terms, leaving near-zero gradients whose rounding noise Adam
-    amplifies (see layout_check.py).
+    would change them by O(1). Parameters after 3 steps are not (so no train step is
+    compiled): dropout zeroes some gradient entries' main terms, leaving near-zero gradients
+    whose rounding noise Adam amplifies (see layout_check.py). The control without dropout
+    is the module's reference run (same model, seed and batch; its step-0 loss equals the
+    accumulated one to LOSS_RTOL, as the layout tests hold).
     """
     flat = make_config(layers=LAYERS, global_batch=BATCH, accum=2)
     piped = pipeline_config('1f1b', 2, 2, 'tensor')
     for c in (flat, piped):
         c.model.dropout_rate = 0.1
-    (loss, grads, _), (ref_loss, ref_grads, _) = run_layout(piped), run_layout(flat)
+    (loss, grads, _), (ref_loss, ref_grads, _) = run_layout(piped, steps=False), run_layout(flat, steps=False)
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     assert_trees_close(grads, ref_grads, 'grad')
-    no_dropout = make_config(layers=LAYERS, global_batch=BATCH, accum=2)
-    assert abs(run_layout(no_dropout)[0] - ref_loss) > 50 * LOSS_RTOL * ref_loss  # dropout was on
+    no_dropout_loss = reference[0]
+    assert abs(no_dropout_loss - ref_loss) > 50 * LOSS_RTOL * ref_loss  # dropout was on
 
 
-def _eval(c, tokens):
-    """(eval loss, executed matmul FLOPs of the eval step) of config `c` on `tokens`."""
+def _initial_params(c):
+    """The model's initial parameters (what ts.init_train_state draws from c.seed), as numpy.
+
+    Drawn once, unsharded and without the optimizer state, then placed in each layout's
+    shardings: the eval test compares eval steps on identical parameters. That a pipelined
+    layout's own sharded init draws these same values is checked by
+    test_pipeline_matches_single_device (same schedule, P, M and tensor 2).
+    """
+    shape = config_lib.model_shape(c)
+    return jax.device_get(jax.jit(lambda key: params_lib.init_params(shape, key))(jax.random.key(c.seed)))
+
+
+def _eval(c, tokens, params):
+    """(eval loss, executed matmul FLOPs of the eval step) of config `c` on `tokens` with `params`."""
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
     layout = ts.make_layout(c, mesh)
-    params = ts.init_train_state(c, layout)['params']
+    virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
+    params = jax.device_put(params_lib.split_virtual(params, virtual), layout.param_shardings)
     eval_step = train.make_eval_step(c, layout)
     weights = None
     if c.mesh.pipeline > 1:
@@ -303,7 +317,9 @@ def test_pipeline_eval_is_forward_only(schedule, p, m, virtual):
     """Evaluation of a pipelined model runs forward units only: the loss of the unpipelined
     eval step, and exactly its matmul FLOPs (no backward, no recomputation, nothing in bubbles)."""
     tokens = np.random.default_rng(0).integers(0, 250, (BATCH, 25), dtype=np.int32)
-    flat_loss, flat_flops = _eval(make_config(layers=LAYERS, global_batch=BATCH, accum=m), tokens)
-    loss, flops = _eval(pipeline_config(schedule, p, m, 'tensor', virtual), tokens)
+    flat = make_config(layers=LAYERS, global_batch=BATCH, accum=m)
+    params = _initial_params(flat)
+    flat_loss, flat_flops = _eval(flat, tokens, params)
+    loss, flops = _eval(pipeline_config(schedule, p, m, 'tensor', virtual), tokens, params)
     np.testing.assert_allclose(loss, flat_loss, rtol=LOSS_RTOL)
     assert flops == pytest.approx(flat_flops, rel=1e-9)
