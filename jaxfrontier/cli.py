@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 import traceback
 from typing import NoReturn
 
@@ -43,13 +44,28 @@ def exit_code(e: Exception) -> int:
     An error marked `abandon_threads` (a full disk under Orbax's writer threads) ends the
     process here, so their shutdown noise cannot follow the one line.
     """
-    print(f'error: {e}', file=sys.stderr)
     code = getattr(e, 'exit_code', 2 if isinstance(e, errors.UserError) else 3)
     if getattr(e, 'abandon_threads', False):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # pylint: disable=protected-access  (skip joining the failed writer threads)
+        _last_words(f'error: {e}\n', code)
+    print(f'error: {e}', file=sys.stderr)
     return code
+
+
+def _last_words(line: str, code: int) -> NoReturn:
+    """Writes `line` as the last thing on stderr and ends the process without joining threads.
+
+    Failed writer threads may still be printing tracebacks (Python's and the C++ libraries',
+    straight to file descriptor 2): point descriptor 2 at /dev/null first, so nothing they
+    write can split or follow the line, then write it to a copy of the real stderr in one call,
+    after a newline (a thread may have been cut off in the middle of one of its lines).
+    """
+    sys.stdout.flush()
+    real = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    time.sleep(0.1)  # a write a thread began on the old descriptor 2 lands before the line
+    os.write(real, ('\n' + line).encode())
+    os._exit(code)  # pylint: disable=protected-access  (skip joining the failed writer threads)
 
 
 def wants_help(argv: list[str]) -> bool:

@@ -65,3 +65,28 @@ def test_help_without_other_flags(module, flag):
 def test_values_that_must_fail_validation(tmp_path, override, field):
     line = one_error_line(run(override, '--config.train.steps=1', f'--workdir={tmp_path / "wd"}'))
     assert f'config.{field} = ' in line and 'Fix:' in line, line
+
+
+def test_an_abandoned_thread_error_is_the_last_line_on_stderr():
+    """A full disk under Orbax's writer threads (`abandon_threads`): threads that keep printing
+    tracebacks, from Python and straight to descriptor 2, neither split nor follow the one line."""
+    script = r'''
+import os, sys, threading, time
+from jaxfrontier import cli
+from jaxfrontier.training.disk import DiskFullError
+
+def noise():
+    while True:
+        print('Traceback (most recent call last):\nRuntimeError: Event loop is closed', file=sys.stderr)
+        os.write(2, b'E0000 tensorstore noise\n')
+
+for _ in range(3):
+    threading.Thread(target=noise, daemon=True).start()
+time.sleep(0.05)
+cli.exit_code(DiskFullError('no space left on the device holding /x (0.0 MiB free of 4.0 MiB)'))
+'''
+    proc = subprocess.run([sys.executable, '-c', script], cwd=processes.REPO, env=processes.subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last == 'error: no space left on the device holding /x (0.0 MiB free of 4.0 MiB)', proc.stderr[-2000:]
