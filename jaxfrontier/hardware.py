@@ -64,6 +64,9 @@ class Hardware:
     step_overhead_s: float = 0.0  # fixed cost per optimizer step (dispatch, host work)
     layer_overhead_s: float = 0.0  # fixed cost per layer per micro-batch on a stage (kernel launches)
     bubble_scale: float = 1.0  # share of the pipeline bubble that is idle time
+    # Extra passes over memory per byte a layer keeps from its forward for its backward: kept
+    # residuals leave the caches (they matter on a CPU, where recomputing can beat stashing).
+    stash_passes: float = 0.0
     shared_host_devices: int = 0  # > 0: the peak is of this many devices sharing one host's cores (CPU)
     calibration: dict = dataclasses.field(default_factory=dict)  # how a calibrated description was fitted
 
@@ -119,7 +122,8 @@ _KINDS = (('MI250X', (), 'mi250x'), ('MI300X', (), 'mi300x'), ('A100', (), 'a100
           ('H100', ('PCIe', 'NVL'), 'h100'), ('H200', (), 'h200'))
 NAMES = tuple(HARDWARE) + ('local',)
 TIME_FIELDS = ('matmul_efficiency', 'memory_bytes_per_s', 'link_bytes_per_s', 'link_latency_s', 'gemm_half_flops',
-               'overlap', 'step_overhead_s', 'layer_overhead_s', 'bubble_scale', 'shared_host_devices')
+               'overlap', 'step_overhead_s', 'layer_overhead_s', 'bubble_scale', 'stash_passes',
+               'shared_host_devices')
 
 
 def match_kind(device_kind: str) -> Hardware | None:

@@ -2,8 +2,9 @@
 
 The time model (planner.timing) has free parameters, all fields of `hardware.Hardware`:
 GEMM efficiency (`matmul_efficiency`, and `gemm_half_flops`: how it falls for small
-matmuls), memory bandwidth, bandwidth and latency per link level, `overlap`, fixed costs per
-step and per layer, and `bubble_scale`. Simulated CPU devices sharing the host's cores is a
+matmuls), memory bandwidth, `stash_passes` (what keeping residuals for the backward costs
+beyond their traffic, when the trials run more than one remat policy), bandwidth and latency
+per link level, `overlap`, fixed costs per step and per layer, and `bubble_scale`. Simulated CPU devices sharing the host's cores is a
 fact of the description (`shared_host_devices`), not fitted.
 
   1. Candidates: every parameter the measurements exercise (a link level no trial crosses
@@ -33,6 +34,7 @@ import numpy as np
 
 from jaxfrontier import errors
 from jaxfrontier import hardware as hw_lib
+from jaxfrontier.plan import estimate
 from jaxfrontier.plan import measured as measured_lib
 from jaxfrontier.plan import planner
 
@@ -101,6 +103,8 @@ def candidates(ms: list[measured_lib.Measurement], hw: hw_lib.Hardware) -> list[
     median_s = float(np.median([m.measured_s for m in ms]))
     layer_units = float(np.median([m.work.compute.layers * m.work.layout.accum_steps for m in ms]))
     params = [Param('matmul_efficiency', 'log'), Param('memory_bytes_per_s', 'log')]
+    if len({estimate.effective_remat(m.work.layout) for m in ms}) > 1:  # policies keeping different residuals
+        params.append(Param('stash_passes', 'linear', 5.0))  # in units of the 4-5 passes compute_work counts
     params += [Param(f'link_bytes_per_s.{lv}', 'log') for lv in levels]
     if levels:
         params.append(Param('overlap', 'share'))

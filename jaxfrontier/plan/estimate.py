@@ -396,6 +396,7 @@ class ComputeWork:
     layers: float  # layers on the stage
     num_devices: int
     dtype: str
+    stash_bytes: float = 0.0  # residuals the layers keep from forward to backward (the policy that runs)
 
 
 def compute_work(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> ComputeWork:
@@ -408,10 +409,12 @@ def compute_work(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> ComputeWork:
     per_replica = fl.hardware / layout.dp / layout.accum_steps  # one micro-batch, all stages
     none_layer, head = layer_bytes(shape, layout, 'none', attention_for(shape, hw))
     passes = 4 + (1 if effective_remat(layout) != 'none' else 0)
+    kept_layer, _ = layer_bytes(shape, layout, effective_remat(layout), attention_for(shape, hw))
     return ComputeWork(matmul_flops=per_replica / layout.pipeline / layout.tensor,
                        memory_bytes=passes * (shape.num_layers * none_layer + head) / layout.pipeline,
                        layer_flops=fl.layer_forward / layout.tensor, layers=shape.num_layers / layout.pipeline,
-                       num_devices=layout.num_devices, dtype=shape.dtype)
+                       num_devices=layout.num_devices, dtype=shape.dtype,
+                       stash_bytes=shape.num_layers * kept_layer / layout.pipeline)
 
 
 def gemm_efficiency(hw: hw_lib.Hardware, layer_flops: float) -> float:
@@ -422,9 +425,9 @@ def gemm_efficiency(hw: hw_lib.Hardware, layer_flops: float) -> float:
 
 
 def compute_s(work: ComputeWork, hw: hw_lib.Hardware) -> float:
-    """Roofline time of `work` on `hw`, plus the per-layer fixed cost."""
+    """Roofline time of `work` on `hw`, plus the per-layer fixed cost (and `hw.stash_passes`)."""
     peak = hw.compute_flops(work.dtype, work.num_devices) * gemm_efficiency(hw, work.layer_flops)
-    memory_s = work.memory_bytes / hw.memory_bytes_per_s
+    memory_s = (work.memory_bytes + hw.stash_passes * work.stash_bytes) / hw.memory_bytes_per_s
     return work.matmul_flops / peak + memory_s + hw.layer_overhead_s * work.layers
 
 

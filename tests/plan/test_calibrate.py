@@ -54,7 +54,7 @@ def _synthetic(truth: hw_lib.Hardware, prior: hw_lib.Hardware) -> list[measured.
     return [dataclasses.replace(m, measured_s=float(s)) for m, s in zip(out, steps)]
 
 
-TRUE = {'matmul_efficiency': 0.41, 'link_bytes_per_s.node': 21e9, 'step_overhead_s': 0.003}
+TRUE = {'matmul_efficiency': 0.41, 'stash_passes': 6.0, 'link_bytes_per_s.node': 21e9, 'step_overhead_s': 0.003}
 
 
 def test_fit_recovers_known_parameters():
@@ -97,20 +97,25 @@ def test_identifiability_leaves_out_zero_and_collinear_columns():
 def test_fresh_fit_of_the_checked_in_cpu_sweep():
     """The CPU sweep measured on this project's machine, refitted from scratch (deterministic).
 
-    The issue asks for <= 15 % held-out error and a rank correlation >= 0.8. The error holds
-    (13.3 % leave-one-out on the quiet-machine sweep of benchmarks/calibrate.py, 34 %
-    uncalibrated). The rank correlation does not (0.12): the 24 layouts measure within 1.0-1.8 s,
-    a spread close to the run-to-run noise, and remat=full measures faster than remat=none in 7
-    of 12 pairs on this CPU, which a model that charges recomputation in FLOPs cannot rank.
+    The issue asks for <= 15 % held-out error and a rank correlation >= 0.8. The error holds:
+    9.7 % leave-one-out on the quiet-machine sweep of benchmarks/calibrate.py (34 %
+    uncalibrated; 13.3 % before the model charged stashed residuals, `stash_passes`). On this
+    CPU remat=full measures faster than remat=none in most pairs (in two passes of the sweep):
+    keeping every residual for the backward costs more than recomputing them, which the fit
+    finds as several extra passes over memory per stashed byte. The rank correlation is 0.46
+    (0.10 before), short of 0.8; two passes of the same sweep rank alike at 0.83 (docs/planner.md).
     """
     prior = hw_lib.load(CPU_PRIOR)
     ms = measured.load([CPU_SWEEP], prior)
     assert len({(m.work.layout.tensor, m.work.layout.pipeline, m.work.layout.micro_batch, m.work.layout.remat)
                 for m in ms}) == len(ms) == 24
     _, report = fit_lib.calibrate(ms, prior)
-    assert report['holdout_median_abs_rel_error'] <= 0.15, report['holdout_median_abs_rel_error']
+    assert report['holdout_median_abs_rel_error'] <= 0.12, report['holdout_median_abs_rel_error']
     assert report['holdout_median_abs_rel_error'] < report['uncalibrated_median_abs_rel_error']
     assert report['fit_median_abs_rel_error'] <= report['holdout_median_abs_rel_error']
+    assert report['fitted']['stash_passes']['value'] > 1.0, report['fitted']
+    stash_off = fit_lib.fit(ms, prior, [n for n in report['fitted'] if n != 'stash_passes'])
+    assert stash_off.cost > 1.2 * fit_lib.fit(ms, prior, list(report["fitted"])).cost  # measured: 1.52x
 
 
 def test_paper_points_calibrate_mi250x():
