@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from processes import REPO, TINY, subprocess_env
 
 
@@ -14,6 +16,7 @@ def run_main(workdir, *more):
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a training subprocess with the profiler on: ~35 s
 def test_trace_of_the_requested_steps_is_written(tmp_path):
     out = run_main(tmp_path, '--config.train.profile_start=1', '--config.train.profile_steps=2')
     assert out.returncode == 0, out.stderr[-3000:]

@@ -28,6 +28,7 @@ def tiny(steps):
     return c
 
 
+@pytest.mark.slow  # 80 steps of configs/tiny.py: ~50 s
 def test_tiny_config_learns_below_unigram_entropy(tmp_path):
     """A shortened configs/tiny.py (data 2 x fsdp 2 x tensor 2) beats the byte-unigram model."""
     record = train.train_and_evaluate(tiny(80), str(tmp_path))
