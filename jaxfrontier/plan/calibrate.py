@@ -4,8 +4,9 @@ The time model (planner.timing) has free parameters, all fields of `hardware.Har
 GEMM efficiency (`matmul_efficiency`, and `gemm_half_flops`: how it falls for small
 matmuls), memory bandwidth, `stash_passes` (what keeping residuals for the backward costs
 beyond their traffic, when the trials run more than one remat policy), bandwidth and latency
-per link level, `overlap`, fixed costs per step and per layer, and `bubble_scale`. Simulated CPU devices sharing the host's cores is a
-fact of the description (`shared_host_devices`), not fitted.
+per link level, `overlap`, fixed costs per step and per layer, and `bubble_scale`.
+Simulated CPU devices sharing the host's cores is a fact of the description
+(`shared_host_devices`), not fitted.
 
   1. Candidates: every parameter the measurements exercise (a link level no trial crosses
      has nothing to fit).

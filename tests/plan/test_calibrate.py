@@ -100,7 +100,7 @@ def test_fresh_fit_of_the_checked_in_cpu_sweep():
     The issue asks for <= 15 % held-out error and a rank correlation >= 0.8. The error holds:
     9.7 % leave-one-out on the quiet-machine sweep of benchmarks/calibrate.py (34 %
     uncalibrated; 13.3 % before the model charged stashed residuals, `stash_passes`). On this
-    CPU remat=full measures faster than remat=none in most pairs (in two passes of the sweep):
+    CPU remat=full measures faster than remat=none in 8 (and in a second pass 9) of 12 pairs:
     keeping every residual for the backward costs more than recomputing them, which the fit
     finds as several extra passes over memory per stashed byte. The rank correlation is 0.46
     (0.10 before), short of 0.8; two passes of the same sweep rank alike at 0.83 (docs/planner.md).
