@@ -19,8 +19,8 @@ forward-equivalents per layer, Megatron's full recomputation, for every P, so ex
 do not grow with the pipeline. Inside a pipeline every `model.remat` policy therefore acts as
 `full`: saving more of a layer would mean stashing it for up to 2P micro-batches.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp

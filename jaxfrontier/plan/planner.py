@@ -355,4 +355,3 @@ def plan_to_json(p: Plan) -> dict[str, Any]:
 
 def dumps(p: Plan) -> str:
     return json.dumps(plan_to_json(p), indent=1, default=float)
-

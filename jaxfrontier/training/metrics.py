@@ -13,9 +13,6 @@ from typing import Any, Mapping
 import jax
 
 
-
-
-
 def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, model_flops: float,
                  megatron_hw_flops: float, peak_flops: float) -> dict[str, float]:
     """Throughput and utilisation of one optimizer step, under `perf/` keys.

@@ -31,6 +31,8 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier.training import loss_scale
 from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual, split_virtual_specs
+
+
 def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
     """Linear warm-up from 0 to optim.lr, then cosine decay to optim.min_lr."""
     o = c.optim
