@@ -93,9 +93,6 @@ def local_size(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) ->
     return math.prod(-(-dim // math.prod(mesh_shape[a] for a in mesh_lib.entry_axes(e))) for dim, e in zip(shape, entries))
 
 
-shard_axes = mesh_lib.spec_axes
-
-
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
     """Per-device elements of one parameter in its own layout and in the update layout."""
