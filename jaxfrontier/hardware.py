@@ -50,7 +50,7 @@ class Hardware:
     name: str
     description: str
     peak_bf16_flops: float  # dense matrix peak, FLOP/s
-    peak_fp32_flops: float  # dense fp32 (non-TF32) matrix peak, FLOP/s
+    peak_fp32_flops: float  # dense fp32 (non-TF32) matrix peak, FLOP/s (XLA may use TF32 for fp32 dots on NVIDIA)
     memory_bytes: int
     memory_bytes_per_s: float  # HBM bandwidth
     matmul_efficiency: float  # achieved share of the peak for large GEMMs
@@ -268,8 +268,6 @@ def link_bytes_per_s(hw: Hardware, level: str) -> float:
 # --------------------------------------------------------------------------- peaks of JAX devices
 
 _PEAK_DTYPES = {'bfloat16': 'bf16', 'float16': 'bf16', 'float32': 'fp32'}
-
-
 _CPU_MATMUL_N = 1024
 
 
