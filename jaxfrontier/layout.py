@@ -64,9 +64,7 @@ def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
     if not extra:
         return spec, tuple(shape)
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    extra_size = 1
-    for a in extra:
-        extra_size *= mesh.shape[a]
+    extra_size = math.prod(mesh.shape[a] for a in extra)
     options = []  # (cost, dimension)
     for i, entry in enumerate(entries):
         current_size = math.prod(mesh.shape[a] for a in mesh_lib.entry_axes(entry))
