@@ -231,8 +231,7 @@ def measure(rows: list[dict[str, Any]], log_text: str, warmup: int, steps: int) 
         found = _COMPILE.findall(log_text)
         compile_s = float(found[-1]) if found else None
     out['compile_time_s'] = compile_s
-    peak = extra.get('memory/peak_gib_per_device', done.get('memory/peak_gib_per_device'))
-    out['peak_memory_gib'] = peak
+    out['peak_memory_gib'] = extra.get('memory/peak_gib_per_device', done.get('memory/peak_gib_per_device'))
     measured_peak = extra.get('memory/measured_peak_gib_per_device', done.get('memory/measured_peak_gib_per_device'))
     if measured_peak is not None:  # the allocator's peak, where the trainer reports it (accelerators)
         out['measured_peak_memory_gib'] = measured_peak
