@@ -396,7 +396,7 @@ class ComputeWork:
 
 
 def compute_work(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> ComputeWork:
-    """What `micro_batch_compute_s` times: matmul FLOPs and memory-bound bytes of one micro-batch.
+    """What `compute_s` times: matmul FLOPs and memory-bound bytes of one micro-batch.
 
     Every residual of a layer (the `none` policy's set) is written once in the forward, again
     when recomputed, read once in the backward, and its gradient written and read once (4 or
@@ -419,19 +419,14 @@ def gemm_efficiency(hw: hw_lib.Hardware, layer_flops: float) -> float:
 
 
 def compute_s(work: ComputeWork, hw: hw_lib.Hardware) -> float:
-    """Roofline time of `work` on `hw`, plus the per-layer fixed cost."""
-    peak = hw.compute_flops(work.dtype, work.num_devices) * gemm_efficiency(hw, work.layer_flops)
-    memory_s = work.memory_bytes / hw.memory_bytes_per_s
-    return work.matmul_flops / peak + memory_s + hw.layer_overhead_s * work.layers
-
-
-def micro_batch_compute_s(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> float:
-    """Roofline time of one micro-batch through one pipeline stage of one replica.
+    """Roofline time of `work` (one micro-batch through one pipeline stage of one replica) on `hw`.
 
     Matmuls run at `gemm_efficiency` of the dense peak (`hw.matmul_efficiency` for large
     GEMMs); everything else is memory bound (`compute_work`); a fixed cost per layer on top.
     """
-    return compute_s(compute_work(shape, layout, hw, fl), hw)
+    peak = hw.compute_flops(work.dtype, work.num_devices) * gemm_efficiency(hw, work.layer_flops)
+    memory_s = work.memory_bytes / hw.memory_bytes_per_s
+    return work.matmul_flops / peak + memory_s + hw.layer_overhead_s * work.layers
 
 
 def accumulate_s(mem: Memory, layout, hw: hw_lib.Hardware) -> float:
