@@ -345,13 +345,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              'set the lease in seconds, e.g. 600')
     if n_devices is not None and num_devices(c) != n_devices:
         shape = ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
-        raise ConfigError(
-            'mesh', shape,
-            f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
-            'run on a machine or allocation with that many devices, change config.mesh.* so the '
-            'product equals the devices present, or get a plan without devices: '
-            'python -m jaxfrontier.main --config=... --mode=plan',
-        )
+        raise ConfigError('mesh', shape, f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
+                          'run on a machine or allocation with that many devices, change config.mesh.* so the '
+                          'product equals the devices present, or get a plan without devices: '
+                          'python -m jaxfrontier.main --config=... --mode=plan')
 
     _require(isinstance(m.scan_unroll, int) and m.scan_unroll >= 0, 'model.scan_unroll', m.scan_unroll,
              'must be an integer >= 0', 'set 0 (auto), 1 (rolled) or the layers per scan iteration')
@@ -391,13 +388,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _require(isinstance(t.eval_every, int) and t.eval_every >= 0, 'train.eval_every', t.eval_every,
              'must be an integer >= 0', 'set train.eval_every to 0 (only at the end) or a step interval')
     dp = data_parallel_size(c)
-    _require(
-        t.global_batch == t.micro_batch * t.accum_steps * dp,
-        'train.global_batch', t.global_batch,
-        f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '
-        f'data-parallel size (mesh.data x mesh.fsdp = {dp}) = {t.micro_batch * t.accum_steps * dp}',
-        'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds',
-    )
+    _require(t.global_batch == t.micro_batch * t.accum_steps * dp, 'train.global_batch', t.global_batch,
+             f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '
+             f'data-parallel size (mesh.data x mesh.fsdp = {dp}) = {t.micro_batch * t.accum_steps * dp}',
+             'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds')
 
     _validate_pipeline(c)
 

@@ -146,13 +146,9 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
         if scale_state is not None:  # float16: an overflowing step keeps the old params and moments
             (new_state['params'], new_state['opt_state']), new_state['loss_scale'], extra = loss_scale.finish_step(
                 c, scale_state, grads, (new_params, opt_state), (params, state['opt_state']))
-        metrics = {
-            'train/loss': loss,
-            'train/grad_norm': optax.tree.norm(grads),
-            'train/param_norm': optax.tree.norm(new_state['params']),
-            'train/lr': schedule(state['step']),
-            **extra,
-        }
+        metrics = {'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads),
+                   'train/param_norm': optax.tree.norm(new_state['params']), 'train/lr': schedule(state['step']),
+                   **extra}
         return new_state, metrics
 
     return train_step
@@ -177,8 +173,7 @@ def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """The jitted train step (donated state, explicit shardings) and abstract (state, batch) to lower it with."""
     batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         layout.abstract_state, layout.state_shardings)
+    state = checkpoint_lib.abstract_target(layout)
     train_jit = jax.jit(make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
                         out_shardings=(layout.state_shardings, None), donate_argnums=0)
     return train_jit, state, batch

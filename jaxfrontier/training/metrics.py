@@ -154,11 +154,9 @@ class NonFiniteLossError(RuntimeError):
 def check_finite(step: int, loss: Any) -> None:
     """Raises NonFiniteLossError if `loss` (a scalar, host or device) is NaN or Inf."""
     value = float(loss)
-    if math.isfinite(value):
-        return
-    raise NonFiniteLossError(
-        f'training loss is {value} at step {step}; stopping. Things to try: lower the learning '
-        f'rate (--config.optim.lr, or more --config.optim.warmup_steps); check the data (token '
-        f'ids below model.vocab_size, no corrupt or empty token file); compute in float32 '
-        f'(--config.model.dtype=float32) to rule out bfloat16/float16 overflow.'
-    )
+    if not math.isfinite(value):
+        raise NonFiniteLossError(
+            f'training loss is {value} at step {step}; stopping. Things to try: lower the learning '
+            f'rate (--config.optim.lr, or more --config.optim.warmup_steps); check the data (token '
+            f'ids below model.vocab_size, no corrupt or empty token file); compute in float32 '
+            f'(--config.model.dtype=float32) to rule out bfloat16/float16 overflow.')
