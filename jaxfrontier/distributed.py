@@ -106,9 +106,7 @@ def first_host(nodelist: str) -> str:
     if first is None or not first.group(0):
         raise DistributedError(f'cannot read a host from the Slurm node list {nodelist!r}')
     prefix, ranges, suffix = first.groups()
-    if ranges is None:
-        return prefix
-    return prefix + re.split(r'[-,]', ranges)[0] + suffix
+    return prefix if ranges is None else prefix + re.split(r'[-,]', ranges)[0] + suffix
 
 
 def slurm_port(env: Mapping[str, str]) -> int:

@@ -192,9 +192,7 @@ def load(path: str) -> Hardware:
     _check_fields(path, data)
     base = data.pop('base', None)
     try:
-        if base is not None:
-            return dataclasses.replace(get(str(base)), **data)
-        return Hardware(**data)
+        return dataclasses.replace(get(str(base)), **data) if base is not None else Hardware(**data)
     except TypeError as e:
         raise errors.UserError(f'--hardware={path}: {e}. Fix: give every field of hardware.Hardware, or "base"'
                                ) from None

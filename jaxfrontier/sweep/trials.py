@@ -109,9 +109,7 @@ class ResultStore:
 
     def finished(self, tid: str, retry_failed: bool = False) -> dict[str, Any] | None:
         record = self.records.get(tid)
-        if record is None or (retry_failed and record['status'] in FAILED):
-            return None
-        return record
+        return None if record is None or (retry_failed and record['status'] in FAILED) else record
 
     def append(self, record: dict[str, Any]) -> None:
         """One `write` of one line to a file opened for appending: never a half-merged record."""
