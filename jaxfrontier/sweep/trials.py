@@ -25,6 +25,7 @@ process with a single write each; a rerun skips ids already there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -157,11 +158,9 @@ class TrialProcess:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 return
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=wait_s)
                 return
-            except subprocess.TimeoutExpired:
-                continue
 
     @property
     def wall_s(self) -> float:

@@ -98,8 +98,7 @@ def _check_out_path(out_path: str) -> None:
     directory = os.path.dirname(os.path.abspath(out_path))
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(f'{out_path}.tmp{os.getpid()}', 'wb'):
-            pass
+        open(f'{out_path}.tmp{os.getpid()}', 'wb').close()  # pylint: disable=consider-using-with
         os.remove(f'{out_path}.tmp{os.getpid()}')
     except OSError as e:
         raise config_lib.UserError(f'--export_path={out_path!r} cannot be written ({e.strerror or e}). '

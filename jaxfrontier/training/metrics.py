@@ -5,6 +5,7 @@ FLOP counts are `jaxfrontier/flops.py` (the convention), device peaks `jaxfronti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,15 +48,12 @@ def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, mod
 def last_logged_step(path: str) -> int:
     """The largest step in a metrics.jsonl (0 if there is none)."""
     last = 0
-    try:
-        with open(path, encoding='utf-8') as f:
-            for line in f:
-                try:
-                    last = max(last, int(json.loads(line).get('step', 0)))
-                except (ValueError, TypeError, AttributeError):
-                    continue  # a line cut short by a kill
-    except FileNotFoundError:
-        pass
+    with contextlib.suppress(FileNotFoundError), open(path, encoding='utf-8') as f:
+        for line in f:
+            try:
+                last = max(last, int(json.loads(line).get('step', 0)))
+            except (ValueError, TypeError, AttributeError):
+                continue  # a line cut short by a kill
     return last
 
 
