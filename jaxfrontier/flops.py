@@ -48,8 +48,7 @@ def megatron_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_
     return 24.0 * f * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
 
 
-def model_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int,
-                         vocab_size: int) -> float:
+def model_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int, vocab_size: int) -> float:
     """Model FLOPs of one optimizer step: Megatron's formula with f = 3 always (basis of MFU).
 
     Same convention as `megatron_flops_per_step` (matmuls only, causal attention counted as

@@ -49,8 +49,7 @@ def token_split_axes(enabled: bool, batch_axes: tuple[str, ...], tensor_axes: tu
     return tensor if enabled and not batch_axes and tensor else ()
 
 
-def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
-                 dp_axes: tuple[str, ...]) -> tuple[P, tuple[int, ...]]:
+def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> tuple[P, tuple[int, ...]]:
     """ZeRO-1: the spec (and shape) of a parameter's optimizer state, sharded over the data axes.
 
     Adds the data-parallel axes the parameter's spec does not use yet to its first dimension

@@ -149,8 +149,7 @@ def model_key(c: ml_collections.ConfigDict) -> str:
     return 'L{} d{} h{} mlp{} s{} V{}'.format(*(m[f] for f in MODEL_FIELDS))
 
 
-def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware,
-                 statistic: str) -> Measurement:
+def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware, statistic: str) -> Measurement:
     published = record.get('source') == 'published'
     c = _published_config(record, path, line) if published else _trial_config(record, path, line)
     try:

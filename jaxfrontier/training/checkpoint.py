@@ -306,8 +306,7 @@ class Checkpointer:
                                   'Fix: move it away, or use a new --workdir.')
         return meta
 
-    def restore(self, layout: ts.StateLayout, step: int | None = None,
-                meta: dict[str, Any] | None = None) -> State:
+    def restore(self, layout: ts.StateLayout, step: int | None = None, meta: dict[str, Any] | None = None) -> State:
         """Restores `step` (default: the newest) directly into `layout`'s shardings.
 
         Raises:

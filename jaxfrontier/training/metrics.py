@@ -64,8 +64,7 @@ class MetricsWriter:
     Non-finite values are written to the JSON file as `null` so every line is strict JSON.
     """
 
-    def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool,
-                 initial_step: int = 0):
+    def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool, initial_step: int = 0):
         self.enabled = bool(enabled) and jax.process_index() == 0
         self._jsonl = self._tb = self._bar = None
         if not self.enabled:
