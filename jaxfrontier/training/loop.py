@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from absl import logging
 from jax.sharding import NamedSharding
 
 from jaxfrontier.training import checkpoint as checkpoint_lib
@@ -40,6 +39,7 @@ from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
+_log = checkpoint_lib.log  # process 0 only
 
 
 def split_micro_batches(tokens_gt: jax.Array, accum_steps: int, dp_size: int) -> jax.Array:
@@ -276,11 +276,6 @@ class _CommitLog:
         self.pending = None
         _log(f'checkpoint: step {step} committed, {self.gib:.3f} GiB, {time.perf_counter() - t0:.1f} s after '
              'its save started')
-
-
-def _log(text: str) -> None:
-    if jax.process_index() == 0:
-        logging.info(text)
 
 
 def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
