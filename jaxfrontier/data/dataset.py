@@ -569,5 +569,4 @@ def make_global_batch(source: Source, step: int, sharding: Any, global_batch: in
             read[rows.tobytes()] = source.read_rows(step, rows, global_batch)
         return read[rows.tobytes()][(slice(None),) + tuple(index[1:])]
 
-    return jax.make_array_from_callback((global_batch, source.seq_len + 1), sharding, callback,
-                                        dtype=np.int32)
+    return jax.make_array_from_callback((global_batch, source.seq_len + 1), sharding, callback, dtype=np.int32)
