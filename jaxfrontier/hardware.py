@@ -130,10 +130,6 @@ def match_kind(device_kind: str) -> Hardware | None:
     return None
 
 
-def is_path(name: str) -> bool:
-    return name.endswith('.json') or os.sep in name
-
-
 def get(name: str) -> Hardware:
     """The hardware called `name` (one of NAMES), or a description in a JSON file (`load`).
 
@@ -142,7 +138,7 @@ def get(name: str) -> Hardware:
     Raises:
       UserError: an unknown name, or a file that is missing or not a description.
     """
-    if is_path(name):
+    if name.endswith('.json') or os.sep in name:
         return load(name)
     if name == 'local':
         return local()

@@ -70,7 +70,7 @@ def make_study(config_spec: str, user_args: tuple[str, ...], max_devices: int) -
     check_common()
     base = CONFIG.value
     cpu = base.mesh.cpu_devices > 0
-    python = shlex.split(PYTHON.value) or sweep_run.default_python()
+    python = shlex.split(PYTHON.value) or [sys.executable]
     trial_env = sweep_run.trial_env(dict(os.environ), cpu)
     launcher, launch_fixed = _launcher(cpu, python)
     predict = None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -191,7 +190,3 @@ def trial_env(env: dict[str, str], cpu: bool) -> dict[str, str]:
         flags = [f for f in env.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
         env['XLA_FLAGS'] = ' '.join(flags)
     return env
-
-
-def default_python() -> list[str]:
-    return [sys.executable]
