@@ -299,9 +299,7 @@ GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
 
 def resolve_scan_unroll(scan_unroll: int, num_layers: int, platform: str | None) -> int:
     """model.scan_unroll with 0 (auto) resolved: every layer unrolled on GPUs, rolled elsewhere."""
-    if scan_unroll:
-        return scan_unroll
-    return num_layers if platform in GPU_PLATFORMS else 1
+    return scan_unroll or (num_layers if platform in GPU_PLATFORMS else 1)
 
 
 def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> ModelShape:
