@@ -163,8 +163,7 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)
         micro_abt = split_micro_batches(tokens_gt, accum, dp)
-        losses = jax.lax.map(lambda tokens_bt: model.loss(tokens_bt[:, :-1], tokens_bt[:, 1:]), micro_abt)
-        return jnp.mean(losses)
+        return jnp.mean(jax.lax.map(lambda tokens_bt: model.loss(tokens_bt[:, :-1], tokens_bt[:, 1:]), micro_abt))
 
     return eval_step
 
