@@ -75,154 +75,136 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
 
-    c.model = ml_collections.ConfigDict(
-        dict(
-            num_layers=2,
-            d_model=128,
-            num_heads=4,
-            seq_len=128,
-            vocab_size=256,  # 0: the token file header's vocab_size (data.kind=tokens)
-            # The vocabulary is padded to a multiple of vocab_multiple * mesh.tensor
-            # (Megatron pads GPT-2's 50,257 to a multiple of 128 * TP).
-            vocab_multiple=128,
-            mlp_ratio=4,
-            tied_embeddings=True,
-            dropout_rate=0.0,
-            init_std=0.02,
-            dtype='bfloat16',  # compute dtype; parameters and the loss are always fp32
-            attention='auto',  # auto | reference | xla | cudnn | blockwise
-            # Query / key-value rows per block of the blockwise kernel (model/blockwise.py);
-            # 64 measured fastest on the CPU at sequence 256 and 2048 (docs/PERFORMANCE.md).
-            attention_block_q=64,
-            attention_block_kv=64,
-            remat='full',  # none | full | save_dots | save_dots_no_batch
-            # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
-            # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
-            # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
-            # where unrolling costs compile time.
-            scan_unroll=0,
-        )
-    )
+    c.model = ml_collections.ConfigDict(dict(
+        num_layers=2,
+        d_model=128,
+        num_heads=4,
+        seq_len=128,
+        vocab_size=256,  # 0: the token file header's vocab_size (data.kind=tokens)
+        # The vocabulary is padded to a multiple of vocab_multiple * mesh.tensor
+        # (Megatron pads GPT-2's 50,257 to a multiple of 128 * TP).
+        vocab_multiple=128,
+        mlp_ratio=4,
+        tied_embeddings=True,
+        dropout_rate=0.0,
+        init_std=0.02,
+        dtype='bfloat16',  # compute dtype; parameters and the loss are always fp32
+        attention='auto',  # auto | reference | xla | cudnn | blockwise
+        # Query / key-value rows per block of the blockwise kernel (model/blockwise.py);
+        # 64 measured fastest on the CPU at sequence 256 and 2048 (docs/PERFORMANCE.md).
+        attention_block_q=64,
+        attention_block_kv=64,
+        remat='full',  # none | full | save_dots | save_dots_no_batch
+        # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
+        # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
+        # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
+        # where unrolling costs compile time.
+        scan_unroll=0,
+    ))
 
-    c.mesh = ml_collections.ConfigDict(
-        dict(
-            pipeline=1,
-            data=1,
-            fsdp=1,
-            tensor=1,
-            # > 0: simulate this many CPU devices (set by main before JAX starts).
-            cpu_devices=0,
-        )
-    )
+    c.mesh = ml_collections.ConfigDict(dict(
+        pipeline=1,
+        data=1,
+        fsdp=1,
+        tensor=1,
+        # > 0: simulate this many CPU devices (set by main before JAX starts).
+        cpu_devices=0,
+    ))
 
-    c.sharding = ml_collections.ConfigDict(
-        dict(
-            rules=DEFAULT_RULES,
-            # ZeRO-1: also shard the optimizer state over the data-parallel axes
-            # (data and fsdp) while parameters keep their own layout.
-            zero1=False,
-        )
-    )
+    c.sharding = ml_collections.ConfigDict(dict(
+        rules=DEFAULT_RULES,
+        # ZeRO-1: also shard the optimizer state over the data-parallel axes
+        # (data and fsdp) while parameters keep their own layout.
+        zero1=False,
+    ))
 
-    c.pipeline = ml_collections.ConfigDict(
-        dict(
-            schedule='1f1b',  # gpipe | 1f1b | 1f1b_lockstep | interleaved (jaxfrontier/pipeline/schedules.py)
-            virtual_stages=1,  # chunks per stage (interleaved only)
-            # Stashed stage inputs and the activations/gradients sent between stages are split
-            # over `tensor` along the tokens (Megatron's sequence-parallel stash and scatter-gather
-            # send): stash memory and pipeline traffic / TP, one all-gather over tensor per use.
-            shard_activations=True,
-        )
-    )
+    c.pipeline = ml_collections.ConfigDict(dict(
+        schedule='1f1b',  # gpipe | 1f1b | 1f1b_lockstep | interleaved (jaxfrontier/pipeline/schedules.py)
+        virtual_stages=1,  # chunks per stage (interleaved only)
+        # Stashed stage inputs and the activations/gradients sent between stages are split
+        # over `tensor` along the tokens (Megatron's sequence-parallel stash and scatter-gather
+        # send): stash memory and pipeline traffic / TP, one all-gather over tensor per use.
+        shard_activations=True,
+    ))
 
-    c.optim = ml_collections.ConfigDict(
-        dict(
-            lr=6e-4,
-            min_lr=6e-5,
-            warmup_steps=10,
-            decay_steps=0,  # 0: decay over train.steps
-            b1=0.9,
-            b2=0.95,
-            eps=1e-8,
-            weight_decay=0.1,
-            clip_norm=1.0,
-            # float16 compute only (training/loss_scale.py): 'dynamic' scales the loss so small
-            # gradients do not underflow and skips steps that overflow; 'none' trains unscaled.
-            loss_scale='dynamic',
-            loss_scale_init=2.0**15,
-            loss_scale_period=2000,  # finite steps before the scale doubles
-        )
-    )
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=6e-4,
+        min_lr=6e-5,
+        warmup_steps=10,
+        decay_steps=0,  # 0: decay over train.steps
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        clip_norm=1.0,
+        # float16 compute only (training/loss_scale.py): 'dynamic' scales the loss so small
+        # gradients do not underflow and skips steps that overflow; 'none' trains unscaled.
+        loss_scale='dynamic',
+        loss_scale_init=2.0**15,
+        loss_scale_period=2000,  # finite steps before the scale doubles
+    ))
 
-    c.train = ml_collections.ConfigDict(
-        dict(
-            steps=100,
-            global_batch=8,  # sequences per optimizer step
-            micro_batch=8,  # sequences per data-parallel replica per accumulation step
-            accum_steps=1,
-            log_every=10,
-            eval_every=50,  # 0: evaluate only at the end
-            eval_batches=4,
-            progress=True,
-            # The workdir lock's lease (training/workdir_lock.py): a lock not renewed for this
-            # long belongs to a dead run and is taken over. Renewed every lease / 10.
-            workdir_lease_s=600.0,
-            # Start even when the compiled step needs more memory than the device has.
-            ignore_memory_check=False,
-            # jax.profiler trace of steps [profile_start, profile_start + profile_steps) to
-            # <workdir>/profile/ (0 steps: off); process 0 only unless profile_all_processes.
-            profile_start=5,
-            profile_steps=0,
-            profile_all_processes=False,
-        )
-    )
+    c.train = ml_collections.ConfigDict(dict(
+        steps=100,
+        global_batch=8,  # sequences per optimizer step
+        micro_batch=8,  # sequences per data-parallel replica per accumulation step
+        accum_steps=1,
+        log_every=10,
+        eval_every=50,  # 0: evaluate only at the end
+        eval_batches=4,
+        progress=True,
+        # The workdir lock's lease (training/workdir_lock.py): a lock not renewed for this
+        # long belongs to a dead run and is taken over. Renewed every lease / 10.
+        workdir_lease_s=600.0,
+        # Start even when the compiled step needs more memory than the device has.
+        ignore_memory_check=False,
+        # jax.profiler trace of steps [profile_start, profile_start + profile_steps) to
+        # <workdir>/profile/ (0 steps: off); process 0 only unless profile_all_processes.
+        profile_start=5,
+        profile_steps=0,
+        profile_all_processes=False,
+    ))
 
-    c.data = ml_collections.ConfigDict(
-        dict(
-            kind='builtin',  # builtin | tokens | synthetic
-            path='',  # kind=tokens: path of the .bin token file (header beside it)
-            # kind=tokens, instead of path: 'WEIGHT:PATH,WEIGHT:PATH' mixes token files (docs/data.md)
-            blend='',
-            val_fraction=0.02,
-        )
-    )
+    c.data = ml_collections.ConfigDict(dict(
+        kind='builtin',  # builtin | tokens | synthetic
+        path='',  # kind=tokens: path of the .bin token file (header beside it)
+        # kind=tokens, instead of path: 'WEIGHT:PATH,WEIGHT:PATH' mixes token files (docs/data.md)
+        blend='',
+        val_fraction=0.02,
+    ))
 
     # How processes join one job (jaxfrontier/distributed.py); mesh.cpu_devices is the job's total.
-    c.distributed = ml_collections.ConfigDict(
-        dict(
-            mode='auto',  # auto (Slurm step > explicit address > none) | slurm | explicit | none
-            coordinator_address='',  # explicit: process 0's host or host:port
-            coordinator_port=0,  # 0: derived from the Slurm job id; explicit mode needs one
-            num_processes=0,  # explicit: processes in the job
-            process_id=-1,  # explicit: this process's id
-            local_device_ids='',  # '': automatic (process per GPU), 'all', or e.g. '0,1'
-            devices_per_process=1,  # GPUs per Slurm task; 0: every GPU the task sees
-            initialization_timeout_s=300,  # all processes must join within this
-            heartbeat_timeout_s=60,  # a peer silent this long is dead: the job ends
-            shutdown_timeout_s=60,
-        )
-    )
+    c.distributed = ml_collections.ConfigDict(dict(
+        mode='auto',  # auto (Slurm step > explicit address > none) | slurm | explicit | none
+        coordinator_address='',  # explicit: process 0's host or host:port
+        coordinator_port=0,  # 0: derived from the Slurm job id; explicit mode needs one
+        num_processes=0,  # explicit: processes in the job
+        process_id=-1,  # explicit: this process's id
+        local_device_ids='',  # '': automatic (process per GPU), 'all', or e.g. '0,1'
+        devices_per_process=1,  # GPUs per Slurm task; 0: every GPU the task sees
+        initialization_timeout_s=300,  # all processes must join within this
+        heartbeat_timeout_s=60,  # a peer silent this long is dead: the job ends
+        shutdown_timeout_s=60,
+    ))
 
     # Checkpoints in <workdir>/checkpoints (jaxfrontier/training/checkpoint.py, docs/checkpoints.md).
-    c.checkpoint = ml_collections.ConfigDict(
-        dict(
-            enabled=True,  # False: never save or restore
-            every_steps=1000,  # save every N steps (0: only at the end and on preemption)
-            keep=3,  # the newest K checkpoints are kept
-            keep_period=0,  # > 0: also keep every checkpoint whose step is a multiple of this
-            async_save=True,  # write in the background; the loop waits only for the device copy
-            # Signals that stop the run after its current step with a committed checkpoint:
-            # Slurm's SIGTERM, and an early warning such as `#SBATCH --signal=USR1@120`.
-            preemption_signals=('SIGTERM', 'SIGUSR1'),
-            preemption_sync_every=1,  # multi-process: agree on the stop every N steps
-            # Start from these parameters (a workdir, checkpoint directory or .safetensors file)
-            # when the workdir has no checkpoint yet: fine-tuning. Optimizer state starts fresh.
-            init_params_from='',
-            # Resume from this step instead of the newest finite checkpoint (-1): roll back after
-            # a loss spike. Newer checkpoints are moved to <workdir>/checkpoints.superseded/.
-            restore_step=-1,
-        )
-    )
+    c.checkpoint = ml_collections.ConfigDict(dict(
+        enabled=True,  # False: never save or restore
+        every_steps=1000,  # save every N steps (0: only at the end and on preemption)
+        keep=3,  # the newest K checkpoints are kept
+        keep_period=0,  # > 0: also keep every checkpoint whose step is a multiple of this
+        async_save=True,  # write in the background; the loop waits only for the device copy
+        # Signals that stop the run after its current step with a committed checkpoint:
+        # Slurm's SIGTERM, and an early warning such as `#SBATCH --signal=USR1@120`.
+        preemption_signals=('SIGTERM', 'SIGUSR1'),
+        preemption_sync_every=1,  # multi-process: agree on the stop every N steps
+        # Start from these parameters (a workdir, checkpoint directory or .safetensors file)
+        # when the workdir has no checkpoint yet: fine-tuning. Optimizer state starts fresh.
+        init_params_from='',
+        # Resume from this step instead of the newest finite checkpoint (-1): roll back after
+        # a loss spike. Newer checkpoints are moved to <workdir>/checkpoints.superseded/.
+        restore_step=-1,
+    ))
     return c
 
 
@@ -317,32 +299,17 @@ GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
 
 def resolve_scan_unroll(scan_unroll: int, num_layers: int, platform: str | None) -> int:
     """model.scan_unroll with 0 (auto) resolved: every layer unrolled on GPUs, rolled elsewhere."""
-    if scan_unroll:
-        return scan_unroll
-    return num_layers if platform in GPU_PLATFORMS else 1
+    return scan_unroll or (num_layers if platform in GPU_PLATFORMS else 1)
 
 
 def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> ModelShape:
     """The model's static shape; `platform` (a JAX platform name) resolves model.scan_unroll=0."""
     m = c.model
-    return ModelShape(
-        num_layers=m.num_layers,
-        d_model=m.d_model,
-        num_heads=m.num_heads,
-        seq_len=m.seq_len,
-        vocab_size=padded_vocab(c),
-        real_vocab_size=m.vocab_size,
-        mlp_dim=m.mlp_ratio * m.d_model,
-        tied_embeddings=m.tied_embeddings,
-        dropout_rate=m.dropout_rate,
-        init_std=m.init_std,
-        dtype=m.dtype,
-        attention=m.attention,
-        remat=m.remat,
-        scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform),
-        attention_block_q=m.attention_block_q,
-        attention_block_kv=m.attention_block_kv,
-    )
+    same = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'tied_embeddings', 'dropout_rate', 'init_std', 'dtype',
+            'attention', 'remat', 'attention_block_q', 'attention_block_kv')  # model.* fields taken as they are
+    return ModelShape(**{k: m[k] for k in same}, vocab_size=padded_vocab(c), real_vocab_size=m.vocab_size,
+                      mlp_dim=m.mlp_ratio * m.d_model,
+                      scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform))
 
 
 # --------------------------------------------------------------------------- validation
@@ -353,14 +320,9 @@ def _require(ok: bool, field: str, value: Any, problem: str, fix: str) -> None:
         raise ConfigError(field, value, problem, fix)
 
 
-def _divides(c, divisor_field: str, divisor: int, field: str, value: int, what: str) -> None:
-    _require(
-        divisor > 0 and value % divisor == 0,
-        field,
-        value,
-        f'{what} must be divisible by {divisor_field} = {divisor}',
-        f'choose {field} as a multiple of {divisor}, or change {divisor_field}',
-    )
+def _divides(divisor_field: str, divisor: int, field: str, value: int, what: str) -> None:
+    _require(divisor > 0 and value % divisor == 0, field, value, f'{what} must be divisible by {divisor_field} = '
+             f'{divisor}', f'choose {field} as a multiple of {divisor}, or change {divisor_field}')
 
 
 def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
@@ -381,13 +343,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              'set the lease in seconds, e.g. 600')
     if n_devices is not None and num_devices(c) != n_devices:
         shape = ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
-        raise ConfigError(
-            'mesh', shape,
-            f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
-            'run on a machine or allocation with that many devices, change config.mesh.* so the '
-            'product equals the devices present, or get a plan without devices: '
-            'python -m jaxfrontier.main --config=... --mode=plan',
-        )
+        raise ConfigError('mesh', shape, f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
+                          'run on a machine or allocation with that many devices, change config.mesh.* so the '
+                          'product equals the devices present, or get a plan without devices: '
+                          'python -m jaxfrontier.main --config=... --mode=plan')
 
     _require(isinstance(m.scan_unroll, int) and m.scan_unroll >= 0, 'model.scan_unroll', m.scan_unroll,
              'must be an integer >= 0', 'set 0 (auto), 1 (rolled) or the layers per scan iteration')
@@ -402,14 +361,14 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              f'use one of {REMAT_POLICIES}')
     _require(0.0 <= m.dropout_rate < 1.0, 'model.dropout_rate', m.dropout_rate,
              'must be in [0, 1)', 'set model.dropout_rate to e.g. 0.0 or 0.1')
-    _divides(c, 'model.num_heads', m.num_heads, 'model.d_model', m.d_model, 'the hidden size')
-    _divides(c, 'mesh.tensor', c.mesh.tensor, 'model.num_heads', m.num_heads,
+    _divides('model.num_heads', m.num_heads, 'model.d_model', m.d_model, 'the hidden size')
+    _divides('mesh.tensor', c.mesh.tensor, 'model.num_heads', m.num_heads,
              'the number of heads (split over the tensor axis)')
-    _divides(c, 'mesh.tensor', c.mesh.tensor, 'model.mlp_ratio * model.d_model', m.mlp_ratio * m.d_model,
+    _divides('mesh.tensor', c.mesh.tensor, 'model.mlp_ratio * model.d_model', m.mlp_ratio * m.d_model,
              'the MLP width (split over the tensor axis)')
-    _divides(c, 'mesh.fsdp', c.mesh.fsdp, 'model.d_model', m.d_model,
+    _divides('mesh.fsdp', c.mesh.fsdp, 'model.d_model', m.d_model,
              'the hidden size (parameters are split over the fsdp axis)')
-    _divides(c, 'mesh.pipeline * pipeline.virtual_stages', c.mesh.pipeline * c.pipeline.virtual_stages,
+    _divides('mesh.pipeline * pipeline.virtual_stages', c.mesh.pipeline * c.pipeline.virtual_stages,
              'model.num_layers', m.num_layers, 'the number of layers (split over pipeline stages)')
     if m.attention == 'cudnn':
         _require(m.dtype in ('bfloat16', 'float16'), 'model.dtype', m.dtype,
@@ -427,13 +386,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _require(isinstance(t.eval_every, int) and t.eval_every >= 0, 'train.eval_every', t.eval_every,
              'must be an integer >= 0', 'set train.eval_every to 0 (only at the end) or a step interval')
     dp = data_parallel_size(c)
-    _require(
-        t.global_batch == t.micro_batch * t.accum_steps * dp,
-        'train.global_batch', t.global_batch,
-        f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '
-        f'data-parallel size (mesh.data x mesh.fsdp = {dp}) = {t.micro_batch * t.accum_steps * dp}',
-        'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds',
-    )
+    _require(t.global_batch == t.micro_batch * t.accum_steps * dp, 'train.global_batch', t.global_batch,
+             f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '
+             f'data-parallel size (mesh.data x mesh.fsdp = {dp}) = {t.micro_batch * t.accum_steps * dp}',
+             'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds')
 
     _validate_pipeline(c)
 

@@ -106,9 +106,7 @@ def first_host(nodelist: str) -> str:
     if first is None or not first.group(0):
         raise DistributedError(f'cannot read a host from the Slurm node list {nodelist!r}')
     prefix, ranges, suffix = first.groups()
-    if ranges is None:
-        return prefix
-    return prefix + re.split(r'[-,]', ranges)[0] + suffix
+    return prefix if ranges is None else prefix + re.split(r'[-,]', ranges)[0] + suffix
 
 
 def slurm_port(env: Mapping[str, str]) -> int:
@@ -295,15 +293,12 @@ def initialize(settings: ProcessSettings, d: Any) -> None:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     try:
         jax.distributed.initialize(
-            coordinator_address=settings.coordinator_address,
-            num_processes=settings.num_processes,
+            coordinator_address=settings.coordinator_address, num_processes=settings.num_processes,
             process_id=settings.process_id,
             local_device_ids=list(settings.local_device_ids) if settings.local_device_ids is not None else None,
             cluster_detection_method='deactivate',  # everything is resolved above
             initialization_timeout=int(d.initialization_timeout_s),
-            heartbeat_timeout_seconds=int(d.heartbeat_timeout_s),
-            shutdown_timeout_seconds=int(d.shutdown_timeout_s),
-        )
+            heartbeat_timeout_seconds=int(d.heartbeat_timeout_s), shutdown_timeout_seconds=int(d.shutdown_timeout_s))
         jax.devices()  # the global device exchange: the first point where a missing peer shows
     except Exception as e:  # pylint: disable=broad-except  (XlaRuntimeError has no stable import)
         raise DistributedError(

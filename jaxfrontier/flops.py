@@ -21,11 +21,6 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 
-def _megatron_formula(f: int, global_batch: int, seq_len: int, num_layers: int, d_model: int,
-                      vocab_size: int) -> float:
-    b, s, l, h, v = (float(x) for x in (global_batch, seq_len, num_layers, d_model, vocab_size))
-    return 24.0 * f * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
-
 
 def megatron_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int,
                             vocab_size: int, recompute: bool) -> float:
@@ -48,19 +43,19 @@ def megatron_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_
     Returns:
       FLOPs per step, as a float.
     """
-    return _megatron_formula(4 if recompute else 3, global_batch, seq_len, num_layers, d_model,
-                             vocab_size)
+    f = 4 if recompute else 3
+    b, s, l, h, v = (float(x) for x in (global_batch, seq_len, num_layers, d_model, vocab_size))
+    return 24.0 * f * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
 
 
-def model_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int,
-                         vocab_size: int) -> float:
+def model_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int, vocab_size: int) -> float:
     """Model FLOPs of one optimizer step: Megatron's formula with f = 3 always (basis of MFU).
 
     Same convention as `megatron_flops_per_step` (matmuls only, causal attention counted as
     full, layer norms/softmax ignored, padded vocabulary V), but recomputation is never
     counted: this is the useful work of forward + backward, independent of the remat policy.
     """
-    return _megatron_formula(3, global_batch, seq_len, num_layers, d_model, vocab_size)
+    return megatron_flops_per_step(global_batch, seq_len, num_layers, d_model, vocab_size, recompute=False)
 
 
 def flops_per_step_from_config(config: ml_collections.ConfigDict) -> tuple[float, float]:
@@ -70,16 +65,6 @@ def flops_per_step_from_config(config: ml_collections.ConfigDict) -> tuple[float
     `config.model.remat != 'none'`. See the module docstring for the convention.
     """
     m = config.model
-    shape = dict(global_batch=config.train.global_batch, seq_len=m.seq_len,
-                 num_layers=m.num_layers, d_model=m.d_model,
-                 vocab_size=config_lib.padded_vocab(config))
-    return (model_flops_per_step(**shape),
-            megatron_flops_per_step(**shape, recompute=m.remat != 'none'))
-
-
-# --------------------------------------------------------------------------- device peaks
-
-# (device_kind substring, variants it must not match, dense bf16 peak, dense fp32 peak) per
-# JAX device. First match wins, so longer names must come before their prefixes.
-# fp32 is the plain (non-TF32) matrix peak; note XLA may use TF32 for fp32 dots on NVIDIA
-# GPUs under the default precision, so fp32 MFU there can exceed what the table suggests.
+    shape = dict(global_batch=config.train.global_batch, seq_len=m.seq_len, num_layers=m.num_layers,
+                 d_model=m.d_model, vocab_size=config_lib.padded_vocab(config))
+    return model_flops_per_step(**shape), megatron_flops_per_step(**shape, recompute=m.remat != 'none')

@@ -50,7 +50,7 @@ class Hardware:
     name: str
     description: str
     peak_bf16_flops: float  # dense matrix peak, FLOP/s
-    peak_fp32_flops: float  # dense fp32 (non-TF32) matrix peak, FLOP/s
+    peak_fp32_flops: float  # dense fp32 (non-TF32) matrix peak, FLOP/s (XLA may use TF32 for fp32 dots on NVIDIA)
     memory_bytes: int
     memory_bytes_per_s: float  # HBM bandwidth
     matmul_efficiency: float  # achieved share of the peak for large GEMMs
@@ -134,10 +134,6 @@ def match_kind(device_kind: str) -> Hardware | None:
     return None
 
 
-def is_path(name: str) -> bool:
-    return name.endswith('.json') or os.sep in name
-
-
 def get(name: str) -> Hardware:
     """The hardware called `name` (one of NAMES), or a description in a JSON file (`load`).
 
@@ -146,7 +142,7 @@ def get(name: str) -> Hardware:
     Raises:
       UserError: an unknown name, or a file that is missing or not a description.
     """
-    if is_path(name):
+    if name.endswith('.json') or os.sep in name:
         return load(name)
     if name == 'local':
         return local()
@@ -196,9 +192,7 @@ def load(path: str) -> Hardware:
     _check_fields(path, data)
     base = data.pop('base', None)
     try:
-        if base is not None:
-            return dataclasses.replace(get(str(base)), **data)
-        return Hardware(**data)
+        return dataclasses.replace(get(str(base)), **data) if base is not None else Hardware(**data)
     except TypeError as e:
         raise errors.UserError(f'--hardware={path}: {e}. Fix: give every field of hardware.Hardware, or "base"'
                                ) from None
@@ -272,8 +266,6 @@ def link_bytes_per_s(hw: Hardware, level: str) -> float:
 # --------------------------------------------------------------------------- peaks of JAX devices
 
 _PEAK_DTYPES = {'bfloat16': 'bf16', 'float16': 'bf16', 'float32': 'fp32'}
-
-
 _CPU_MATMUL_N = 1024
 
 

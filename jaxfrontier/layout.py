@@ -49,8 +49,7 @@ def token_split_axes(enabled: bool, batch_axes: tuple[str, ...], tensor_axes: tu
     return tensor if enabled and not batch_axes and tensor else ()
 
 
-def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
-                 dp_axes: tuple[str, ...]) -> tuple[P, tuple[int, ...]]:
+def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> tuple[P, tuple[int, ...]]:
     """ZeRO-1: the spec (and shape) of a parameter's optimizer state, sharded over the data axes.
 
     Adds the data-parallel axes the parameter's spec does not use yet to its first dimension
@@ -64,9 +63,7 @@ def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh,
     if not extra:
         return spec, tuple(shape)
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    extra_size = 1
-    for a in extra:
-        extra_size *= mesh.shape[a]
+    extra_size = math.prod(mesh.shape[a] for a in extra)
     options = []  # (cost, dimension)
     for i, entry in enumerate(entries):
         current_size = math.prod(mesh.shape[a] for a in mesh_lib.entry_axes(entry))

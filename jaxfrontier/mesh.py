@@ -82,11 +82,8 @@ def logical_to_spec(names: Sequence[str | None] | None, rules: Rules) -> P:
 
 def tree_shardings(logical_specs, mesh: Mesh, rules: Rules):
     """Maps a pytree of logical PartitionSpecs (from nnx.get_partition_spec) to NamedShardings."""
-    return jax.tree.map(
-        lambda spec: NamedSharding(mesh, logical_to_spec(tuple(spec), rules)),
-        logical_specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+    return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_spec(tuple(spec), rules)), logical_specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def batch_spec(rules: Rules, ndim: int = 2) -> P:
@@ -95,8 +92,7 @@ def batch_spec(rules: Rules, ndim: int = 2) -> P:
 
 
 def data_parallel_axes(rules: Rules) -> tuple[str, ...]:
-    spec = logical_to_spec(('batch',), rules)[0]
-    return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return entry_axes(logical_to_spec(('batch',), rules)[0])
 
 
 def without_axis(rules: Rules, axis: str) -> Rules:

@@ -411,8 +411,8 @@ def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str) -> 
     return ConfigError('data.blend', c.data.blend, f'{path}: {problem}' if path not in problem else problem, fix)
 
 
-def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[float], list[str], list[tuple[TokenFile, int]]]:
-    """Parses data.blend, opens and checks every file: (weights, paths, [(file, boundary)])."""
+def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[int], list[str], list[tuple[TokenFile, int]]]:
+    """Parses data.blend, opens and checks every file: (rows per step of each, paths, [(file, boundary)])."""
     entries = sampling.parse_blend(c.data.blend)
     weights, paths = [w for w, _ in entries], [p for _, p in entries]
     opened = []
@@ -424,8 +424,7 @@ def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[float], list[str], 
                 raise
             raise _as_blend_error(c, e, path) from None
     _check_same_tokenizer(c.data.blend, [f for f, _ in opened])
-    sampling.check_blend_counts(c.data.blend, paths, weights, c.train.global_batch)
-    return weights, paths, opened
+    return sampling.check_blend_counts(c.data.blend, paths, weights, c.train.global_batch), paths, opened
 
 
 def _tokenizer_bytes(token_file: TokenFile) -> bytes | None:
@@ -537,11 +536,10 @@ def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, S
         return (SyntheticSource(m.vocab_size, m.seq_len, seed, TRAIN),
                 SyntheticSource(m.vocab_size, m.seq_len, seed, VAL))
     if c.data.kind == 'tokens' and c.data.get('blend', ''):
-        weights, paths, opened = _blend_files(c)
+        counts, paths, opened = _blend_files(c)
         splits = [_splits(c, f, boundary, f'tokens {f.path}') for f, boundary in opened]
-        counts = tuple(sampling.blend_counts(weights, c.train.global_batch))
         names = tuple(sampling.metric_names(paths))
-        return tuple(sampling.BlendSource(tuple(s[i] for s in splits), counts, names, seed, i)  # type: ignore
+        return tuple(sampling.BlendSource(tuple(s[i] for s in splits), tuple(counts), names, seed, i)  # type: ignore
                      for i in (TRAIN, VAL))
     path = builtin_corpus(os.path.join(workdir, 'data_cache')) if c.data.kind == 'builtin' else c.data.path
     token_file, boundary = _open_checked(c, path)
@@ -571,5 +569,4 @@ def make_global_batch(source: Source, step: int, sharding: Any, global_batch: in
             read[rows.tobytes()] = source.read_rows(step, rows, global_batch)
         return read[rows.tobytes()][(slice(None),) + tuple(index[1:])]
 
-    return jax.make_array_from_callback((global_batch, source.seq_len + 1), sharding, callback,
-                                        dtype=np.int32)
+    return jax.make_array_from_callback((global_batch, source.seq_len + 1), sharding, callback, dtype=np.int32)

@@ -174,10 +174,6 @@ def _encode_in_worker(texts: list[str], ends: list[bool]) -> bytes:
     return encode_batch(_WORKER['tokenizer'], texts, ends, _WORKER['eot_id'], _WORKER['dtype']).tobytes()
 
 
-def _encode_here(tokenizer: Any, eot_id: int, dtype: str) -> Callable[[list[str], list[bool]], bytes]:
-    return lambda texts, ends: encode_batch(tokenizer, texts, ends, eot_id, dtype).tobytes()
-
-
 def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, tokenizer_json: str,
                     eot_id: int, dtype: str, workers: int) -> Iterator[tuple[list[corpus.Piece], bytes]]:
     """(batch, its tokens as bytes) for each batch, in input order.
@@ -189,7 +185,9 @@ def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, token
     """
     if workers == 1:
         executor = concurrent.futures.ThreadPoolExecutor(2)
-        encode = _encode_here(tokenizer, eot_id, dtype)
+
+        def encode(texts: list[str], ends: list[bool]) -> bytes:
+            return encode_batch(tokenizer, texts, ends, eot_id, dtype).tobytes()
     else:
         threads = max(1, (os.cpu_count() or 1) // workers)
         executor = concurrent.futures.ProcessPoolExecutor(

@@ -77,8 +77,7 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
     elif os.path.isfile(source):
         model = {}  # a .safetensors file: its metadata is checked against the config on load
     else:
-        step_dir = hf.step_dir_of(source)
-        meta = hf.read_meta(step_dir)
+        meta = hf.read_meta(hf.step_dir_of(source))
         step, run_config, model = meta['step'], meta['config'], meta['config']['model']
     c = decode_config(c, model)
     mesh = mesh_lib.mesh_from_config(c)

@@ -119,4 +119,3 @@ def read_prompts(prompt: str, prompt_file: str) -> list[str]:
             raise UserError(f'cannot read --prompt_file={prompt_file}: {e.strerror}. Fix: name a text file, '
                             'one prompt per line.') from e
     return [prompt] if prompt else []
-

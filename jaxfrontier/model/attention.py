@@ -36,9 +36,7 @@ def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str
     if backend == 'cpu':
         return 'blockwise'
     is_nvidia = backend in ('gpu', 'cuda') and 'nvidia' in jax.devices()[0].device_kind.lower()
-    if is_nvidia and jnp.dtype(dtype).itemsize == 2:
-        return 'cudnn'
-    return 'blockwise'
+    return 'cudnn' if is_nvidia and jnp.dtype(dtype).itemsize == 2 else 'blockwise'
 
 
 def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:

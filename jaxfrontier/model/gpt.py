@@ -140,13 +140,8 @@ class GPT(nnx.Module):
 
     def logits(self, x_nd: jax.Array) -> jax.Array:
         """Final LayerNorm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""
-        x_nd = self.ln_f(x_nd)
-        if self.shape.tied_embeddings:
-            w = self.wte[...].astype(self.dtype)
-            logits_nv = jnp.einsum('nd,vd->nv', x_nd, w, preferred_element_type=jnp.float32)
-        else:
-            w = self.head[...].astype(self.dtype)
-            logits_nv = jnp.einsum('nd,dv->nv', x_nd, w, preferred_element_type=jnp.float32)
+        w, letters = (self.wte, 'nd,vd->nv') if self.shape.tied_embeddings else (self.head, 'nd,dv->nv')
+        logits_nv = jnp.einsum(letters, self.ln_f(x_nd), w[...].astype(self.dtype), preferred_element_type=jnp.float32)
         return mesh_lib.constrain(logits_nv, ('batch', 'vocab'))
 
     def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array) -> jax.Array:

@@ -24,8 +24,7 @@ AXIS = 'pipeline'
 
 
 def split_shared(params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    shared = {k: v for k, v in params.items() if k != 'blocks'}
-    return params['blocks'], shared
+    return params['blocks'], {k: v for k, v in params.items() if k != 'blocks'}
 
 
 def stage_chunks(blocks: Any, virtual: int) -> Any:

@@ -6,7 +6,6 @@ a third of the training step's FLOPs.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import ml_collections

@@ -19,8 +19,8 @@ forward-equivalents per layer, Megatron's full recomputation, for every P, so ex
 do not grow with the pipeline. Inside a pipeline every `model.remat` policy therefore acts as
 `full`: saving more of a layer would mean stashing it for up to 2P micro-batches.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +76,7 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
 
         carry = (ops.tokens.split(jnp.zeros((schedule.act_slots, lc, *x_zero.shape), dtype)),
                  ops.tokens.split(jnp.zeros((schedule.grad_slots, *x_zero.shape), dtype)),
-                 f32_zeros(chunks), f32_zeros(shared),
-                 jnp.zeros((), jnp.float32))
+                 f32_zeros(chunks), f32_zeros(shared), jnp.zeros((), jnp.float32))
         (_, _, g_chunks, g_shared, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
         g_blocks = g_chunks if v_size > 1 else jax.tree.map(lambda a: a[0], g_chunks)
         return sum_over_stages(loss_sum, g_blocks, g_shared)

@@ -140,21 +140,24 @@ def _check(fwd: dict, bwd: dict, p_size: int, m_size: int, c_size: int) -> None:
             seen.add(key)
 
 
-def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
-    """Greedy interval colouring: a slot stored at the end of tick s and read during tick e
-    is free again for a store at the end of tick e."""
-    free_at: list[int] = []  # slot -> tick from whose end it may be stored again
-    slot_of = {}
-    for start, end, key in sorted(intervals):
-        for slot, t in enumerate(free_at):
-            if t <= start:
-                break
-        else:
-            slot = len(free_at)
-            free_at.append(0)
-        free_at[slot] = end
-        slot_of[key] = slot
-    return slot_of, max(1, len(free_at))
+def _colour(intervals: list[tuple[int, int, tuple]], p_size: int) -> tuple[dict, int]:
+    """Greedy interval colouring on each stage (unit (m, c) on stage c mod P): a slot stored at
+    the end of tick s and read during tick e is free again for a store at the end of tick e.
+    Returns (slot of each unit, the most slots a stage needs)."""
+    slot_of, most = {}, 1
+    for p in range(p_size):
+        free_at: list[int] = []  # slot -> tick from whose end it may be stored again
+        for start, end, key in sorted(iv for iv in intervals if iv[2][1] % p_size == p):
+            for slot, t in enumerate(free_at):
+                if t <= start:
+                    break
+            else:
+                slot = len(free_at)
+                free_at.append(0)
+            free_at[slot] = end
+            slot_of[key] = slot
+        most = max(most, len(free_at))
+    return slot_of, most
 
 
 def build(name: str, num_stages: int, num_micro: int, virtual: int = 1) -> Schedule | Staggered:
@@ -179,15 +182,8 @@ def build(name: str, num_stages: int, num_micro: int, virtual: int = 1) -> Sched
               for m in range(m_size) for c in range(c_size) if c_size > 1]
     # Input gradients of chunks c < C-1: received at the end of B(m, c+1), read by B(m, c).
     grad_iv = [(bwd[m, c + 1], bwd[m, c], (m, c)) for m in range(m_size) for c in range(c_size - 1)]
-    act_slot, act_n = {}, 1
-    grad_slot, grad_n = {}, 1
-    for p in range(p_size):
-        slots, n = _colour([iv for iv in act_iv if iv[2][1] % p_size == p])
-        act_slot.update(slots)
-        act_n = max(act_n, n)
-        slots, n = _colour([iv for iv in grad_iv if iv[2][1] % p_size == p])
-        grad_slot.update(slots)
-        grad_n = max(grad_n, n)
+    act_slot, act_n = _colour(act_iv, p_size)
+    grad_slot, grad_n = _colour(grad_iv, p_size)
 
     f_table = np.zeros((n_ticks, p_size, 4), np.int32)
     b_table = np.zeros((n_ticks, p_size, 5), np.int32)
@@ -257,11 +253,7 @@ class Staggered:
         return self.num_stages
 
     grad_slots = 1  # the one message buffer
-
-    @property
-    def bubble(self) -> float:
-        p, m = self.num_stages, self.num_micro
-        return (p - 1) / (m + p - 1)
+    bubble = Schedule.bubble  # (P - 1) / (M + P - 1): V = 1
 
     def max_stashed_inputs(self) -> int:
         """Largest number of chunk inputs any stage holds at once (checked: at most P - p)."""
@@ -319,13 +311,8 @@ def staggered_1f1b(num_stages: int, num_micro: int) -> Staggered:
                 assert kind in (A_NONE, A_R), ('two forwards in a half-slot', m, p)
                 a[s_f, p] = ((A_F_FIRST if p == 0 else A_F_MID) if kind == A_NONE else
                              (A_F_FIRST_R if p == 0 else A_F_MID_R), m, m_r, m % p_size, slot_r)
-    # Dependencies: a forward uses the activation sent in the previous half-slot; a backward the
-    # gradient sent in the previous half-slot (or, on the last stage, its own recomputation).
-    for m in range(m_size):
-        for p in range(1, p_size):
-            assert 2 * m + p - 1 >= 0
-        for p in range(p_size - 1):
-            assert 2 * m + 2 * p_size - 1 - p == (2 * m + 2 * p_size - 1 - (p + 1)) + 1
+    # Dependencies hold by construction: F(m, p) = F(m, p - 1) + 1 and B(m, p) = B(m, p + 1) + 1,
+    # so a forward uses the activation, a backward the gradient, sent in the previous half-slot.
     sched = Staggered(p_size, m_size, a, b)
     assert sched.max_stashed_inputs() <= p_size
     return sched
@@ -385,12 +372,8 @@ def forward_only(num_stages: int, num_micro: int, virtual: int = 1) -> ForwardOn
             if ready:
                 done[min(ready)] = t
         t += 1
-    slot_of, n_slots = {}, 1
-    for q in range(p_size):
-        ivs = [(done[m, c - 1], done[m, c], (m, c)) for m in range(m_size) for c in range(1, c_size) if c % p_size == q]
-        slots, n = _colour(ivs)
-        slot_of.update(slots)
-        n_slots = max(n_slots, n)
+    slot_of, n_slots = _colour([(done[m, c - 1], done[m, c], (m, c)) for m in range(m_size) for c in range(1, c_size)],
+                               p_size)
     e_table = np.zeros((t, p_size, 4), np.int32)
     recv = np.zeros((t, p_size, 2), np.int32)
     for (m, c), tick in done.items():

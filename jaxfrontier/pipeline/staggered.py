@@ -217,10 +217,8 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
 
         carry = (ops.tokens.split(jnp.zeros((schedule.act_slots, *x_zero.shape), dtype)),
                  ops.tokens.split(x_zero), ops.res.zeros(), x_zero,
-                 f32_zeros(blocks), f32_zeros(shared),
-                 jnp.zeros((), jnp.float32))
-        (*_, g_blocks, g_shared, loss_sum), _ = jax.lax.scan(iteration, carry,
-                                                             jnp.arange(schedule.num_half_slots // 2))
+                 f32_zeros(blocks), f32_zeros(shared), jnp.zeros((), jnp.float32))
+        (*_, g_blocks, g_shared, loss_sum), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.num_half_slots // 2))
         return sum_over_stages(loss_sum, g_blocks, g_shared)
 
     return engine

@@ -19,11 +19,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.model.gpt import GPT
+from jaxfrontier.model.params import ModelDef
 
 # Proxy sizes: pairwise distinct, so a dimension's size names its symbol.
 _B, _T, _H, _K, _V, _L = 2, 7, 5, 11, 17, 19
@@ -104,18 +103,15 @@ def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
         mlp_dim=mlp_ratio * _D, tied_embeddings=tied_embeddings, dropout_rate=0.1 if dropout else 0.0,
         init_std=0.02, dtype=dtype, attention=attention, remat=remat)
     names = _symbols(shape.mlp_dim)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT(shape, rngs=nnx.Rngs(0))))
-    params = nnx.to_pure_dict(abstract)
+    model_def = ModelDef.create(shape)
     tokens = jax.ShapeDtypeStruct((_B, _T), jnp.int32)
     key = jax.random.key(0) if dropout else None
 
     def loss(p, tokens_bt):
-        state = jax.tree.map(lambda x: x, abstract)
-        nnx.replace_by_pure_dict(state, p)
-        return nnx.merge(graphdef, state).loss(tokens_bt, tokens_bt, key)
+        return model_def.bind(p).loss(tokens_bt, tokens_bt, key)
 
     block, head = [], []
-    for aval, source in saved_residuals(loss, params, tokens):
+    for aval, source in saved_residuals(loss, model_def.abstract_params(), tokens):
         if source.startswith('from the argument'):
             continue  # parameters and inputs are in memory anyway
         dims = tuple(aval.shape)

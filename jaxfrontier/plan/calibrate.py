@@ -57,17 +57,13 @@ class Param:
 
     def x0(self, prior: hw_lib.Hardware, start: hw_lib.Hardware | None = None) -> float:
         value = get_value(start or prior, self.name)
-        if self.kind == 'log':
-            return math.log(value / get_value(prior, self.name))
-        return value / self.scale
+        return math.log(value / get_value(prior, self.name)) if self.kind == 'log' else value / self.scale
 
     def bounds(self) -> tuple[float, float]:
         return {'log': (-LOG_BOUND, LOG_BOUND), 'linear': (0.0, np.inf), 'share': (0.0, 1.0)}[self.kind]
 
     def value(self, prior: hw_lib.Hardware, x: float) -> float:
-        if self.kind == 'log':
-            return get_value(prior, self.name) * math.exp(x)
-        return x * self.scale
+        return get_value(prior, self.name) * math.exp(x) if self.kind == 'log' else x * self.scale
 
 
 def get_value(hw: hw_lib.Hardware, name: str) -> float:
@@ -211,9 +207,7 @@ def _abs_rel(pred: np.ndarray, meas: np.ndarray) -> np.ndarray:
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
     from scipy import stats  # pylint: disable=g-import-not-at-top
 
-    if len(a) < 3:
-        return math.nan
-    return float(stats.spearmanr(a, b).statistic)
+    return math.nan if len(a) < 3 else float(stats.spearmanr(a, b).statistic)
 
 
 def check_params(ms: list[measured_lib.Measurement], prior: hw_lib.Hardware, names: list[str] | None) -> None:

@@ -132,8 +132,8 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
     m, p = layout.accum_steps, layout.pipeline
     for pl in pm.param_layouts(specs, layout, rules):
         spec, local = pl.spec, pl.local * pm.PARAM_BYTES
-        sharded = tuple(a for a in per_mb_axes if a in pm.shard_axes(pl.param_spec))
-        zero1_axes = tuple(a for a in dp_axes if a in pm.shard_axes(pl.update_spec) and a not in sharded)
+        sharded = tuple(a for a in per_mb_axes if a in mesh_lib.spec_axes(pl.param_spec))
+        zero1_axes = tuple(a for a in dp_axes if a in mesh_lib.spec_axes(pl.update_spec) and a not in sharded)
         # Inside the loop gradients meet the optimizer layout only when reduced per micro-batch.
         extra = () if once else zero1_axes
         rest = tuple(a for a in per_mb_axes if a not in sharded and a not in extra)
@@ -218,8 +218,3 @@ def timed(items: tuple[Traffic, ...], layout, hw: hw_lib.Hardware, compute_mb_s:
         out.append(Transfer(x.what, x.kind, x.axes, x.payload_bytes, x.count, x.level, time_s, exposed,
                             x.per_micro_batch))
     return tuple(sorted(out, key=lambda x: -x.payload_bytes))
-
-
-def communication(shape, layout, rules, specs, hw: hw_lib.Hardware, compute_mb_s: float) -> tuple[Transfer, ...]:
-    """Every transfer of one step with its link level, wire time and exposed time (`traffic`, `timed`)."""
-    return timed(traffic(shape, layout, rules, specs, hw), layout, hw, compute_mb_s, shape.num_layers)

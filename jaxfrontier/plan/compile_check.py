@@ -76,9 +76,7 @@ def pipeline_branch_weights(c: ml_collections.ConfigDict):
     Weight of kind b = share of (tick, stage) slots running b: the average device's count of a
     branch is the tick count times this. None without a pipeline.
     """
-    if c.mesh.pipeline == 1:
-        return None
-    return pipeline.build_schedule(c).hlo_weights
+    return None if c.mesh.pipeline == 1 else pipeline.build_schedule(c).hlo_weights
 
 
 def collectives(c: ml_collections.ConfigDict, compiled) -> list[hlo_collectives.Collective]:

@@ -93,9 +93,6 @@ def local_size(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) ->
     return math.prod(-(-dim // math.prod(mesh_shape[a] for a in mesh_lib.entry_axes(e))) for dim, e in zip(shape, entries))
 
 
-shard_axes = mesh_lib.spec_axes
-
-
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
     """Per-device elements of one parameter in its own layout and in the update layout."""
@@ -144,8 +141,7 @@ class Memory:
 
     @property
     def total_bytes(self) -> float:
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.temporaries_bytes + self.inputs_bytes)
+        return sum(v for _, v in self.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,12 +287,9 @@ def memory(shape, layout, rules, specs, attention: str = 'xla') -> Memory:
               'update': PARAM_BYTES * sum(p.update_local for p in pls)}
     optimizer = 2 * states['update'] + 8  # Adam's two moments in the update layout, two step counters
     inputs = 4 * layout.global_batch * (shape.seq_len + 1) / layout.dp
-    if layout.pipeline == 1:
-        grads, acts, temps, detail = _plain_memory(shape, layout, states, attention)
-        stage = 'every device'
-    else:
-        grads, acts, temps, detail = _pipeline_memory(shape, layout, states, attention)
-        stage = 'every pipeline stage'
+    parts = _plain_memory if layout.pipeline == 1 else _pipeline_memory
+    grads, acts, temps, detail = parts(shape, layout, states, attention)
+    stage = 'every device' if layout.pipeline == 1 else 'every pipeline stage'
     return Memory(states['params'], grads, optimizer, acts, temps, inputs, stage, f'({detail})')
 
 
@@ -400,7 +393,7 @@ class ComputeWork:
 
 
 def compute_work(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> ComputeWork:
-    """What `micro_batch_compute_s` times: matmul FLOPs and memory-bound bytes of one micro-batch.
+    """What `compute_s` times: matmul FLOPs and memory-bound bytes of one micro-batch.
 
     Every residual of a layer (the `none` policy's set) is written once in the forward, again
     when recomputed, read once in the backward, and its gradient written and read once (4 or
@@ -425,19 +418,15 @@ def gemm_efficiency(hw: hw_lib.Hardware, layer_flops: float) -> float:
 
 
 def compute_s(work: ComputeWork, hw: hw_lib.Hardware) -> float:
-    """Roofline time of `work` on `hw`, plus the per-layer fixed cost (and `hw.stash_passes`)."""
+    """Roofline time of `work` (one micro-batch through one pipeline stage of one replica) on `hw`.
+
+    Matmuls run at `gemm_efficiency` of the dense peak (`hw.matmul_efficiency` for large
+    GEMMs); everything else is memory bound (`compute_work`), the residuals kept for the
+    backward `hw.stash_passes` more times; a fixed cost per layer on top.
+    """
     peak = hw.compute_flops(work.dtype, work.num_devices) * gemm_efficiency(hw, work.layer_flops)
     memory_s = (work.memory_bytes + hw.stash_passes * work.stash_bytes) / hw.memory_bytes_per_s
     return work.matmul_flops / peak + memory_s + hw.layer_overhead_s * work.layers
-
-
-def micro_batch_compute_s(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> float:
-    """Roofline time of one micro-batch through one pipeline stage of one replica.
-
-    Matmuls run at `gemm_efficiency` of the dense peak (`hw.matmul_efficiency` for large
-    GEMMs); everything else is memory bound (`compute_work`); a fixed cost per layer on top.
-    """
-    return compute_s(compute_work(shape, layout, hw, fl), hw)
 
 
 def accumulate_s(mem: Memory, layout, hw: hw_lib.Hardware) -> float:

@@ -91,19 +91,15 @@ def _tuple_elements(shape: str) -> list[str]:
     return parts
 
 
-def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    return ids.transpose(perm) if perm is not None else ids
-
-
 def _parse_iota(text: str) -> np.ndarray:
     """'[4,2]<=[2,2,2]T(2,1,0)' -> the [4, 2] array of device ids; '[2,2]T(1,0)' -> [2, 2]."""
     m = re.fullmatch(r'(?:\[([0-9,]+)\]<=)?\[([0-9,]+)\](?:T\(([0-9,]+)\))?', text)
     if not m:
         raise ValueError(f'unrecognised iota device list {text!r}')
     dims = [int(x) for x in m.group(2).split(',')]
-    perm = [int(x) for x in m.group(3).split(',')] if m.group(3) else None
-    ids = _iota(dims, perm)
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(',')])
     return ids.reshape([int(x) for x in m.group(1).split(',')]) if m.group(1) else ids
 
 
@@ -120,8 +116,7 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
                else np.arange(math.prod(sizes)).reshape(sizes))
         varying = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
         fixed = [i for i in range(len(names)) if i not in varying]
-        grouped = ids.transpose(fixed + varying).reshape(-1, math.prod(sizes[i] for i in varying))
-        return grouped.tolist()
+        return ids.transpose(fixed + varying).reshape(-1, math.prod(sizes[i] for i in varying)).tolist()
     m = re.search(r'replica_groups=(\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)', attrs)
     if m:
         return _parse_iota(m.group(1)).tolist()
@@ -230,10 +225,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
                 payload = array_bytes(_tuple_elements(shape)[1])  # (operands, results, ...)
             if kind == 'reduce-scatter':
                 payload *= size
-            if kind == 'collective-permute':
-                axes = group_axes(groups, mesh_shape)
-            else:
-                axes = group_axes(groups, mesh_shape) if size > 1 else ()
+            axes = group_axes(groups, mesh_shape) if size > 1 or kind == 'collective-permute' else ()
             out.append(Collective(m.group(1), kind, axes, size, payload, counts[comp]))
     return out
 

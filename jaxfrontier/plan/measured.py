@@ -22,6 +22,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import statistics
 import sys
 from typing import Any
 
@@ -148,8 +149,7 @@ def model_key(c: ml_collections.ConfigDict) -> str:
     return 'L{} d{} h{} mlp{} s{} V{}'.format(*(m[f] for f in MODEL_FIELDS))
 
 
-def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware,
-                 statistic: str) -> Measurement:
+def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware, statistic: str) -> Measurement:
     published = record.get('source') == 'published'
     c = _published_config(record, path, line) if published else _trial_config(record, path, line)
     try:
@@ -193,11 +193,8 @@ def combine_repeats(ms: list[Measurement]) -> list[Measurement]:
         groups.setdefault((m.model, m.work.layout), []).append(m)
     out = []
     for group in groups.values():
-        times = sorted(m.measured_s for m in group)
-        mid = len(times) // 2
-        median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
         name = group[0].name + (f' (+{len(group) - 1} repeats)' if len(group) > 1 else '')
-        out.append(dataclasses.replace(group[0], name=name, measured_s=median,
+        out.append(dataclasses.replace(group[0], name=name, measured_s=statistics.median(m.measured_s for m in group),
                                        repeats=tuple(m.measured_s for m in group) if len(group) > 1 else ()))
     return out
 

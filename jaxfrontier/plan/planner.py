@@ -160,8 +160,7 @@ class Plan:
 
 
 def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, flops: plan_model.Flops,
-              transfers: tuple[plan_comm.Transfer, ...], memory: plan_model.Memory,
-              per_mb: float | None = None) -> StepTime:
+              transfers: tuple[plan_comm.Transfer, ...], memory: plan_model.Memory, per_mb: float) -> StepTime:
     """Roofline compute + exposed communication + pipeline bubble + update (docs/planner.md).
 
     Without a pipeline the micro-batches run back to back, each followed by the gradient
@@ -169,10 +168,8 @@ def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware,
     communication) / V and idle for P - 1 of them (the bubble, of which `hw.bubble_scale` is
     idle time); the sends between stages are exposed, and the lockstep executor pays one
     gradient accumulation per tick (staggered 1F1B: one per micro-batch). `hw.step_overhead_s`
-    is added once per step.
+    is added once per step; `per_mb` is one micro-batch's compute (`plan_model.compute_s`).
     """
-    if per_mb is None:
-        per_mb = plan_model.micro_batch_compute_s(shape, layout, hw, flops)
     m, p = layout.accum_steps, layout.pipeline
     permute_s = sum(t.exposed_s for t in transfers if t.kind == 'collective-permute')
     exposed_mb = sum(t.exposed_s for t in transfers if t.per_micro_batch and t.kind != 'collective-permute') / m
@@ -355,4 +352,3 @@ def plan_to_json(p: Plan) -> dict[str, Any]:
 
 def dumps(p: Plan) -> str:
     return json.dumps(plan_to_json(p), indent=1, default=float)
-

@@ -65,10 +65,8 @@ def report(c: ml_collections.ConfigDict, *, hardware: str = 'mi250x', search: bo
         text = f'hardware {hw.name}: {hw.description}\n' + (
             f'calibration {planner.calibration_line(hw)}\n' if hw.calibration else '')
         text += plan_search.format_search(plans, planned, fitting)
-        record = plan_search.search_to_json(plans, planned, fitting)
-        record['hardware'] = hw.name
-        if hw.calibration:
-            record['hardware_calibration'] = hw.calibration
+        record = {**plan_search.search_to_json(plans, planned, fitting), 'hardware': hw.name,
+                  **({'hardware_calibration': hw.calibration} if hw.calibration else {})}
         text += '\nJSON: ' + json.dumps(record, default=float)
     else:
         p = planner.plan(c, hw)

@@ -92,7 +92,6 @@ def run_sweep(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> 
     sweep_space.check_fixed(space, [a.split('=', 1)[0][len('--config.'):] for a in user_args])
     devices = _DEVICES.value or config_lib.num_devices(F.CONFIG.value)
     study = F.make_study(config_spec, user_args, devices)
-    workdir = study.workdir
     swept = [n for n, _ in space]
     if _REPORT_ONLY.value:
         records = [r for r in study.store.records.values() if r.get('devices') == devices]
@@ -107,7 +106,7 @@ def run_sweep(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> 
               f'{len(items) - to_run} already recorded or not runnable')
         records = study.run(items)
     from jaxfrontier.sweep import report as sweep_report  # pylint: disable=g-import-not-at-top  (matplotlib)
-    paths = sweep_report.write_sweep_report(workdir, records, space, _OBJECTIVE.value,
+    paths = sweep_report.write_sweep_report(study.workdir, records, space, _OBJECTIVE.value,
                                             F.describe_run(argv, 'jaxfrontier.sweep', str(devices)))
     F.log(', '.join(f'{n} {s}' for s, n in sweep_report.counts(records).items()) + f'; report {paths["markdown"]}')
     best = sweep_report.ranked(records, _OBJECTIVE.value)

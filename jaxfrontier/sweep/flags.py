@@ -70,7 +70,7 @@ def make_study(config_spec: str, user_args: tuple[str, ...], max_devices: int) -
     check_common()
     base = CONFIG.value
     cpu = base.mesh.cpu_devices > 0
-    python = shlex.split(PYTHON.value) or sweep_run.default_python()
+    python = shlex.split(PYTHON.value) or [sys.executable]
     trial_env = sweep_run.trial_env(dict(os.environ), cpu)
     launcher, launch_fixed = _launcher(cpu, python)
     predict = None
@@ -127,7 +127,8 @@ def run_command(body) -> None:
         if len(argv) > 1:
             raise app.UsageError(f'unexpected arguments: {argv[1:]}')
         spec, user_args = user_overrides(sys.argv)
-        stop_on_sigterm()
+        # SIGTERM (scancel, the time limit) ends the sweep through its cleanup: running trials are stopped.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
             return body(sys.argv, spec, user_args)
         except config_lib.UserError as e:
@@ -135,11 +136,3 @@ def run_command(body) -> None:
             return 2
 
     app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM (scancel, the time limit) ends the sweep through its cleanup: running trials are stopped."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-
-fail = cli.fail

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -29,15 +28,6 @@ FIXED = {'train.steps': '--warmup and --steps', 'train.log_every': '(every step 
 # Fields trials set unless the user's --config.* overrides choose otherwise.
 DEFAULTS = {'train.eval_every': 0, 'train.eval_batches': 1, 'train.progress': False, 'checkpoint.enabled': False,
             'data.kind': 'synthetic'}  # throughput does not depend on token values; no data file on every node
-
-
-def _arg(path: str, value: Any) -> str:
-    return f'--config.{path}={value}'
-
-
-def _set(c: ml_collections.ConfigDict, path: str, value: Any) -> None:
-    section, field = path.split('.')
-    c[section][field] = value
 
 
 @dataclasses.dataclass
@@ -78,19 +68,20 @@ class Study:
         fixed = dict(self.fixed, **({'mesh.cpu_devices': devices} if self.cpu else {}))
         base = ml_collections.ConfigDict(self.base.to_dict())
         for path, value in fixed.items():
-            _set(base, path, value)
+            section, field = path.split('.')
+            base[section][field] = value
         # --devices decides the simulated device count: a --config.mesh.cpu_devices > 0 only says "CPU"
         head = [a for a in self.user_args if a.split('=', 1)[0][len('--config.'):] not in fixed]
-        head += [_arg(p, v) for p, v in fixed.items()]
+        head += [f'--config.{p}={v}' for p, v in fixed.items()]
         measure = (self.warmup, self.steps)
         try:
             c, sets = sweep_space.point_config(base, point, devices, swept)
         except config_lib.ConfigError as e:
-            args = head + [_arg(sweep_space.param_for(n).path or n, v) for n, v in point.items()]
+            args = head + [f'--config.{sweep_space.param_for(n).path or n}={v}' for n, v in point.items()]
             trial = Trial(sweep_trials.trial_id(self.config_spec, args, devices, measure), point, devices,
                           tuple(args), {'model': sweep_space.describe_model(base), **point})
             return sweep_trials.base_record(trial, 'invalid', error=str(e))
-        args = head + [_arg(p, v) for p, v in sets.items()]
+        args = head + [f'--config.{p}={v}' for p, v in sets.items()]
         trial = Trial(sweep_trials.trial_id(self.config_spec, args, devices, measure), point, devices, tuple(args),
                       sweep_space.layout_of(c), config=c.to_dict())
         unrunnable = self.launcher.unrunnable(trial)
@@ -191,7 +182,3 @@ def trial_env(env: dict[str, str], cpu: bool) -> dict[str, str]:
         flags = [f for f in env.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
         env['XLA_FLAGS'] = ' '.join(flags)
     return env
-
-
-def default_python() -> list[str]:
-    return [sys.executable]

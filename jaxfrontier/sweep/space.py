@@ -200,8 +200,7 @@ def point_config(base: ml_collections.ConfigDict, point: dict[str, Any], devices
     c = ml_collections.ConfigDict(base.to_dict())
     sets: dict[str, Any] = {}
     if 'size' in point:
-        layers, hidden, heads = config_lib.MODEL_SIZES[point['size']]
-        sets.update(zip(_SIZE_FIELDS, (layers, hidden, heads)))
+        sets.update(zip(_SIZE_FIELDS, config_lib.MODEL_SIZES[point['size']]))
     sets.update({param_for(n).path: v for n, v in point.items() if n != 'size'})
     for path, value in sets.items():
         section, field = path.split('.')

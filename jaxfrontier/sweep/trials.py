@@ -25,6 +25,7 @@ process with a single write each; a rerun skips ids already there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -109,9 +110,7 @@ class ResultStore:
 
     def finished(self, tid: str, retry_failed: bool = False) -> dict[str, Any] | None:
         record = self.records.get(tid)
-        if record is None or (retry_failed and record['status'] in FAILED):
-            return None
-        return record
+        return None if record is None or (retry_failed and record['status'] in FAILED) else record
 
     def append(self, record: dict[str, Any]) -> None:
         """One `write` of one line to a file opened for appending: never a half-merged record."""
@@ -159,11 +158,9 @@ class TrialProcess:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 return
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=wait_s)
                 return
-            except subprocess.TimeoutExpired:
-                continue
 
     @property
     def wall_s(self) -> float:
@@ -231,8 +228,7 @@ def measure(rows: list[dict[str, Any]], log_text: str, warmup: int, steps: int) 
         found = _COMPILE.findall(log_text)
         compile_s = float(found[-1]) if found else None
     out['compile_time_s'] = compile_s
-    peak = extra.get('memory/peak_gib_per_device', done.get('memory/peak_gib_per_device'))
-    out['peak_memory_gib'] = peak
+    out['peak_memory_gib'] = extra.get('memory/peak_gib_per_device', done.get('memory/peak_gib_per_device'))
     measured_peak = extra.get('memory/measured_peak_gib_per_device', done.get('memory/measured_peak_gib_per_device'))
     if measured_peak is not None:  # the allocator's peak, where the trainer reports it (accelerators)
         out['measured_peak_memory_gib'] = measured_peak

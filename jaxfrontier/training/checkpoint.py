@@ -80,7 +80,8 @@ def quiet_orbax_logs() -> None:
         logger.addFilter(_QuietOrbax())
 
 
-def _log(text: str) -> None:
+def log(text: str) -> None:
+    """Logs `text` at INFO level, on process 0 only."""
     if jax.process_index() == 0:
         logging.info(text)
 
@@ -306,8 +307,7 @@ class Checkpointer:
                                   'Fix: move it away, or use a new --workdir.')
         return meta
 
-    def restore(self, layout: ts.StateLayout, step: int | None = None,
-                meta: dict[str, Any] | None = None) -> State:
+    def restore(self, layout: ts.StateLayout, step: int | None = None, meta: dict[str, Any] | None = None) -> State:
         """Restores `step` (default: the newest) directly into `layout`'s shardings.
 
         Raises:
@@ -337,8 +337,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise corrupted_error(self.directory, step, e, self._older_fix(step)) from e
         if 'checksums' not in meta:
-            _log(f'warning: checkpoint {where} was written without checksums (before they were added); '
-                 'its bytes were not verified')
+            log(f'warning: checkpoint {where} was written without checksums (before they were added); '
+                'its bytes were not verified')
         return finish_restore(restored, reshaped)
 
     def _older_fix(self, step: int) -> str:
@@ -361,7 +361,7 @@ class Checkpointer:
         steps = list(self._mngr.all_steps())
         wanted = self.cc.restore_step
         if wanted >= 0 and newest is not None and self.read_meta(newest).get('rolled_back_to') == wanted:
-            _log(f'checkpoint.restore_step={wanted}: step {newest} was trained after that roll-back; resuming it')
+            log(f'checkpoint.restore_step={wanted}: step {newest} was trained after that roll-back; resuming it')
             wanted = -1
         if wanted >= 0:
             if wanted not in steps:
@@ -382,7 +382,7 @@ class Checkpointer:
                     self._supersede([s for s in steps if s > step])
                     return state, step
                 del state
-            _log(f'warning: checkpoint {self.directory}/{step} holds NaN/Inf values; skipping it')
+            log(f'warning: checkpoint {self.directory}/{step} holds NaN/Inf values; skipping it')
         raise CheckpointError(
             f'every checkpoint in {self.directory} holds NaN/Inf values (steps {", ".join(map(str, steps))}). '
             'Fix: move that directory away to start from scratch, or continue from one anyway with '
@@ -561,8 +561,8 @@ def _check_data_position(meta: dict[str, Any], c: ml_collections.ConfigDict, whe
             'global_batch': c.train.global_batch}
     changed = {k: (data.get(k), v) for k, v in ours.items() if k in data and data[k] != v}
     if changed:
-        _log(f'warning: resuming {where} with a different data stream: '
-             + ', '.join(f'{k} {old!r} -> {new!r}' for k, (old, new) in changed.items()))
+        log(f'warning: resuming {where} with a different data stream: '
+            + ', '.join(f'{k} {old!r} -> {new!r}' for k, (old, new) in changed.items()))
 
 
 def ensure_writable(directory: str, what: str) -> None:

@@ -69,22 +69,10 @@ def saved_tree(step_dir: str) -> dict[str, Any]:
     return hf.read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(), lambda h, path: h.metadata(path).tree)
 
 
-def _param_shapes(step_dir: str) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{name: (shape, dtype)} of the saved parameters."""
-    params = flatten_names(saved_tree(step_dir)['params'])
-    return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in params.items()}
-
-
 def _restore_params(step_dir: str, item: dict[str, Any], restore_args: dict[str, Any]) -> dict[str, Any]:
     args = ocp.args.PyTreeRestore(item={'params': item}, restore_args={'params': restore_args}, partial_restore=True)
-    restored = hf.read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(),
-                            lambda h, path: h.restore(path, args=args))
-    return restored['params']
-
-
-def _virtual_stages(config: dict[str, Any]) -> int:
-    """V of a saved config: block arrays are stored [V, L / V, ...] when V > 1 (interleaved pipeline)."""
-    return config['pipeline']['virtual_stages'] if config['mesh']['pipeline'] > 1 else 1
+    handler = ocp.PyTreeCheckpointHandler()
+    return hf.read_item(step_dir, 'state', handler, lambda h, path: h.restore(path, args=args))['params']
 
 
 # --------------------------------------------------------------------------- export
@@ -98,8 +86,7 @@ def _check_out_path(out_path: str) -> None:
     directory = os.path.dirname(os.path.abspath(out_path))
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(f'{out_path}.tmp{os.getpid()}', 'wb'):
-            pass
+        open(f'{out_path}.tmp{os.getpid()}', 'wb').close()  # pylint: disable=consider-using-with
         os.remove(f'{out_path}.tmp{os.getpid()}')
     except OSError as e:
         raise config_lib.UserError(f'--export_path={out_path!r} cannot be written ({e.strerror or e}). '
@@ -134,8 +121,10 @@ def export_params(source: str, out_path: str, allow_nonfinite: bool = False) -> 
     _check_out_path(out_path)
     step_dir = resolve_step_dir(source)
     meta = _read_meta(step_dir)
-    saved = _param_shapes(step_dir)
-    merge = _virtual_stages(meta['config']) > 1
+    saved = {name: (tuple(m.shape), np.dtype(m.dtype))  # {name: (shape, dtype)} of the saved parameters
+             for name, m in flatten_names(saved_tree(step_dir)['params']).items()}
+    # Interleaved pipelines store block arrays [V, L / V, ...]; the file has them [L, ...].
+    merge = meta['config']['mesh']['pipeline'] > 1 and meta['config']['pipeline']['virtual_stages'] > 1
     shapes = {name: ((shape[0] * shape[1], *shape[2:]) if merge and name.startswith('blocks/') else shape, dtype)
               for name, (shape, dtype) in saved.items()}  # model order [L, ...] (params_lib.merge_virtual)
     metadata = {'format': FORMAT, 'step': str(meta['step']), 'source': step_dir,

@@ -63,11 +63,8 @@ def is_hf_dir(path: str) -> bool:
 
 def _hf_2d(name: str, a: np.ndarray) -> np.ndarray:
     """One layer's parameter in HF's shape (w_qkv [d,3,H,K] -> [d, 3d], w_out [H,K,d] -> [d, d], ...)."""
-    if name == 'attn/w_qkv':
-        return a.reshape(a.shape[0], -1)
-    if name in ('attn/b_qkv', 'attn/w_out'):
-        return a.reshape(-1) if name == 'attn/b_qkv' else a.reshape(-1, a.shape[-1])
-    return a
+    shapes = {'attn/w_qkv': (a.shape[0], -1), 'attn/b_qkv': (-1,), 'attn/w_out': (-1, a.shape[-1])}
+    return a.reshape(shapes[name]) if name in shapes else a
 
 
 # --------------------------------------------------------------------------- the checkpoint side
@@ -112,15 +109,13 @@ class ParamReader:
     """Reads slices of a checkpoint's parameters straight from TensorStore, never a whole stacked array."""
 
     def __init__(self, step_dir: str, config: dict[str, Any]):
-        state_dir = os.path.join(step_dir, 'state')
-        with open(os.path.join(state_dir, '_METADATA')) as f:
+        self.state_dir = os.path.join(step_dir, 'state')
+        with open(os.path.join(self.state_dir, '_METADATA')) as f:
             meta = json.load(f)
         self.zarr = 'zarr3' if meta.get('use_zarr3') else 'zarr'
         self.ocdbt = bool(meta.get('use_ocdbt', True))
-        self.state_dir = state_dir
-        m, mesh = config['model'], config['mesh']
-        self.layers = m['num_layers']
-        self.virtual = config['pipeline']['virtual_stages'] if mesh['pipeline'] > 1 else 1
+        self.layers = config['model']['num_layers']
+        self.virtual = config['pipeline']['virtual_stages'] if config['mesh']['pipeline'] > 1 else 1
         self.context = tstore.Context({'cache_pool': {'total_bytes_limit': 0}})
 
     def open(self, name: str):
@@ -173,12 +168,10 @@ def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
         return None, {}
     try:
         path = data_lib.run_token_path(data)  # a blend: its first file (they share the tokenizer)
-        header = data_lib.open_token_file(path, config['model']['vocab_size']).header
+        token_file = data_lib.open_token_file(path, config['model']['vocab_size'])
     except config_lib.ConfigError:
         return None, {}  # the data moved: export the weights without the tokenizer
-    if not header.get('tokenizer'):
-        return None, header
-    return os.path.join(os.path.dirname(os.path.abspath(path)), header['tokenizer']), header
+    return data_lib.tokenizer_path(token_file), token_file.header
 
 
 _SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'int32': 'I32'}
@@ -343,12 +336,11 @@ def _callback(name: str, target: tuple[int, ...], get, c: ml_collections.ConfigD
         return block
     if name in ('wte', 'head'):
         def vocab(index):
-            rows_vd = get('transformer.wte.weight' if name == 'wte' else 'lm_head.weight')[:v]
             full = np.zeros((target[0], d) if name == 'wte' else (d, target[1]), np.float32)
             if name == 'wte':
-                full[:v] = rows_vd
+                full[:v] = get('transformer.wte.weight')[:v]
             else:
-                full[:, :v] = rows_vd.T
+                full[:, :v] = get('lm_head.weight')[:v].T
             return full[index]
         return vocab
     if name == 'wpe':
@@ -362,12 +354,8 @@ def load_hf(hf_dir: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -
 
     _check_matches(model_fields(read_hf_config(hf_dir), hf_dir), c, hf_dir)
     target = ckpt_lib.abstract_target(layout)['params']
-    flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: hasattr(x, 'shape'))[0]
     with safe_open(os.path.join(hf_dir, 'model.safetensors'), framework='numpy') as f:
         get = _hf_reader(f, set(f.keys()))
-        leaves = [jax.make_array_from_callback(leaf.shape, leaf.sharding,
-                                               _callback(ckpt_lib.path_name(path), tuple(leaf.shape), get, c),
-                                               dtype=leaf.dtype)
-                  for path, leaf in flat]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target, is_leaf=lambda x: hasattr(x, 'shape')),
-                                        leaves)
+        return jax.tree_util.tree_map_with_path(lambda path, leaf: jax.make_array_from_callback(
+            leaf.shape, leaf.sharding, _callback(ckpt_lib.path_name(path), tuple(leaf.shape), get, c),
+            dtype=leaf.dtype), target)

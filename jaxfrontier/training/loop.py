@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from absl import logging
 from jax.sharding import NamedSharding
 
 from jaxfrontier.training import checkpoint as checkpoint_lib
@@ -40,6 +39,7 @@ from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
+_log = checkpoint_lib.log  # process 0 only
 
 
 def split_micro_batches(tokens_gt: jax.Array, accum_steps: int, dp_size: int) -> jax.Array:
@@ -146,13 +146,9 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
         if scale_state is not None:  # float16: an overflowing step keeps the old params and moments
             (new_state['params'], new_state['opt_state']), new_state['loss_scale'], extra = loss_scale.finish_step(
                 c, scale_state, grads, (new_params, opt_state), (params, state['opt_state']))
-        metrics = {
-            'train/loss': loss,
-            'train/grad_norm': optax.tree.norm(grads),
-            'train/param_norm': optax.tree.norm(new_state['params']),
-            'train/lr': schedule(state['step']),
-            **extra,
-        }
+        metrics = {'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads),
+                   'train/param_norm': optax.tree.norm(new_state['params']), 'train/lr': schedule(state['step']),
+                   **extra}
         return new_state, metrics
 
     return train_step
@@ -167,8 +163,7 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)
         micro_abt = split_micro_batches(tokens_gt, accum, dp)
-        losses = jax.lax.map(lambda tokens_bt: model.loss(tokens_bt[:, :-1], tokens_bt[:, 1:]), micro_abt)
-        return jnp.mean(losses)
+        return jnp.mean(jax.lax.map(lambda tokens_bt: model.loss(tokens_bt[:, :-1], tokens_bt[:, 1:]), micro_abt))
 
     return eval_step
 
@@ -177,8 +172,7 @@ def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """The jitted train step (donated state, explicit shardings) and abstract (state, batch) to lower it with."""
     batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         layout.abstract_state, layout.state_shardings)
+    state = checkpoint_lib.abstract_target(layout)
     train_jit = jax.jit(make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
                         out_shardings=(layout.state_shardings, None), donate_argnums=0)
     return train_jit, state, batch
@@ -281,11 +275,6 @@ class _CommitLog:
         self.pending = None
         _log(f'checkpoint: step {step} committed, {self.gib:.3f} GiB, {time.perf_counter() - t0:.1f} s after '
              'its save started')
-
-
-def _log(text: str) -> None:
-    if jax.process_index() == 0:
-        logging.info(text)
 
 
 def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:

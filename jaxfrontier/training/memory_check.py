@@ -12,6 +12,7 @@ line: the figure, the largest parts, and the fixes. `--config.train.ignore_memor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any, Sequence
@@ -37,12 +38,8 @@ def host_memory_bytes() -> int:
     the total but not the available RAM was killed by the kernel in testing).
     """
     available = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES')
-    try:
-        with open('/proc/meminfo') as f:
-            fields = dict(line.split(':', 1) for line in f)
-        available = int(fields['MemAvailable'].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        pass
+    with contextlib.suppress(OSError, KeyError, ValueError), open('/proc/meminfo') as f:
+        available = int(dict(line.split(':', 1) for line in f)['MemAvailable'].split()[0]) * 1024
     for limit_path, usage_path in (('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory.current'),
                                    ('/sys/fs/cgroup/memory/memory.limit_in_bytes',
                                     '/sys/fs/cgroup/memory/memory.usage_in_bytes')):

@@ -5,15 +5,13 @@ FLOP counts are `jaxfrontier/flops.py` (the convention), device peaks `jaxfronti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from typing import Any, Mapping
 
 import jax
-
-
-
 
 
 def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, model_flops: float,
@@ -50,15 +48,12 @@ def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, mod
 def last_logged_step(path: str) -> int:
     """The largest step in a metrics.jsonl (0 if there is none)."""
     last = 0
-    try:
-        with open(path, encoding='utf-8') as f:
-            for line in f:
-                try:
-                    last = max(last, int(json.loads(line).get('step', 0)))
-                except (ValueError, TypeError, AttributeError):
-                    continue  # a line cut short by a kill
-    except FileNotFoundError:
-        pass
+    with contextlib.suppress(FileNotFoundError), open(path, encoding='utf-8') as f:
+        for line in f:
+            try:
+                last = max(last, int(json.loads(line).get('step', 0)))
+            except (ValueError, TypeError, AttributeError):
+                continue  # a line cut short by a kill
     return last
 
 
@@ -69,8 +64,7 @@ class MetricsWriter:
     Non-finite values are written to the JSON file as `null` so every line is strict JSON.
     """
 
-    def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool,
-                 initial_step: int = 0):
+    def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool, initial_step: int = 0):
         self.enabled = bool(enabled) and jax.process_index() == 0
         self._jsonl = self._tb = self._bar = None
         if not self.enabled:
@@ -157,11 +151,9 @@ class NonFiniteLossError(RuntimeError):
 def check_finite(step: int, loss: Any) -> None:
     """Raises NonFiniteLossError if `loss` (a scalar, host or device) is NaN or Inf."""
     value = float(loss)
-    if math.isfinite(value):
-        return
-    raise NonFiniteLossError(
-        f'training loss is {value} at step {step}; stopping. Things to try: lower the learning '
-        f'rate (--config.optim.lr, or more --config.optim.warmup_steps); check the data (token '
-        f'ids below model.vocab_size, no corrupt or empty token file); compute in float32 '
-        f'(--config.model.dtype=float32) to rule out bfloat16/float16 overflow.'
-    )
+    if not math.isfinite(value):
+        raise NonFiniteLossError(
+            f'training loss is {value} at step {step}; stopping. Things to try: lower the learning '
+            f'rate (--config.optim.lr, or more --config.optim.warmup_steps); check the data (token '
+            f'ids below model.vocab_size, no corrupt or empty token file); compute in float32 '
+            f'(--config.model.dtype=float32) to rule out bfloat16/float16 overflow.')

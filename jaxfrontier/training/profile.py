@@ -18,11 +18,6 @@ import ml_collections
 from absl import logging
 
 
-def profile_dir(workdir: str, process: int) -> str:
-    base = os.path.join(workdir, 'profile')
-    return base if process == 0 else os.path.join(base, f'process_{process}')
-
-
 class StepProfiler:
     """Starts the trace before step `profile_start` is dispatched, stops it once the last traced step is done."""
 
@@ -30,7 +25,8 @@ class StepProfiler:
         t, process = c.train, jax.process_index()
         self.start, self.stop = t.profile_start, t.profile_start + t.profile_steps
         self.enabled = t.profile_steps > 0 and (process == 0 or t.profile_all_processes)
-        self.directory = profile_dir(workdir, process)
+        base = os.path.join(workdir, 'profile')
+        self.directory = os.path.join(base, f'process_{process}') if process else base
         self.active = False
 
     @contextlib.contextmanager

@@ -36,11 +36,6 @@ def reduce_once(c: ml_collections.ConfigDict, rules: mesh_lib.Rules, param_shard
         params_over_data=any(AXIS in mesh_lib.spec_axes(s.spec) for s in jax.tree.leaves(param_shardings)))
 
 
-def local_rules(rules: mesh_lib.Rules) -> mesh_lib.Rules:
-    """The logical rules inside the data-manual region (`data` is no longer an automatic axis)."""
-    return mesh_lib.without_axis(rules, AXIS)
-
-
 def data_local(fn, rules: mesh_lib.Rules):
     """`fn(params, micro_abt, step[, scale]) -> (loss, grads)` run per data-parallel replica, reduced once.
 
@@ -48,7 +43,7 @@ def data_local(fn, rules: mesh_lib.Rules):
     train.split_micro_batches lays rows out data-major); loss and gradients are averaged over
     the replicas with one `pmean` each.
     """
-    inner_rules = local_rules(rules)
+    inner_rules = mesh_lib.without_axis(rules, AXIS)  # inside, `data` is no longer an automatic axis
 
     def local(params, micro_abt, step, *scale):
         with mesh_lib.use_rules(inner_rules):

@@ -31,6 +31,8 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier.training import loss_scale
 from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual, split_virtual_specs
+
+
 def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
     """Linear warm-up from 0 to optim.lr, then cosine decay to optim.min_lr."""
     o = c.optim
@@ -50,10 +52,8 @@ def make_optimizer(c: ml_collections.ConfigDict) -> tuple[optax.GradientTransfor
     """Global-norm clipping, then AdamW with the warm-up + cosine schedule."""
     o = c.optim
     schedule = learning_rate_schedule(c)
-    tx = optax.chain(
-        optax.clip_by_global_norm(o.clip_norm),
-        optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_decay_mask),
-    )
+    tx = optax.chain(optax.clip_by_global_norm(o.clip_norm),
+                     optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_decay_mask))
     return tx, schedule
 
 
@@ -139,11 +139,7 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
         is_leaf=lambda x: isinstance(x, NamedSharding))
     if opt_params is not abstract_params and jax.tree.leaves(opt_params) != jax.tree.leaves(abstract_params):
         tx = padded_optimizer(tx, padded_shapes, opt_param_shardings)
-    abstract_state = {
-        'step': jax.ShapeDtypeStruct((), jnp.int32),
-        'params': abstract_params,
-        'opt_state': abstract_opt,
-    }
+    abstract_state = {'step': jax.ShapeDtypeStruct((), jnp.int32), 'params': abstract_params, 'opt_state': abstract_opt}
     state_shardings = {'step': replicated, 'params': param_shardings, 'opt_state': opt_shardings}
     if loss_scale.enabled(c):  # float16: the dynamic loss scale travels with the state (and checkpoints)
         abstract_state['loss_scale'] = loss_scale.abstract_state()
