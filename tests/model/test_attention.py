@@ -197,6 +197,7 @@ def gpt_temp_bytes(remat, scan_unroll):
     return gpt_compiled(remat, scan_unroll).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # two unrolled compiles: ~20 s
 def test_unrolled_remat_full_recomputes_after_optimization():
     """What XLA:CPU does show: the optimized unrolled program keeps remat=full's recomputation
     (five more matmuls per layer than remat=none: q/k/v, scores, context, out-projection, MLP

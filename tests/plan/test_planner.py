@@ -263,9 +263,9 @@ def check_against_xla(c):
 
 FAST_LAYOUTS = [
     dict(data=2, fsdp=2, tensor=2, accum=2, d=128),
-    dict(pipeline=2, data=2, tensor=2, accum=4, layers=4),
 ]
 SLOW_LAYOUTS = [
+    dict(pipeline=2, data=2, tensor=2, accum=4, layers=4),
     dict(),
     dict(seq=128, d=128, batch=8),
     dict(fsdp=4, layers=4, d=128, seq=128, remat='full'),

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptio
 # --------------------------------------------------------------------------- preemption
 
 
+@pytest.mark.slow  # a training subprocess: ~30 s
 def test_signal_stops_after_step_with_committed_checkpoint(tmp_path):
     """SIGUSR1 (an early warning) mid-run: the loop stops, saves, waits, returns normally."""
     workdir = str(tmp_path)

@@ -45,6 +45,7 @@ def test_tiny_config_learns_below_unigram_entropy(tmp_path):
     assert json.loads((tmp_path / 'config.json').read_text())['train']['steps'] == 80
 
 
+@pytest.mark.slow  # ~25 s
 def test_nan_loss_stops_with_a_clear_message(tmp_path):
     c = tiny(30)
     c.optim.update(lr=1e6, min_lr=0.0, warmup_steps=0, clip_norm=1e12)
