@@ -400,9 +400,10 @@ def compute_work(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> ComputeWork:
     5 passes over HBM). Embedding and head count on the average stage (1/P of them).
     """
     per_replica = fl.hardware / layout.dp / layout.accum_steps  # one micro-batch, all stages
-    none_layer, head = layer_bytes(shape, layout, 'none', attention_for(shape, hw))
-    passes = 4 + (1 if effective_remat(layout) != 'none' else 0)
-    kept_layer, _ = layer_bytes(shape, layout, effective_remat(layout), attention_for(shape, hw))
+    attention, remat = attention_for(shape, hw), effective_remat(layout)
+    none_layer, head = layer_bytes(shape, layout, 'none', attention)
+    passes = 4 + (1 if remat != 'none' else 0)
+    kept_layer, _ = layer_bytes(shape, layout, remat, attention)  # what `hw.stash_passes` charges
     return ComputeWork(matmul_flops=per_replica / layout.pipeline / layout.tensor,
                        memory_bytes=passes * (shape.num_layers * none_layer + head) / layout.pipeline,
                        layer_flops=fl.layer_forward / layout.tensor, layers=shape.num_layers / layout.pipeline,
