@@ -16,10 +16,10 @@ divided by its devices. Sources: FRONTIER.md for Frontier; vendor data sheets el
 The time model's other free parameters are fields too (`TIME_FIELDS`): how GEMM efficiency
 falls for small matmuls, how much communication overlaps compute, fixed costs per step and
 per layer, how much of the pipeline bubble is idle time, what keeping residuals for the
-backward costs beyond their traffic, and whether simulated devices share the host's cores. Their defaults are the planner's fixed rules; `python -m
-jaxfrontier.calibrate` fits them (and the bandwidths, latencies and efficiency) to measured
-step times and writes a description as JSON, which `get('path.json')` loads wherever a
-hardware name is taken.
+backward costs beyond their traffic, and whether simulated devices share the host's cores.
+Their defaults are the planner's fixed rules; `python -m jaxfrontier.calibrate` fits them
+(and the bandwidths, latencies and efficiency) to measured step times and writes a
+description as JSON, which `get('path.json')` loads wherever a hardware name is taken.
 
 This is the one device table: the trainer's MFU (`device_peak_flops`) and the planner read
 the same entries, matched to a JAX device by `match_kind`.

@@ -287,9 +287,12 @@ def memory(shape, layout, rules, specs, attention: str = 'xla') -> Memory:
               'update': PARAM_BYTES * sum(p.update_local for p in pls)}
     optimizer = 2 * states['update'] + 8  # Adam's two moments in the update layout, two step counters
     inputs = 4 * layout.global_batch * (shape.seq_len + 1) / layout.dp
-    parts = _plain_memory if layout.pipeline == 1 else _pipeline_memory
-    grads, acts, temps, detail = parts(shape, layout, states, attention)
-    stage = 'every device' if layout.pipeline == 1 else 'every pipeline stage'
+    if layout.pipeline == 1:
+        grads, acts, temps, detail = _plain_memory(shape, layout, states, attention)
+        stage = 'every device'
+    else:
+        grads, acts, temps, detail = _pipeline_memory(shape, layout, states, attention)
+        stage = 'every pipeline stage'
     return Memory(states['params'], grads, optimizer, acts, temps, inputs, stage, f'({detail})')
 
 
