@@ -27,8 +27,8 @@ def small_config(dtype, loss_scale='dynamic', **optim):
 
 
 def block_grads(c, tokens, scales=None):
-    """The blocks' gradients of the first step, unscaled, as one vector (one per loss scale in
-    `scales`, all from one compiled program; default: the state's initial scale, if any)."""
+    """The blocks' gradients of the first step, unscaled, as a list of vectors: one per loss scale
+    in `scales`, all from one compiled program (default: the state's initial scale, if any)."""
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:c.mesh.pipeline])
     layout = ts.make_layout(c, mesh)
     out = []
@@ -40,18 +40,18 @@ def block_grads(c, tokens, scales=None):
             grads = jax.device_get(step(state['params'], tokens, scale)[1])
             out.append(np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads['blocks'])])
                        / (1.0 if scale is None else float(scale)))
-    return out if scales else out[0]
+    return out
 
 
 @pytest.mark.slow
 def test_unscaled_float16_gradients_underflow_and_scaled_ones_do_not():
     tokens = jax.random.randint(jax.random.key(1), (32, 65), 0, 256)
-    ref = block_grads(small_config('float32'), tokens)
+    ref, = block_grads(small_config('float32'), tokens)
     rel_err = lambda g: float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref))  # noqa: E731
     # Unscaled: the loss-scaled program with the scale set to 1 (one float16 compile, not two).
     fp16 = small_config('float16')
     scaled, unscaled = block_grads(fp16, tokens, [jnp.float32(fp16.optim.loss_scale_init), jnp.float32(1.0)])
-    bf16 = block_grads(small_config('bfloat16'), tokens)
+    bf16, = block_grads(small_config('bfloat16'), tokens)
     # Measured: unscaled 0.32 (a quarter of the entries flushed to zero), scaled 0.0023, bfloat16 0.029.
     assert rel_err(unscaled) > 0.2 and float(np.mean(unscaled == 0)) > 0.2
     assert rel_err(scaled) < 0.01 < rel_err(unscaled)
@@ -116,7 +116,7 @@ def test_pipeline_seeds_its_backward_with_the_loss_scale():
         c.train.update(global_batch=8, micro_batch=4, accum_steps=2)
         return block_grads(c, tokens, scales)
 
-    ref = grads('float32', 'none', 1)
+    ref, = grads('float32', 'none', 1)
     rel_err = lambda g: float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref))  # noqa: E731
     scale = small_config('float16').optim.loss_scale_init
     scaled, unscaled = grads('float16', 'dynamic', 2, [jnp.float32(scale), jnp.float32(1.0)])
