@@ -65,8 +65,9 @@ def test_padded_zero1_matches_single_device():
                             reference)
 
 
-def _data_reduction_bytes(accum):
-    c = make_config(data=4, tensor=2, zero1=True, accum=accum, global_batch=32)
+def _data_reduction_bytes(accum, pipeline=1):
+    mesh = dict(data=4, tensor=2, zero1=True) if pipeline == 1 else dict(pipeline=pipeline, data=2, tensor=2)
+    c = make_config(accum=accum, global_batch=32, **mesh)
     compiled = compile_check.compile_on_cpu(c)
     return sum(x.total_bytes for x in compile_check.collectives(c, compiled)
                if 'data' in x.axes and x.kind in ('all-reduce', 'reduce-scatter'))
@@ -76,4 +77,12 @@ def test_gradients_cross_data_once_per_step():
     """Accumulation sums each replica's gradients locally: the bytes reduced over `data` per step
     do not grow with the number of micro-batches (jaxfrontier/training/reduction.py)."""
     two, eight = _data_reduction_bytes(2), _data_reduction_bytes(8)
+    assert two > 0 and abs(eight / two - 1) < 0.02, (two, eight)
+
+
+@pytest.mark.slow
+def test_pipelined_gradients_cross_data_once_per_step():
+    """The same through the pipeline's tick loop: one map manual over `pipeline` and `data`
+    (pipeline.make_pipeline_grads), which jax 0.11 compiles, as it does not two nested ones."""
+    two, eight = _data_reduction_bytes(2, pipeline=2), _data_reduction_bytes(8, pipeline=2)
     assert two > 0 and abs(eight / two - 1) < 0.02, (two, eight)

@@ -12,6 +12,8 @@ import jax
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
+from jaxfrontier import layout as layout_lib
+from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import lockstep, schedules, staggered
 from jaxfrontier.pipeline.chunk import AXIS, split_shared
@@ -23,18 +25,40 @@ def build_schedule(c: ml_collections.ConfigDict) -> schedules.Schedule | schedul
     return schedules.build(c.pipeline.schedule, c.mesh.pipeline, c.train.accum_steps, c.pipeline.virtual_stages)
 
 
-def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropout_key_fn):
-    """`(params, micro_abt, step[, scale]) -> (mean loss, grads)` of a pipelined layout (train.py lays out the result)."""
+def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropout_key_fn,
+                        data_local_rules: mesh_lib.Rules | None = None):
+    """`(params, micro_abt, step[, scale]) -> (mean loss, grads)` of a pipelined layout (train.py lays out the result).
+
+    `data_local_rules`: the layout's rules when gradients cross `data` once per step
+    (`layout.reduce_once`, training/reduction.py). The map is then manual over `data` too: each
+    data-parallel replica runs the pipeline on its own rows (micro_abt's rows, laid out
+    data-major) and loss and gradients are averaged over `data` once, inside the same map. One
+    map over both axes, not the pipeline's nested in a data map: jax 0.11's Shardy rejects
+    that nesting ("Manual axes must be sorted by mesh axis index"; benchmarks/repro_nested_shard_map.py).
+    """
     schedule = build_schedule(c)
+    data_axes = () if data_local_rules is None else (layout_lib.DATA,)
+    axes = {AXIS, *data_axes}
 
     def pipeline_grads(params, micro_abt, step, scale=None):  # scale: float16's loss scale (grads come back scaled)
+        if data_local_rules is None:
+            return traced(params, micro_abt, step, scale)
+        with mesh_lib.use_rules(mesh_lib.without_axis(data_local_rules, layout_lib.DATA)):  # `data` is manual inside
+            return traced(params, micro_abt, step, scale)
+
+    def traced(params, micro_abt, step, scale):
         blocks, shared = split_shared(params)
         make_engine = staggered.make_engine if isinstance(schedule, schedules.Staggered) else lockstep.make_engine
         engine = make_engine(c, model_def, schedule, lambda m: dropout_key_fn(c, step, m), scale)
+
+        def run_replica(blocks, shared, micro_abt):
+            loss, g_blocks, g_shared = engine(blocks, shared, micro_abt)
+            return jax.tree.map(lambda x: jax.lax.pmean(x, data_axes) if data_axes else x, (loss, g_blocks, g_shared))
+
         block_spec = jax.tree.map(lambda _: P(None, AXIS) if schedule.virtual > 1 else P(AXIS), blocks)
         shared_spec = jax.tree.map(lambda _: P(), shared)
-        run = jax.shard_map(engine, in_specs=(block_spec, shared_spec, P()),
-                            out_specs=(P(), block_spec, shared_spec), axis_names={AXIS}, check_vma=False)
+        run = jax.shard_map(run_replica, in_specs=(block_spec, shared_spec, P(None, *data_axes)),
+                            out_specs=(P(), block_spec, shared_spec), axis_names=axes, check_vma=False)
         loss, g_blocks, g_shared = run(blocks, shared, micro_abt)
         return loss, {'blocks': g_blocks, **g_shared}
 

@@ -110,15 +110,15 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """
     accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
     once = reduction.reduce_once(c, layout.rules, layout.param_shardings)
-    if c.mesh.pipeline > 1:
-        micro_fn = pipeline.make_pipeline_grads(c, layout.model_def, _dropout_key)
+    if c.mesh.pipeline > 1:  # reduced once: the pipeline's own map is manual over `data` too
+        micro_fn = pipeline.make_pipeline_grads(c, layout.model_def, _dropout_key, layout.rules if once else None)
     else:
         # Per micro-batch reduction: gradients meet the optimizer layout (ZeRO-1: a reduce-scatter)
         # in every step. Reduced once: they stay where the parameters are until the end.
         specs = layout.param_shardings if once else layout.update_shardings
         micro_fn = _accumulate(c, layout, jax.tree.map(lambda s: s.spec, specs))
-    if once:
-        micro_fn = reduction.data_local(micro_fn, layout.rules)
+        if once:
+            micro_fn = reduction.data_local(micro_fn, layout.rules)
 
     def loss_and_grads(params, tokens_gt, step, scale=None):
         scaled = () if scale is None else (scale,)  # float16: gradients come back multiplied by `scale`

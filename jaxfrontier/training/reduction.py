@@ -5,10 +5,12 @@ micro-batch is born replicated over `data`, so XLA all-reduces it inside every a
 step (and inside every backward unit of a pipeline): M all-reduces of the full gradients per
 step. For the paper's 1T layout (M = 512) that is 4 TB per device per step.
 
-Instead, the accumulation loop (train.py) or the pipeline's tick loop (pipeline.py) runs
-inside `jax.shard_map(..., axis_names={'data', ...})`: each data-parallel replica sums the
-gradients of its own rows locally, and one `pmean` over `data` after the loop reduces them —
-M times fewer bytes. `fsdp`, `tensor` (and `pipeline` outside the pipeline's own map) stay
+Instead, the accumulation loop (loop.py, through `data_local` here) or the pipeline's tick
+loop (pipeline.make_pipeline_grads, whose one map is then manual over `pipeline` and `data`:
+jax 0.11 rejects a pipeline map nested in a data map) runs inside
+`jax.shard_map(..., axis_names={'data', ...})`: each data-parallel replica sums the gradients
+of its own rows locally, and one `pmean` over `data` after the loop reduces them — M times
+fewer bytes. `fsdp`, `tensor` (and `pipeline` outside the pipeline's own map) stay
 automatic inside, so FSDP still reduce-scatters per micro-batch, as ZeRO-3 must (its gradients
 are sharded like its parameters).
 
