@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+import jax
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
 
@@ -105,7 +107,8 @@ def main() -> None:
     parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'plan_check.json'))
     args = parser.parse_args()
     models = args.models.split(',')
-    results = {'command': 'python benchmarks/plan_check.py ' + ' '.join(sys.argv[1:]),
+    # The time model reads jax's saved residuals (plan/activations.py): plans are of this jax.
+    results = {'command': 'python benchmarks/plan_check.py ' + ' '.join(sys.argv[1:]), 'jax': jax.__version__,
                'checks': [check_model(m, args.compile) for m in models]}
     if args.search:
         results['searches'] = [search_model(m) for m in models]
