@@ -3,7 +3,9 @@
   python benchmarks/repro_nested_shard_map.py        # prints "ok" or XLA aborts the process
 
 jax 0.10.x: ok. jax 0.11.2 (Shardy): XLA aborts with "Manual axes must be sorted by mesh axis
-index" -- the nesting the pipelined train step uses with the data-local gradient reduction.
+index" -- the nesting the pipelined train step used with the data-local gradient reduction
+until pipeline.make_pipeline_grads made it one map manual over {pipeline, data}. Kept to show
+why, and to tell when a jax accepts the nesting again.
 """
 
 import os
