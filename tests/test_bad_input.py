@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import dataset as data_lib
 from jaxfrontier.training import loop as train
+from jaxfrontier.training import state as ts
 from jaxfrontier.config import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -265,3 +267,20 @@ def test_cli_bad_value(tmp_path):
     code, message = run_main(tmp_path, '--config=configs/tiny.py', '--config.model.remat=bogus')
     assert code == 2
     assert "config.model.remat = 'bogus'" in message and 'save_dots' in message
+
+
+def test_pipeline_with_dropout_over_data_and_fsdp_is_refused_on_jax_0_11(monkeypatch):
+    """jax 0.11.2 aborts the process compiling it (training/loop.check_compiles): one error line instead."""
+    c = good_config()
+    c.mesh.update(pipeline=2, data=2, fsdp=2, tensor=1)
+    c.train.update(micro_batch=1, accum_steps=2)
+    c.model.dropout_rate = 0.1
+    layout = ts.make_layout(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()))
+    monkeypatch.setattr(jax, '__version__', '0.11.2')
+    with pytest.raises(ConfigError, match=r'dropout_rate = 0.1: jax 0.11.2 aborts .* Fix: set model.dropout_rate=0.0'):
+        train.check_compiles(c, layout)
+    c.model.dropout_rate = 0.0  # gradients reduced once: `data` is manual inside the pipeline's map
+    train.check_compiles(c, layout)
+    monkeypatch.setattr(jax, '__version__', '0.10.2')
+    c.model.dropout_rate = 0.1
+    train.check_compiles(c, layout)

@@ -12,16 +12,23 @@ import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import layout as layout_lib
+from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit, split_shared, stage_chunks, zero_activation
 
 
-def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_micro):
+def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_micro,
+                       data_local_rules: mesh_lib.Rules | None = None):
     """`eval_loss(params, tokens) -> mean loss` of a pipelined layout: forward units only.
 
     A wave of chunk forwards (`schedules.forward_only`): no stash, no backward, one activation
-    send per tick; a third of the training step's FLOPs.
+    send per tick; a third of the training step's FLOPs. `data_local_rules` (the layout's rules,
+    where the batch is split over `data` and no parameter is): the map is manual over `data`
+    too, each replica's loss averaged over `data` inside it, as the training step's
+    (pipeline.make_pipeline_grads). jax 0.11.2 aborts compiling the wave with both `data` and
+    `fsdp` > 1 left automatic inside the pipeline's map (spmd_partitioner_util.cc:498).
     """
     schedule = schedules.forward_only(c.mesh.pipeline, c.train.accum_steps,
                                       c.pipeline.virtual_stages if c.pipeline.schedule == 'interleaved' else 1)
@@ -30,6 +37,7 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_
     dtype = jnp.dtype(c.model.dtype)
     dp = config_lib.data_parallel_size(c)
     ring_fwd = [(i, (i + 1) % p_size) for i in range(p_size)]
+    data_axes = () if data_local_rules is None else (layout_lib.DATA,)
     e_table, recv = jnp.asarray(schedule.e_table), jnp.asarray(schedule.recv)
 
     def engine(blocks, shared, micro_tokens):
@@ -66,13 +74,20 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_
 
         carry = (ops.tokens.split(jnp.zeros((schedule.slots, *x_zero.shape), dtype)), jnp.zeros((), jnp.float32))
         (_, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
-        return jax.lax.psum(loss_sum, AXIS)
+        loss = jax.lax.psum(loss_sum, AXIS)
+        return jax.lax.pmean(loss, data_axes) if data_axes else loss
 
     def eval_loss(params, tokens_gt):
+        if data_local_rules is None:
+            return traced(params, tokens_gt)
+        with mesh_lib.use_rules(mesh_lib.without_axis(data_local_rules, layout_lib.DATA)):  # `data` is manual inside
+            return traced(params, tokens_gt)
+
+    def traced(params, tokens_gt):
         blocks, shared = split_shared(params)
         block_spec = jax.tree.map(lambda _: P(None, AXIS) if v_size > 1 else P(AXIS), blocks)
-        run = jax.shard_map(engine, in_specs=(block_spec, jax.tree.map(lambda _: P(), shared), P()),
-                            out_specs=P(), axis_names={AXIS}, check_vma=False)
+        run = jax.shard_map(engine, in_specs=(block_spec, jax.tree.map(lambda _: P(), shared), P(None, *data_axes)),
+                            out_specs=P(), axis_names={AXIS, *data_axes}, check_vma=False)
         return run(blocks, shared, split_micro(tokens_gt, c.train.accum_steps, dp))
 
     return eval_loss

@@ -158,7 +158,8 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
     accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
     if c.mesh.pipeline > 1:  # a forward-only wave through the stages (pipeline.make_pipeline_eval)
-        return pipeline.make_pipeline_eval(c, layout.model_def, split_micro_batches)
+        local = reduction.reduce_once(c, layout.rules, layout.param_shardings, training=False)
+        return pipeline.make_pipeline_eval(c, layout.model_def, split_micro_batches, layout.rules if local else None)
 
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)
@@ -178,8 +179,28 @@ def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     return train_jit, state, batch
 
 
+def check_compiles(c: ml_collections.ConfigDict, layout: ts.StateLayout) -> None:
+    """One clear error, not an XLA abort, for a layout this jax is known not to compile.
+
+    jax 0.11.2 aborts the process (spmd_partitioner_util.cc:498) on a pipeline map with both
+    `data` and `fsdp` > 1 left automatic inside it. The train and eval steps keep `data`
+    manual where gradients are reduced once per step (training/reduction.py); dropout rules
+    that out for training, since masks are drawn per whole micro-batch.
+    """
+    old_jax = tuple(int(x) for x in jax.__version__.split('.')[:2]) < (0, 11)
+    if old_jax or c.mesh.pipeline == 1 or c.mesh.data == 1 or c.mesh.fsdp == 1:
+        return
+    if c.model.dropout_rate > 0 and not reduction.reduce_once(c, layout.rules, layout.param_shardings):
+        raise config_lib.ConfigError(
+            'model.dropout_rate', c.model.dropout_rate,
+            f'jax {jax.__version__} aborts compiling a pipeline whose data ({c.mesh.data}) and fsdp ({c.mesh.fsdp}) '
+            'axes are both automatic, which dropout needs',
+            'set model.dropout_rate=0.0, or mesh.fsdp=1 (sharding.zero1=True shards the optimizer state), or jax 0.10')
+
+
 def compile_steps(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """Jits and compiles the train and eval steps ahead of time for this layout."""
+    check_compiles(c, layout)
     train_jit, state, batch = jit_train_step(c, layout)
     eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(layout.param_shardings, batch.sharding))
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):

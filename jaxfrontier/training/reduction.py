@@ -30,10 +30,11 @@ from jaxfrontier import mesh as mesh_lib
 AXIS = layout_lib.DATA
 
 
-def reduce_once(c: ml_collections.ConfigDict, rules: mesh_lib.Rules, param_shardings) -> bool:
-    """`layout.reduce_once` for a config, its rules and its parameters' shardings."""
+def reduce_once(c: ml_collections.ConfigDict, rules: mesh_lib.Rules, param_shardings, training: bool = True) -> bool:
+    """`layout.reduce_once` for a config, its rules and its parameters' shardings (evaluation
+    draws no dropout masks: `training=False`)."""
     return layout_lib.reduce_once(
-        data=c.mesh.data, dropout=c.model.dropout_rate > 0.0, accum_steps=c.train.accum_steps,
+        data=c.mesh.data, dropout=training and c.model.dropout_rate > 0.0, accum_steps=c.train.accum_steps,
         pipeline=c.mesh.pipeline, data_is_batch_axis=AXIS in mesh_lib.data_parallel_axes(rules),
         params_over_data=any(AXIS in mesh_lib.spec_axes(s.spec) for s in jax.tree.leaves(param_shardings)))
 

@@ -323,3 +323,14 @@ def test_pipeline_eval_is_forward_only(schedule, p, m, virtual):
     loss, flops = _eval(pipeline_config(schedule, p, m, 'tensor', virtual), tokens, params)
     np.testing.assert_allclose(loss, flat_loss, rtol=LOSS_RTOL)
     assert flops == pytest.approx(flat_flops, rel=1e-9)
+
+
+def test_pipeline_eval_with_data_and_fsdp_matches_flat():
+    """Pipeline 2 x data 2 x fsdp 2: the wave runs manual over `data` too, each replica on its
+    rows (jax 0.11.2 aborts compiling it with `data` and `fsdp` both automatic inside)."""
+    tokens = np.random.default_rng(0).integers(0, 250, (BATCH, 25), dtype=np.int32)
+    flat = make_config(layers=LAYERS, global_batch=BATCH, accum=3)
+    params = _initial_params(flat)
+    flat_loss, _ = _eval(flat, tokens, params)
+    loss, _ = _eval(make_config(layers=LAYERS, global_batch=BATCH, pipeline=2, accum=3, data=2, fsdp=2), tokens, params)
+    np.testing.assert_allclose(loss, flat_loss, rtol=LOSS_RTOL)
