@@ -12,11 +12,10 @@ import jax
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
-from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import lockstep, schedules, staggered
-from jaxfrontier.pipeline.chunk import AXIS, split_shared
+from jaxfrontier.pipeline.chunk import AXIS, data_local_scope, split_shared
 from jaxfrontier.pipeline.eval import make_pipeline_eval  # noqa: F401  (front door)
 
 
@@ -37,13 +36,10 @@ def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropo
     that nesting ("Manual axes must be sorted by mesh axis index"; benchmarks/repro_nested_shard_map.py).
     """
     schedule = build_schedule(c)
-    data_axes = () if data_local_rules is None else (layout_lib.DATA,)
-    axes = {AXIS, *data_axes}
+    data_axes, scope = data_local_scope(data_local_rules)
 
     def pipeline_grads(params, micro_abt, step, scale=None):  # scale: float16's loss scale (grads come back scaled)
-        if data_local_rules is None:
-            return traced(params, micro_abt, step, scale)
-        with mesh_lib.use_rules(mesh_lib.without_axis(data_local_rules, layout_lib.DATA)):  # `data` is manual inside
+        with scope():
             return traced(params, micro_abt, step, scale)
 
     def traced(params, micro_abt, step, scale):
@@ -58,7 +54,7 @@ def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropo
         block_spec = jax.tree.map(lambda _: P(None, AXIS) if schedule.virtual > 1 else P(AXIS), blocks)
         shared_spec = jax.tree.map(lambda _: P(), shared)
         run = jax.shard_map(run_replica, in_specs=(block_spec, shared_spec, P(None, *data_axes)),
-                            out_specs=(P(), block_spec, shared_spec), axis_names=axes, check_vma=False)
+                            out_specs=(P(), block_spec, shared_spec), axis_names={AXIS, *data_axes}, check_vma=False)
         loss, g_blocks, g_shared = run(blocks, shared, micro_abt)
         return loss, {'blocks': g_blocks, **g_shared}
 

@@ -7,6 +7,7 @@ activations split over `tensor`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -21,6 +22,15 @@ from jaxfrontier.model import gpt
 from jaxfrontier.model.params import ModelDef
 
 AXIS = 'pipeline'
+
+
+def data_local_scope(data_local_rules: mesh_lib.Rules | None):
+    """`(axes, scope)` for a pipeline map that is manual over `data` too (gradients reduced once
+    per step; pipeline.make_pipeline_grads, eval.make_pipeline_eval): the extra manual axes, and
+    a context to trace the map in, where the rules no longer name `data`. `None`: no extra axes."""
+    if data_local_rules is None:
+        return (), contextlib.nullcontext
+    return (layout_lib.DATA,), lambda: mesh_lib.use_rules(mesh_lib.without_axis(data_local_rules, layout_lib.DATA))
 
 
 def split_shared(params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -12,11 +12,11 @@ import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
-from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit, split_shared, stage_chunks, zero_activation
+from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, data_local_scope, split_shared, stage_chunks,
+                                        zero_activation)
 
 
 def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_micro,
@@ -37,7 +37,7 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_
     dtype = jnp.dtype(c.model.dtype)
     dp = config_lib.data_parallel_size(c)
     ring_fwd = [(i, (i + 1) % p_size) for i in range(p_size)]
-    data_axes = () if data_local_rules is None else (layout_lib.DATA,)
+    data_axes, scope = data_local_scope(data_local_rules)
     e_table, recv = jnp.asarray(schedule.e_table), jnp.asarray(schedule.recv)
 
     def engine(blocks, shared, micro_tokens):
@@ -78,16 +78,11 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_
         return jax.lax.pmean(loss, data_axes) if data_axes else loss
 
     def eval_loss(params, tokens_gt):
-        if data_local_rules is None:
-            return traced(params, tokens_gt)
-        with mesh_lib.use_rules(mesh_lib.without_axis(data_local_rules, layout_lib.DATA)):  # `data` is manual inside
-            return traced(params, tokens_gt)
-
-    def traced(params, tokens_gt):
         blocks, shared = split_shared(params)
         block_spec = jax.tree.map(lambda _: P(None, AXIS) if v_size > 1 else P(AXIS), blocks)
         run = jax.shard_map(engine, in_specs=(block_spec, jax.tree.map(lambda _: P(), shared), P(None, *data_axes)),
                             out_specs=P(), axis_names={AXIS, *data_axes}, check_vma=False)
-        return run(blocks, shared, split_micro(tokens_gt, c.train.accum_steps, dp))
+        with scope():
+            return run(blocks, shared, split_micro(tokens_gt, c.train.accum_steps, dp))
 
     return eval_loss
