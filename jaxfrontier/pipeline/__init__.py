@@ -48,8 +48,8 @@ def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropo
         engine = make_engine(c, model_def, schedule, lambda m: dropout_key_fn(c, step, m), scale)
 
         def run_replica(blocks, shared, micro_abt):
-            loss, g_blocks, g_shared = engine(blocks, shared, micro_abt)
-            return jax.tree.map(lambda x: jax.lax.pmean(x, data_axes) if data_axes else x, (loss, g_blocks, g_shared))
+            out = engine(blocks, shared, micro_abt)  # (loss, block grads, shared grads)
+            return jax.lax.pmean(out, data_axes) if data_axes else out
 
         block_spec = jax.tree.map(lambda _: P(None, AXIS) if schedule.virtual > 1 else P(AXIS), blocks)
         shared_spec = jax.tree.map(lambda _: P(), shared)
