@@ -17,7 +17,6 @@ line `error: ...` and exit 2. docs/planner.md, "Calibrating the time model".
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags
 
@@ -67,7 +66,7 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run_app(main)
 
 
 if __name__ == '__main__':

@@ -25,6 +25,25 @@ from jaxfrontier import errors
 HELP_FLAGS = ('-h', '--help', '-help', '--helpshort', '--helpfull', '--helpxml', '-?')
 
 
+def run_app(main, flags_parser=None) -> None:
+    """`absl.app.run(main)`, where a reader that closes the pipe early (`--help | head`) ends it quietly.
+
+    Python's advice (the `signal` module's notes on SIGPIPE): point stdout at /dev/null, so the
+    interpreter's final flush cannot raise again, and exit 1. SIGPIPE itself is left ignored
+    (Python's default), so a socket or file whose reader goes away is an error, not a kill.
+    """
+    from absl import app  # pylint: disable=g-import-not-at-top
+
+    try:
+        if flags_parser is None:
+            app.run(lambda argv: sys.exit(main(argv)))
+        else:
+            app.run(lambda argv: sys.exit(main(argv)), flags_parser=flags_parser)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
 def fail(message: str) -> NoReturn:
     """One line on stderr, exit 2."""
     print(f'error: {" ".join(str(message).split())}', file=sys.stderr)

@@ -8,7 +8,6 @@ a misspelt key is rejected. JAX is imported only after the config is read, so th
 from __future__ import annotations
 
 import os
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -130,7 +129,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+    cli.run_app(main, flags_parser=parse_flags)
 
 
 if __name__ == '__main__':

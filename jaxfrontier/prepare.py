@@ -18,6 +18,7 @@ import time
 
 from absl import app, flags
 
+from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # UserError; imports no JAX
 from jaxfrontier.data import encode as tokenize_lib
 
@@ -87,7 +88,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+    cli.run_app(main, flags_parser=parse_flags)
 
 
 if __name__ == '__main__':

@@ -5,6 +5,7 @@ the line and the problem; a JAX platform that is not present names the one asked
 present; every entry point prints its --help without other flags.
 """
 
+import os
 import subprocess
 import sys
 
@@ -57,6 +58,22 @@ def test_help_without_other_flags(module, flag):
     proc = run('--help', module=module)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert flag in proc.stdout + proc.stderr and 'error:' not in proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.parametrize('module', ['jaxfrontier.main', 'jaxfrontier.sweep', 'jaxfrontier.calibrate',
+                                    'jaxfrontier.prepare'])
+def test_help_into_a_closed_pipe_is_quiet(module):
+    """`--help | head -1`: the reader is gone before the help is written; no BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, deterministically
+    try:
+        proc = subprocess.run([sys.executable, '-m', module, '--help'], cwd=processes.REPO,
+                              env=processes.subprocess_env(), stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert proc.returncode in (0, 1), (proc.returncode, proc.stderr[-3000:])
+    assert proc.stderr == '', proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize('override, field', [('--config.mesh.cpu_devices=-3', 'mesh.cpu_devices'),

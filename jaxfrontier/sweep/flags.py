@@ -135,4 +135,4 @@ def run_command(body) -> None:
             print(f'error: {e}', file=sys.stderr)
             return 2
 
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+    cli.run_app(main, flags_parser=parse_flags)
