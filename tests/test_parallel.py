@@ -46,6 +46,16 @@ def test_layout_matches_single_device_slow(name, accum, reference):
     check_against_reference(run_layout(make_config(accum=accum, **LAYOUTS[name])), reference)
 
 
+@pytest.mark.slow
+def test_gpu_default_unrolled_remat_full_matches_single_device(reference):
+    """The GPUs' default stack (every layer unrolled) with remat=full, whose layers are custom VJPs
+    (gpt.recompute_after_cotangent), on data 2 x fsdp 2 x tensor 2 with accumulation: the data-local
+    map, FSDP's gathers and the tensor split inside the recomputation."""
+    c = make_config(accum=2, remat='full', **LAYOUTS['d2f2t2'])
+    c.model.scan_unroll = c.model.num_layers
+    check_against_reference(run_layout(c), reference)
+
+
 def test_zero1_shards_optimizer_state_not_params():
     c = make_config(data=4, tensor=2, zero1=True)
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices())

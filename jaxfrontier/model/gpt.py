@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
@@ -51,6 +52,41 @@ def layer_key(dropout_key: jax.Array | None, index: int | jax.Array) -> jax.Arra
     return None if dropout_key is None else jax.random.fold_in(dropout_key, index)
 
 
+def _float0_like(a: jax.Array) -> np.ndarray:
+    return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+def recompute_after_cotangent(layer_fn):
+    """`layer_fn(x, state, key)` with remat=full for a plain (unrolled) loop of layers.
+
+    Saves the layer's input and recomputes the layer in the backward pass, like
+    `jax.checkpoint(policy=None)`, and makes the recomputation's input depend on the incoming
+    cotangent: `where(isnan(g), nan, x)`, with g and x of one shape and sharding, is x wherever
+    the gradient is finite and needs no communication. So no scheduler can run the recomputation
+    before the backward reaches the layer. Outside a scan, `jax.checkpoint` relies on
+    optimization barriers (prevent_cse); XLA:CPU removes those before scheduling and runs every
+    recomputation early, in the forward pass, so remat=full saved no memory there (issue 14).
+    A data dependency survives every backend's passes.
+    """
+
+    @jax.custom_vjp
+    def run(x, state, key):
+        return layer_fn(x, state, key)
+
+    def fwd(x, state, key):
+        return layer_fn(x, state, key), (x, state, key)
+
+    def bwd(res, g):
+        x, state, key = res
+        x = jnp.where(jnp.isnan(g), jnp.array(jnp.nan, x.dtype), x)  # elementwise: no collective
+        _, vjp = jax.vjp(lambda x, state: layer_fn(x, state, key), x, state)
+        g_x, g_state = vjp(g)
+        return g_x, g_state, None if key is None else _float0_like(key)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, seq_len: int, remat: str,
                 dropout_key: jax.Array | None, first_layer: int | jax.Array = 0, unroll: int = 1,
                 keep_inputs: bool = False):
@@ -64,17 +100,24 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
     """
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
+    fully_unrolled = 0 < unroll and num_layers <= unroll
+    late_full = remat == 'full' and fully_unrolled  # see recompute_after_cotangent
+
+    def run_layer(x, layer_state, key):
+        return nnx.merge(graphdef, layer_state)(x, seq_len, key)
+
+    run = recompute_after_cotangent(run_layer) if late_full else run_layer
+
     def body(x, xs):
         layer_state, index = xs
-        y = nnx.merge(graphdef, layer_state)(x, seq_len, layer_key(dropout_key, index))
-        return y, (x if keep_inputs else None)
+        return run(x, layer_state, layer_key(dropout_key, index)), (x if keep_inputs else None)
 
-    fully_unrolled = 0 < unroll and num_layers <= unroll
-    if remat != 'none':
+    if remat != 'none' and not late_full:
         # prevent_cse=False is safe only inside a scan, whose loop keeps XLA from merging the
         # recomputation into the forward pass; the unrolled plain loop needs the optimization
-        # barrier, or remat=full compiles to the same program as remat=none (issue 14, 6b).
-        # XLA:CPU drops the barrier before CSE, so there the unrolled remat stays ineffective.
+        # barrier, or the policy compiles to the same program as remat=none (issue 14, 6b).
+        # XLA:CPU removes the barriers before scheduling and runs the recomputation early, so
+        # there these policies save no memory unrolled; remat=full avoids it (late_full).
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=fully_unrolled)
     indices = first_layer + jnp.arange(num_layers)
     if fully_unrolled:  # a plain loop, no while loop around the layers

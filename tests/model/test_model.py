@@ -179,6 +179,26 @@ def test_unrolled_layers_match_the_scan(unroll):
         np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7, err_msg=f'grad {jax.tree_util.keystr(path)}')
 
 
+def test_unrolled_remat_full_with_dropout_matches_the_scan():
+    """The unrolled remat=full recomputes each layer in its own backward (recompute_after_cotangent,
+    a custom VJP): it must redraw the same dropout masks as the forward and as the scan."""
+    c = tiny_config(dropout_rate=0.2, remat='full')
+
+    def loss_and_grads(scan_unroll):
+        c.model.scan_unroll = scan_unroll
+        model_def = params_lib.ModelDef.create(config_lib.model_shape(c))
+        params, tokens = params_and_tokens()
+        fn = jax.jit(jax.value_and_grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:], jax.random.key(7))))
+        return fn(params, tokens)
+
+    (ref_loss, ref_grads), (loss, grads) = loss_and_grads(1), loss_and_grads(2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    no_dropout, _ = gpt_loss_and_grads(remat='full')
+    assert abs(float(loss) - no_dropout) > 1e-4  # dropout is on
+    for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7, err_msg=f'grad {jax.tree_util.keystr(path)}')
+
+
 # --------------------------------------------------------------------------- (c) dropout
 
 
