@@ -179,6 +179,7 @@ def test_unrolled_layers_match_the_scan(unroll):
         np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7, err_msg=f'grad {jax.tree_util.keystr(path)}')
 
 
+@pytest.mark.slow  # two compiles with dropout: ~25 s
 def test_unrolled_remat_full_with_dropout_matches_the_scan():
     """The unrolled remat=full recomputes each layer in its own backward (recompute_after_cotangent,
     a custom VJP): it must redraw the same dropout masks as the forward and as the scan."""
