@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from absl import flags
+from absl import app, flags
 
 from jaxfrontier import errors
 
@@ -32,13 +32,9 @@ def run_app(main, flags_parser=None) -> None:
     interpreter's final flush cannot raise again, and exit 1. SIGPIPE itself is left ignored
     (Python's default), so a socket or file whose reader goes away is an error, not a kill.
     """
-    from absl import app  # pylint: disable=g-import-not-at-top
-
+    parser = {} if flags_parser is None else {'flags_parser': flags_parser}
     try:
-        if flags_parser is None:
-            app.run(lambda argv: sys.exit(main(argv)))
-        else:
-            app.run(lambda argv: sys.exit(main(argv)), flags_parser=flags_parser)
+        app.run(lambda argv: sys.exit(main(argv)), **parser)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
