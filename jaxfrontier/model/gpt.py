@@ -52,10 +52,6 @@ def layer_key(dropout_key: jax.Array | None, index: int | jax.Array) -> jax.Arra
     return None if dropout_key is None else jax.random.fold_in(dropout_key, index)
 
 
-def _float0_like(a: jax.Array) -> np.ndarray:
-    return np.zeros(a.shape, dtype=jax.dtypes.float0)
-
-
 def recompute_after_cotangent(layer_fn):
     """`layer_fn(x, state, key)` with remat=full for a plain (unrolled) loop of layers.
 
@@ -81,7 +77,7 @@ def recompute_after_cotangent(layer_fn):
         x = jnp.where(jnp.isnan(g), jnp.array(jnp.nan, x.dtype), x)  # elementwise: no collective
         _, vjp = jax.vjp(lambda x, state: layer_fn(x, state, key), x, state)
         g_x, g_state = vjp(g)
-        return g_x, g_state, None if key is None else _float0_like(key)
+        return g_x, g_state, None if key is None else np.zeros(key.shape, jax.dtypes.float0)  # keys: no tangent
 
     run.defvjp(fwd, bwd)
     return run

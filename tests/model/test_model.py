@@ -175,8 +175,7 @@ def test_unrolled_layers_match_the_scan(unroll):
     ref_loss, ref_grads = gpt_loss_and_grads(remat='full')
     loss, grads = gpt_loss_and_grads(remat='full', scan_unroll=unroll)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7, err_msg=f'grad {jax.tree_util.keystr(path)}')
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow  # two compiles with dropout: ~25 s
@@ -196,8 +195,7 @@ def test_unrolled_remat_full_with_dropout_matches_the_scan():
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     no_dropout, _ = gpt_loss_and_grads(remat='full')
     assert abs(float(loss) - no_dropout) > 1e-4  # dropout is on
-    for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7, err_msg=f'grad {jax.tree_util.keystr(path)}')
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
 
 
 # --------------------------------------------------------------------------- (c) dropout
