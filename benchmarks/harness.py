@@ -22,7 +22,7 @@ from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import metrics as metrics_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 
 
@@ -34,7 +34,7 @@ def time_train_step(c: ml_collections.ConfigDict, steps: int = 5, warmup: int = 
     layout = ts.make_layout(c, mesh)
     state = ts.init_train_state(c, layout)
     t0 = time.perf_counter()
-    train_step, _, batch_sharding = train.compile_steps(c, layout)
+    train_step, _, batch_sharding = step_lib.compile_steps(c, layout)
     compile_s = time.perf_counter() - t0
     mem = train_step.memory_analysis()
     source = data_lib.SyntheticSource(c.model.vocab_size, c.model.seq_len, c.seed, data_lib.TRAIN)

@@ -8,8 +8,8 @@ one device; 10.9 M parameters). Each round times, back to back:
              AdamW) and `optax.apply_updates`, jitted, on the model's parameter tree;
   torch      `clip_grad_norm_` and `torch.optim.AdamW` (foreach, PyTorch's CPU default) on the
              same tensors, when torch is importable (`pip install torch`; not a dependency);
-  grads      the train step's loss and gradients alone (loop.make_loss_and_grads, jitted);
-  step       the whole train step (loop.compile_steps): step - grads is what the update, the
+  grads      the train step's loss and gradients alone (training/step.py make_loss_and_grads, jitted);
+  step       the whole train step (training/step.py compile_steps): step - grads is what the update, the
              norms and the metrics add inside the step.
 Medians in ms, one JSON line per round.
 """
@@ -35,7 +35,7 @@ import baseline_jax_gpt  # noqa: E402
 import compare_baseline  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
-from jaxfrontier.training import loop  # noqa: E402
+from jaxfrontier.training import step as step_lib  # noqa: E402
 from jaxfrontier.training import state as ts  # noqa: E402
 
 
@@ -75,11 +75,11 @@ def main() -> None:
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:1])
     layout = ts.make_layout(c, mesh)
     state = ts.init_train_state(c, layout)
-    train_step, _, _ = loop.compile_steps(c, layout)
+    train_step, _, _ = step_lib.compile_steps(c, layout)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, c.model.vocab_size, (c.train.global_batch, c.model.seq_len + 1), np.int32))
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-        grads_fn = jax.jit(loop.make_loss_and_grads(c, layout))
+        grads_fn = jax.jit(step_lib.make_loss_and_grads(c, layout))
         params = jax.tree.map(jnp.copy, state['params'])  # the step donates `state`
         _, grads = grads_fn(params, tokens, state['step'])
         tx = layout.tx

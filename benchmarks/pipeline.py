@@ -26,7 +26,7 @@ from jaxfrontier import config as config_lib  # noqa: E402
 from jaxfrontier.plan import flop_count  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier import pipeline  # noqa: E402
-from jaxfrontier.training import loop as train  # noqa: E402
+from jaxfrontier.training import step as step_lib  # noqa: E402
 from jaxfrontier.training import state as ts  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def step_flops(c):
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
     weights = pipeline.build_schedule(c).flop_weights if c.mesh.pipeline > 1 else None
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-        return flop_count.executed_dot_flops(train.make_train_step(c, layout), state, batch, branch_weights=weights)
+        return flop_count.executed_dot_flops(step_lib.make_train_step(c, layout), state, batch, branch_weights=weights)
 
 
 def main():

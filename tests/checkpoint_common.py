@@ -22,7 +22,7 @@ from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier import config as config_lib
 from jaxfrontier.training import export
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
 from jaxfrontier.training import state as ts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,9 +164,9 @@ def runs(tmp_path_factory):
     """6 steps straight (a checkpoint every step) vs 3 steps, stop, resume, 3 more."""
     root = tmp_path_factory.mktemp('runs')
     straight, resumed = str(root / 'straight'), str(root / 'resumed')
-    train.train_and_evaluate(make_config(steps=6), straight)
-    first = train.train_and_evaluate(make_config(steps=3, every=0), resumed)
-    second = train.train_and_evaluate(make_config(steps=6, every=0), resumed)
+    loop.train_and_evaluate(make_config(steps=6), straight)
+    first = loop.train_and_evaluate(make_config(steps=3, every=0), resumed)
+    second = loop.train_and_evaluate(make_config(steps=6, every=0), resumed)
     return dict(straight=straight, resumed=resumed, first=first, second=second)
 
 

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.model import params as params_lib
 
@@ -67,11 +67,11 @@ def run_layout(c, steps=True):
     sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
     data = [jax.device_put(b, sharding) for b in batches(c.train.global_batch)]
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-        loss, grads = jax.jit(train.make_loss_and_grads(c, layout))(state['params'], data[0], 0)
+        loss, grads = jax.jit(step_lib.make_loss_and_grads(c, layout))(state['params'], data[0], 0)
         loss, grads = jax.device_get((loss, grads))
         if not steps:
             return float(loss), params_lib.merge_virtual(grads), None
-        step = jax.jit(train.make_train_step(c, layout), donate_argnums=0)
+        step = jax.jit(step_lib.make_train_step(c, layout), donate_argnums=0)
         for batch in data:
             state, _ = step(state, batch)
     # Interleaved pipelines store blocks as [V, L / V, ...]; compare in model order [L, ...].

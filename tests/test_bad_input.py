@@ -1,7 +1,7 @@
 """Bad input fails before compilation, with one message naming the field, its value and the fix.
 
 Each mistake a user can make in a config, its data or its workdir is fed to
-`train.train_and_evaluate` (or `config.validate`, or the command line) and must raise a
+`loop.train_and_evaluate` (or `config.validate`, or the command line) and must raise a
 `UserError` (shown by main without a traceback) whose message names the field, the value and
 a fix, before the mesh, the state or any compiled step is built, and leave nothing in the
 workdir. The command-line tests run `python -m jaxfrontier.main` and check the exit code and
@@ -19,7 +19,8 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import dataset as data_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.config import ConfigError, UserError
 
@@ -44,16 +45,16 @@ def no_compile(monkeypatch):
     def reached(*args, **kwargs):
         raise AssertionError('train_and_evaluate went past validation with a bad input')
 
-    monkeypatch.setattr(train.mesh_lib, 'mesh_from_config', reached)
-    monkeypatch.setattr(train.ts, 'make_layout', reached)
+    monkeypatch.setattr(loop.mesh_lib, 'mesh_from_config', reached)
+    monkeypatch.setattr(loop.ts, 'make_layout', reached)
     monkeypatch.setattr(train, 'compile_steps', reached)
-    monkeypatch.setattr(train.data_lib, 'make_datasets', reached)
+    monkeypatch.setattr(loop.data_lib, 'make_datasets', reached)
 
 
 def assert_fails_cleanly(c, workdir, field, value, *more, error=ConfigError):
     """train_and_evaluate(c) raises `error` naming field, value and a fix; workdir untouched."""
     with pytest.raises(error) as info:
-        train.train_and_evaluate(c, str(workdir))
+        loop.train_and_evaluate(c, str(workdir))
     message = str(info.value)
     assert field in message and str(value) in message, message
     assert 'Fix:' in message, message
@@ -74,7 +75,7 @@ def test_good_config_is_valid():
 def test_good_config_passes_every_check(tmp_path, no_compile):
     """Control: the good config gets past validation, so each bad one fails for its own reason."""
     with pytest.raises(AssertionError, match='went past validation'):
-        train.train_and_evaluate(good_config(), str(tmp_path / 'wd'))
+        loop.train_and_evaluate(good_config(), str(tmp_path / 'wd'))
 
 
 # --------------------------------------------------------------------------- mesh and divisibility
@@ -278,9 +279,9 @@ def test_pipeline_with_dropout_over_data_and_fsdp_is_refused_on_jax_0_11(monkeyp
     layout = ts.make_layout(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()))
     monkeypatch.setattr(jax, '__version__', '0.11.2')
     with pytest.raises(ConfigError, match=r'dropout_rate = 0.1: jax 0.11.2 aborts .* Fix: set model.dropout_rate=0.0'):
-        train.check_compiles(c, layout)
+        step_lib.check_compiles(c, layout)
     c.model.dropout_rate = 0.0  # gradients reduced once: `data` is manual inside the pipeline's map
-    train.check_compiles(c, layout)
+    step_lib.check_compiles(c, layout)
     monkeypatch.setattr(jax, '__version__', '0.10.2')
     c.model.dropout_rate = 0.1
-    train.check_compiles(c, layout)
+    step_lib.check_compiles(c, layout)

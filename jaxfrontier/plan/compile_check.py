@@ -2,7 +2,7 @@
 
 Two checks, neither needing the target hardware:
 
-  lower_abstract(config)   traces and lowers `train.make_train_step` for the config's full mesh on
+  lower_abstract(config)   traces and lowers `training.step.make_train_step` for the config's full mesh on
                            an `AbstractMesh` (no devices): every sharding and divisibility error
                            of the layout surfaces here, in seconds, for any mesh size.
   compile_on_cpu(config)   compiles it for simulated CPU devices (the process must have at least
@@ -36,7 +36,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 
 MAX_CPU_DEVICES = 2048
@@ -51,7 +51,7 @@ def lower_abstract(c: ml_collections.ConfigDict, platform: str = 'cpu'):
     shape = config_lib.mesh_shape(c)
     mesh = AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
     layout = ts.make_layout(c, mesh)
-    step, state, batch = train.jit_train_step(c, layout)
+    step, state, batch = step_lib.jit_train_step(c, layout)
     with jax.sharding.use_abstract_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return step.trace(state, batch).lower(lowering_platforms=(platform,))
 
@@ -65,7 +65,7 @@ def compile_on_cpu(c: ml_collections.ConfigDict):
                            'use run_in_subprocess or set --xla_force_host_platform_device_count')
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), devices[:n])
     layout = ts.make_layout(c, mesh)
-    step, state, batch = train.jit_train_step(c, layout)
+    step, state, batch = step_lib.jit_train_step(c, layout)
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return step.lower(state, batch).compile()
 
@@ -122,7 +122,7 @@ def cpu_result(c: ml_collections.ConfigDict) -> CpuResult:
     compiled = compile_on_cpu(c)
     seconds = time.perf_counter() - start
     totals = hlo_collectives.bytes_by_axis(collectives(c, compiled))
-    return CpuResult(config_lib.num_devices(c), seconds, train.memory_bytes(compiled),
+    return CpuResult(config_lib.num_devices(c), seconds, step_lib.memory_bytes(compiled),
                      {f'{kind} {"x".join(axes)}': int(v) for (kind, axes), v in totals.items()})
 
 

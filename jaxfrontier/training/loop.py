@@ -1,8 +1,9 @@
-"""The train step and the training loop `train_and_evaluate(config, workdir)`.
+"""The training loop `train_and_evaluate(config, workdir)`.
 
-The loop reads top to bottom: validate -> mesh -> data -> state -> compile -> loop -> final
-evaluation. The step is a pure function `train_step(state, tokens) -> (state, metrics)`,
-jitted once with donated state and explicit shardings.
+It reads top to bottom: validate -> mesh -> data -> state -> compile -> loop -> final
+evaluation. The steps it runs are built in step.py (pure functions, jitted once with donated
+state and explicit shardings); this module owns what touches the workdir and the clock: the
+lock, checkpoints, metrics, profiling, preemption.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
-from jax.sharding import NamedSharding
 
 from jaxfrontier.training import checkpoint as checkpoint_lib
 from jaxfrontier.training import preemption as preemption_lib
@@ -31,182 +30,14 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import memory_check
 from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier import pipeline
-from jaxfrontier.training import loss_scale
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import profile as profile_lib
-from jaxfrontier.training import reduction
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
 _log = checkpoint_lib.log  # process 0 only
-
-
-def split_micro_batches(tokens_gt: jax.Array, accum_steps: int, dp_size: int) -> jax.Array:
-    """[G, T] -> [A, G/A, T] such that every device keeps its own rows (no communication).
-
-    The batch's rows are split into dp_size contiguous blocks, one per data-parallel replica;
-    micro-batch a takes rows a*mb .. (a+1)*mb - 1 of every block.
-    """
-    g, t = tokens_gt.shape
-    mb = g // (dp_size * accum_steps)
-    x = tokens_gt.reshape(dp_size, accum_steps, mb, t).transpose(1, 0, 2, 3)  # [A, DP, mb, T]
-    return mesh_lib.constrain(x.reshape(accum_steps, dp_size * mb, t), (None, 'batch', None))
-
-
-def _dropout_key(c: ml_collections.ConfigDict, step: jax.Array, micro: jax.Array) -> jax.Array | None:
-    """Dropout randomness is a function of (seed, step, micro-batch): no RNG in the state."""
-    if c.model.dropout_rate == 0.0:
-        return None
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), micro)
-
-
-def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs):
-    """`(params, micro_abt, step[, scale]) -> (mean loss, mean grads)` over the micro-batches (no pipeline).
-
-    The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
-    """
-    accum, model_def = c.train.accum_steps, layout.model_def
-
-    def micro_loss(params, tokens_bt, key):
-        return model_def.bind(params).loss(tokens_bt[:, :-1], tokens_bt[:, 1:], key)
-
-    value_and_grad = jax.value_and_grad(micro_loss)
-
-    def grad_fn(params, tokens_bt, key, scale):
-        if scale is None:
-            return value_and_grad(params, tokens_bt, key)
-        # Loss scaling (float16): the backward pass starts from `scale`, not 1; the loss is unscaled.
-        loss, pull = jax.vjp(lambda p: micro_loss(p, tokens_bt, key), params)
-        return loss, pull(scale.astype(loss.dtype))[0]
-
-    constrain = lambda tree: jax.lax.with_sharding_constraint(tree, grad_specs)  # noqa: E731
-
-    def accumulate(params, micro_abt, step, scale=None):
-        if accum == 1:
-            return grad_fn(params, micro_abt[0], _dropout_key(c, step, 0), scale)
-
-        def body(carry, xs):
-            loss_sum, grad_sum = carry
-            tokens_bt, index = xs
-            loss, grads = grad_fn(params, tokens_bt, _dropout_key(c, step, index), scale)
-            return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), None
-
-        zeros = constrain(jax.tree.map(jnp.zeros_like, params))
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                               (micro_abt, jnp.arange(accum)))
-        return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
-
-    return accumulate
-
-
-def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    """Returns `loss_and_grads(params, tokens, step, scale=None) -> (loss, grads)` over the accumulation steps.
-
-    The loss is the mean over all tokens of the global batch; gradients are averaged over the
-    micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
-    Where reduction.reduce_once holds, each data-parallel replica accumulates its own rows'
-    gradients and they cross the `data` axis once per step (jaxfrontier/training/reduction.py).
-    """
-    accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
-    once = reduction.reduce_once(c, layout.rules, layout.param_shardings)
-    if c.mesh.pipeline > 1:  # reduced once: the pipeline's own map is manual over `data` too
-        micro_fn = pipeline.make_pipeline_grads(c, layout.model_def, _dropout_key, layout.rules if once else None)
-    else:
-        # Per micro-batch reduction: gradients meet the optimizer layout (ZeRO-1: a reduce-scatter)
-        # in every step. Reduced once: they stay where the parameters are until the end.
-        specs = layout.param_shardings if once else layout.update_shardings
-        micro_fn = _accumulate(c, layout, jax.tree.map(lambda s: s.spec, specs))
-        if once:
-            micro_fn = reduction.data_local(micro_fn, layout.rules)
-
-    def loss_and_grads(params, tokens_gt, step, scale=None):
-        scaled = () if scale is None else (scale,)  # float16: gradients come back multiplied by `scale`
-        loss, grads = micro_fn(params, split_micro_batches(tokens_gt, accum, dp), step, *scaled)
-        return loss, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
-
-    return loss_and_grads
-
-
-def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    """Returns the pure `train_step(state, tokens) -> (state, metrics)` for this layout."""
-    tx, schedule = layout.tx, layout.schedule
-    loss_and_grads = make_loss_and_grads(c, layout)
-
-    def train_step(state: State, tokens_gt: jax.Array) -> tuple[State, dict[str, jax.Array]]:
-        params, scale_state = state['params'], state.get('loss_scale')
-        scale = None if scale_state is None else scale_state['scale']
-        loss, grads = loss_and_grads(params, tokens_gt, state['step'], scale)
-        if scale_state is not None:
-            grads = loss_scale.unscale(c, scale_state, grads)
-        updates, opt_state = tx.update(grads, state['opt_state'], params)
-        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), layout.param_shardings)
-        new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
-        extra = {}
-        if scale_state is not None:  # float16: an overflowing step keeps the old params and moments
-            (new_state['params'], new_state['opt_state']), new_state['loss_scale'], extra = loss_scale.finish_step(
-                c, scale_state, grads, (new_params, opt_state), (params, state['opt_state']))
-        metrics = {'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads),
-                   'train/param_norm': optax.tree.norm(new_state['params']), 'train/lr': schedule(state['step']),
-                   **extra}
-        return new_state, metrics
-
-    return train_step
-
-
-def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
-    accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
-    if c.mesh.pipeline > 1:  # a forward-only wave through the stages (pipeline.make_pipeline_eval)
-        local = reduction.reduce_once(c, layout.rules, layout.param_shardings, training=False)
-        return pipeline.make_pipeline_eval(c, layout.model_def, split_micro_batches, layout.rules if local else None)
-
-    def eval_step(params, tokens_gt):
-        model = layout.model_def.bind(params)
-        micro_abt = split_micro_batches(tokens_gt, accum, dp)
-        return jnp.mean(jax.lax.map(lambda tokens_bt: model.loss(tokens_bt[:, :-1], tokens_bt[:, 1:]), micro_abt))
-
-    return eval_step
-
-
-def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    """The jitted train step (donated state, explicit shardings) and abstract (state, batch) to lower it with."""
-    batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
-    batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    state = checkpoint_lib.abstract_target(layout)
-    train_jit = jax.jit(make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
-                        out_shardings=(layout.state_shardings, None), donate_argnums=0)
-    return train_jit, state, batch
-
-
-def check_compiles(c: ml_collections.ConfigDict, layout: ts.StateLayout) -> None:
-    """One clear error, not an XLA abort, for a layout this jax is known not to compile.
-
-    jax 0.11.2 aborts the process (spmd_partitioner_util.cc:498) on a pipeline map with both
-    `data` and `fsdp` > 1 left automatic inside it. The train and eval steps keep `data`
-    manual where gradients are reduced once per step (training/reduction.py); dropout rules
-    that out for training, since masks are drawn per whole micro-batch.
-    """
-    old_jax = tuple(int(x) for x in jax.__version__.split('.')[:2]) < (0, 11)
-    if old_jax or c.mesh.pipeline == 1 or c.mesh.data == 1 or c.mesh.fsdp == 1:
-        return
-    if c.model.dropout_rate > 0 and not reduction.reduce_once(c, layout.rules, layout.param_shardings):
-        raise config_lib.ConfigError(
-            'model.dropout_rate', c.model.dropout_rate,
-            f'jax {jax.__version__} aborts compiling a pipeline whose data ({c.mesh.data}) and fsdp ({c.mesh.fsdp}) '
-            'axes are both automatic, which dropout needs',
-            'set model.dropout_rate=0.0, or mesh.fsdp=1 (sharding.zero1=True shards the optimizer state), or jax 0.10')
-
-
-def compile_steps(c: ml_collections.ConfigDict, layout: ts.StateLayout):
-    """Jits and compiles the train and eval steps ahead of time for this layout."""
-    check_compiles(c, layout)
-    train_jit, state, batch = jit_train_step(c, layout)
-    eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(layout.param_shardings, batch.sharding))
-    with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
-        train_compiled = train_jit.lower(state, batch).compile()
-        eval_compiled = eval_jit.lower(state['params'], batch).compile()
-    return train_compiled, eval_compiled, batch.sharding
 
 
 def evaluate(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
@@ -216,20 +47,8 @@ def evaluate(eval_step, params, source, c: ml_collections.ConfigDict, batch_shar
     return jnp.mean(jnp.stack(losses))
 
 
-def memory_bytes(compiled) -> dict[str, int]:
-    """XLA's per-device memory analysis ({} where there is none); 'total' = arguments + outputs
-    + temporaries - aliased."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    out = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
-           'temporaries': m.temp_size_in_bytes, 'aliased': m.alias_size_in_bytes}
-    out['total'] = out['arguments'] + out['outputs'] + out['temporaries'] - out['aliased']
-    return out
-
-
 def _memory_summary(compiled) -> dict[str, float]:
-    mem = memory_bytes(compiled)
+    mem = step_lib.memory_bytes(compiled)
     if not mem:
         return {}
     return {'memory/peak_gib_per_device': mem['total'] / 2**30, 'memory/temp_gib_per_device': mem['temporaries'] / 2**30}
@@ -366,7 +185,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
 
     # 5. compile
     t0 = time.perf_counter()
-    train_step, eval_step, batch_sharding = compile_steps(c, layout)
+    train_step, eval_step, batch_sharding = step_lib.compile_steps(c, layout)
     compile_s = time.perf_counter() - t0
     memory = _memory_summary(train_step)
     _log(f'compile: {compile_s:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))

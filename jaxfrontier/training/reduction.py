@@ -5,7 +5,7 @@ micro-batch is born replicated over `data`, so XLA all-reduces it inside every a
 step (and inside every backward unit of a pipeline): M all-reduces of the full gradients per
 step. For the paper's 1T layout (M = 512) that is 4 TB per device per step.
 
-Instead, the accumulation loop (loop.py, through `data_local` here) or the pipeline's tick
+Instead, the accumulation loop (step.py, through `data_local` here) or the pipeline's tick
 loop (pipeline.make_pipeline_grads, whose one map is then manual over `pipeline` and `data`:
 jax 0.11 rejects a pipeline map nested in a data map) runs inside
 `jax.shard_map(..., axis_names={'data', ...})`: each data-parallel replica sums the gradients
@@ -43,7 +43,7 @@ def data_local(fn, rules: mesh_lib.Rules):
     """`fn(params, micro_abt, step[, scale]) -> (loss, grads)` run per data-parallel replica, reduced once.
 
     micro_abt's rows are split over `data` (each replica keeps the rows it already holds:
-    train.split_micro_batches lays rows out data-major); loss and gradients are averaged over
+    step.split_micro_batches lays rows out data-major); loss and gradients are averaged over
     the replicas with one `pmean` each.
     """
     inner_rules = mesh_lib.without_axis(rules, AXIS)  # inside, `data` is no longer an automatic axis

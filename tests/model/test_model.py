@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.model import attention as attention_lib
 from jaxfrontier.model.gpt import cross_entropy
@@ -308,7 +308,7 @@ def test_vocab_parallel_loss_never_gathers_logits():
                           layout.abstract_state['params'], layout.param_shardings)
     batch = jax.ShapeDtypeStruct((4, 25), jnp.int32, sharding=batch_sharding)
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-        fn = jax.jit(train.make_loss_and_grads(c, layout))
+        fn = jax.jit(step_lib.make_loss_and_grads(c, layout))
         hlo = fn.lower(params, batch, 0).compile().as_text()
     gathered = collectives_with_dims(hlo, (v,), ((n,), (4, 24)))
     assert not gathered, '\n'.join(gathered)

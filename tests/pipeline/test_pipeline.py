@@ -21,7 +21,8 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.model import params as params_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from layout_check import LOSS_RTOL, assert_trees_close, check_against_reference, make_config, run_layout
 
@@ -152,7 +153,7 @@ def test_bad_pipeline_configs_fail_before_compiling():
 
 
 def compiled_step(c):
-    """The compiled train step of `c` (the program train.compile_steps compiles, without its eval step)."""
+    """The compiled train step of `c` (the program training.step.compile_steps compiles, without its eval step)."""
     return compile_check.compile_on_cpu(c), None
 
 
@@ -164,7 +165,7 @@ def lowered_op_counts(c) -> collections.Counter:
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          layout.abstract_state, layout.state_shardings)
-    step = jax.jit(train.make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
+    step = jax.jit(step_lib.make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
                    out_shardings=(layout.state_shardings, None), donate_argnums=0)
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         text = step.lower(state, batch).as_text()
@@ -243,7 +244,7 @@ def traced_step_flops(c):
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jax.numpy.int32)
     weights = pipeline.build_schedule(c).flop_weights if c.mesh.pipeline > 1 else None
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-        return flop_count.executed_dot_flops(train.make_train_step(c, layout), state, batch, branch_weights=weights)
+        return flop_count.executed_dot_flops(step_lib.make_train_step(c, layout), state, batch, branch_weights=weights)
 
 
 @pytest.mark.parametrize('schedule,virtual', [('1f1b', 1), ('interleaved', 2)])
@@ -298,7 +299,7 @@ def _eval(c, tokens, params):
     layout = ts.make_layout(c, mesh)
     virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
     params = jax.device_put(params_lib.split_virtual(params, virtual), layout.param_shardings)
-    eval_step = train.make_eval_step(c, layout)
+    eval_step = step_lib.make_eval_step(c, layout)
     weights = None
     if c.mesh.pipeline > 1:
         schedule = schedules.forward_only(c.mesh.pipeline, c.train.accum_steps, c.pipeline.virtual_stages)

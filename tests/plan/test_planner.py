@@ -41,7 +41,7 @@ from jaxfrontier.plan import estimate as plan_model
 from jaxfrontier.plan import search as plan_search
 from jaxfrontier.plan import planner
 from jaxfrontier.pipeline import schedules
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.model import params as params_lib
 
@@ -124,7 +124,7 @@ def test_hardware_flops_match_traced_train_step(remat, pipe):
     weights = None
     if pipe > 1:
         weights = pipeline.build_schedule(c).flop_weights
-    loss_and_grads = train.make_loss_and_grads(c, layout)
+    loss_and_grads = step_lib.make_loss_and_grads(c, layout)
     tokens = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
     with jax.sharding.use_abstract_mesh(mesh):
         traced = flop_count.executed_dot_flops(lambda p, t: loss_and_grads(p, t, 0), layout.abstract_state['params'],
@@ -242,7 +242,7 @@ def check_against_xla(c):
     """Compiles `c` on the CPU devices and holds memory and communication to the stated tolerances."""
     compiled = compile_check.compile_on_cpu(c)
     plan = planner.plan(c)
-    measured = train.memory_bytes(compiled)["total"]
+    measured = step_lib.memory_bytes(compiled)["total"]
     rel = compile_check.within(plan.memory.total_bytes, measured)
     assert abs(rel) <= MEMORY_TOL[c.mesh.pipeline > 1], f'memory: plan {plan.memory.total_bytes} vs XLA {measured}'
     estimated, in_hlo = {}, {}

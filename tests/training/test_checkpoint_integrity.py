@@ -8,7 +8,7 @@ import pytest
 
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier import config as config_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
     REPO, make_config, layout_for, no_init, _largest_file, vocab300, main, error_line)
@@ -59,11 +59,11 @@ def test_unwritable_workdir_fails_before_training(tmp_path):
     blocker = tmp_path / 'file'
     blocker.write_text('x')
     with pytest.raises(config_lib.UserError, match='cannot be written'):
-        train.train_and_evaluate(make_config(), str(blocker / 'run'))
+        loop.train_and_evaluate(make_config(), str(blocker / 'run'))
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'checkpoints').write_text('not a directory')
     with pytest.raises(config_lib.UserError, match='checkpoint directory .* cannot be written'):
-        train.train_and_evaluate(make_config(), str(tmp_path / 'run'))
+        loop.train_and_evaluate(make_config(), str(tmp_path / 'run'))
     assert not (tmp_path / 'run' / 'metrics.jsonl').exists()
 
 

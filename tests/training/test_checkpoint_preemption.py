@@ -15,7 +15,7 @@ import time
 import pytest
 
 from jaxfrontier.training import checkpoint as ckpt_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
 from jaxfrontier.training import preemption
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
@@ -43,7 +43,7 @@ def test_signal_stops_after_step_with_committed_checkpoint(tmp_path):
 
     before = signal.getsignal(signal.SIGUSR1)
     threading.Thread(target=send_when_running, daemon=True).start()
-    record = train.train_and_evaluate(c, workdir)
+    record = loop.train_and_evaluate(c, workdir)
     step = record['preempted_at_step']
     assert 1 <= step < 100_000
     assert ckpt_lib.Checkpointer(c, workdir).latest_step() == step

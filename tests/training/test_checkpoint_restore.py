@@ -13,7 +13,8 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.data import dataset as data_lib
 from jaxfrontier.training import export
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
+from jaxfrontier.training import step as step_lib
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
     compile_cache, LOSS_RTOL, make_config, layout_for, random_state, save_state, losses, read_numpy, flat_numpy, assert_trees_equal, no_init, runs, vocab300, cli)
@@ -79,7 +80,7 @@ def test_restore_onto_other_mesh(runs, name):
 def test_training_continues_on_other_mesh(runs, name):
     """After the restore, step 4 has the loss it had on the original layout, to fp32 rounding."""
     c, layout, state = restore_on(runs, name)
-    train_step, _, batch_sharding = train.compile_steps(c, layout)
+    train_step, _, batch_sharding = step_lib.compile_steps(c, layout)
     source, _ = data_lib.make_datasets(c, '')
     batch = data_lib.make_global_batch(source, 3, batch_sharding, c.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
@@ -119,7 +120,7 @@ def test_padded_zero1_state_restores_and_continues(tmp_path):
     padded = config(8, steps=4)
     mu = layout_for(padded).abstract_state['opt_state'][1][0].mu
     assert mu['blocks']['attn']['w_qkv'].shape != (2, 36, 3, 4, 9)
-    train.train_and_evaluate(padded, workdir)
+    loop.train_and_evaluate(padded, workdir)
     saved = read_numpy(f'{workdir}/checkpoints/3', 'opt_state')
 
     single = config(1, steps=4)
@@ -133,7 +134,7 @@ def test_padded_zero1_state_restores_and_continues(tmp_path):
         np.testing.assert_array_equal(value, cut, err_msg=name)
         assert np.count_nonzero(saved[name]) == np.count_nonzero(cut), name  # the padding was zero
 
-    train_step, _, batch_sharding = train.compile_steps(single, layout)
+    train_step, _, batch_sharding = step_lib.compile_steps(single, layout)
     source, _ = data_lib.make_datasets(single, '')
     batch = data_lib.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):

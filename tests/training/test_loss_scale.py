@@ -10,7 +10,8 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
+from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.training.checkpoint import Checkpointer
 
@@ -34,7 +35,7 @@ def block_grads(c, tokens, scales=None):
     out = []
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         state = ts.init_train_state(c, layout)
-        loss_and_grads = train.make_loss_and_grads(c, layout)
+        loss_and_grads = step_lib.make_loss_and_grads(c, layout)
         step = jax.jit(lambda p, t, s: loss_and_grads(p, t, state['step'], s))
         for scale in scales or [state['loss_scale']['scale'] if 'loss_scale' in state else None]:
             grads = jax.device_get(step(state['params'], tokens, scale)[1])
@@ -70,9 +71,9 @@ def test_float16_with_loss_scaling_trains_like_bfloat16(tmp_path):
         c.mesh.data = n
         c.train.update(micro_batch=32 // n)
         return c
-    bf16 = train.train_and_evaluate(on_all(small_config('bfloat16')), str(tmp_path / 'bf16'))
+    bf16 = loop.train_and_evaluate(on_all(small_config('bfloat16')), str(tmp_path / 'bf16'))
     # 2**24 overflows float16's backward (max 65504): the first steps are skipped while the scale halves.
-    fp16 = train.train_and_evaluate(on_all(small_config('float16', loss_scale_init=2.0**24, loss_scale_period=8)),
+    fp16 = loop.train_and_evaluate(on_all(small_config('float16', loss_scale_init=2.0**24, loss_scale_period=8)),
                                     str(tmp_path / 'fp16'))
     rows = metrics_of(tmp_path / 'fp16')
     skipped = rows[-1]['train/skipped_steps']

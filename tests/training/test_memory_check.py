@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from jaxfrontier.errors import UserError
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
 from jaxfrontier.training import memory_check
 from jaxfrontier.training import state as ts
 from jaxfrontier import mesh as mesh_lib
@@ -82,9 +82,9 @@ def test_allocation_failure_is_one_line(tmp_path, monkeypatch):
         raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.50GiB.\n'
                                          'BufferAssignment OOM Debugging ...')
 
-    monkeypatch.setattr(train.ts, 'make_layout', out_of_memory)  # raised where a real one would, earlier: cheap
+    monkeypatch.setattr(loop.ts, 'make_layout', out_of_memory)  # raised where a real one would, earlier: cheap
     with pytest.raises(UserError) as info:
-        train.train_and_evaluate(good_config(), str(tmp_path / 'wd'))
+        loop.train_and_evaluate(good_config(), str(tmp_path / 'wd'))
     message = str(info.value)
     assert message.startswith('out of device memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate '
                               '9.50GiB.'), message

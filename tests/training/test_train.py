@@ -7,7 +7,7 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.training import metrics as metrics_lib
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
 from ml_collections import config_flags
 
 # A persistent compilation cache while this module runs (checkpoint_common.compile_cache): the
@@ -31,7 +31,7 @@ def tiny(steps):
 @pytest.mark.slow  # 80 steps of configs/tiny.py: ~50 s
 def test_tiny_config_learns_below_unigram_entropy(tmp_path):
     """A shortened configs/tiny.py (data 2 x fsdp 2 x tensor 2) beats the byte-unigram model."""
-    record = train.train_and_evaluate(tiny(80), str(tmp_path))
+    record = loop.train_and_evaluate(tiny(80), str(tmp_path))
     assert record['eval/loss'] < EVAL_LOSS_BOUND < UNIGRAM_ENTROPY_NATS, record
     lines = [json.loads(x) for x in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
     assert [r['step'] for r in lines] == [20, 40, 60, 80]
@@ -50,7 +50,7 @@ def test_nan_loss_stops_with_a_clear_message(tmp_path):
     c = tiny(30)
     c.optim.update(lr=1e6, min_lr=0.0, warmup_steps=0, clip_norm=1e12)
     with pytest.raises(metrics_lib.NonFiniteLossError, match='at step'):
-        train.train_and_evaluate(c, str(tmp_path))
+        loop.train_and_evaluate(c, str(tmp_path))
 
 
 def test_accumulation_is_validated():
@@ -66,6 +66,6 @@ def test_pipelined_training_runs_end_to_end(tmp_path):
     c = tiny(30)
     c.mesh.update(pipeline=2, data=2, fsdp=1, tensor=2)
     c.train.update(global_batch=16, micro_batch=2, accum_steps=4, log_every=10)
-    record = train.train_and_evaluate(c, str(tmp_path))
+    record = loop.train_and_evaluate(c, str(tmp_path))
     assert record['pipeline/bubble'] == pytest.approx(1 / 5)
     assert record['eval/loss'] < UNIGRAM_ENTROPY_NATS, record

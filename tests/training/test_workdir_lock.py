@@ -16,7 +16,7 @@ import time
 import pytest
 
 from jaxfrontier.errors import UserError
-from jaxfrontier.training import loop as train
+from jaxfrontier.training import loop
 from jaxfrontier.training import workdir_lock
 from tests import processes
 from tests.test_bad_input import good_config
@@ -97,9 +97,9 @@ def test_train_and_evaluate_takes_over_and_releases(tmp_path, monkeypatch):
         assert json.load(open(workdir / workdir_lock.LOCK_NAME))['pid'] == os.getpid()
         raise RuntimeError('past the lock')
 
-    monkeypatch.setattr(train.mesh_lib, 'mesh_from_config', reached)
+    monkeypatch.setattr(loop.mesh_lib, 'mesh_from_config', reached)
     with pytest.raises(RuntimeError, match='past the lock'):
-        train.train_and_evaluate(good_config(), str(workdir))
+        loop.train_and_evaluate(good_config(), str(workdir))
     assert not (workdir / workdir_lock.LOCK_NAME).exists()
 
 
