@@ -24,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import harness  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
 from jaxfrontier.plan import flop_count  # noqa: E402
+from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier import pipeline  # noqa: E402
 from jaxfrontier.training import step as step_lib  # noqa: E402
@@ -45,7 +46,7 @@ def step_flops(c):
     layout = ts.make_layout(c, mesh)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout.abstract_state)
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
-    weights = pipeline.build_schedule(c).flop_weights if c.mesh.pipeline > 1 else None
+    weights = pipeline.build_schedule(layout_lib.Layout.from_config(c)).flop_weights if c.mesh.pipeline > 1 else None
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return flop_count.executed_dot_flops(step_lib.make_train_step(c, layout), state, batch, branch_weights=weights)
 
@@ -59,8 +60,8 @@ def main():
                 c = bench_config(schedule, p, m)
                 useful = step_flops(bench_config(schedule, 1, m, remat='none'))
                 row = {'schedule': schedule, 'P': p, 'M': m, 'V': c.pipeline.virtual_stages,
-                       'bubble': pipeline.build_schedule(c).bubble,
-                       'max_stashed_inputs': pipeline.build_schedule(c).max_stashed_inputs(),
+                       'bubble': pipeline.build_schedule(layout_lib.Layout.from_config(c)).bubble,
+                       'max_stashed_inputs': pipeline.build_schedule(layout_lib.Layout.from_config(c)).max_stashed_inputs(),
                        'executed_over_useful': step_flops(c) / useful}
                 row.update(harness.time_train_step(c, steps=3, warmup=1))
                 rows.append(row)

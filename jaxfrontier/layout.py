@@ -1,5 +1,8 @@
 """Decisions the trainer and the planner both need, made once (no arrays, no tracing).
 
+- `Layout`: how a model is spread over devices and time (mesh sizes, micro-batching, remat,
+  schedule, ZeRO-1), built once per run from the config (`Layout.from_config`) and handed to
+  the trainer, the pipeline and the planner, whose search turns its knobs.
 - `reduce_once`: gradients cross the `data` axis once per step (training/reduction.py has the
   mechanism and the why).
 - `token_split_axes`: the tensor axes the pipeline's stash and sends are split over
@@ -10,7 +13,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import ml_collections
 
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -85,3 +91,116 @@ def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str
 def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> P:
     """The optimizer-state spec of `zero1_layout` (over the padded shape where it pads)."""
     return zero1_layout(spec, shape, mesh, dp_axes)[0]
+
+
+# Logical names of activations, not parameters: every other name in the rules is a parameter
+# dimension (embed, mlp, heads, vocab, layers, ...).
+ACTIVATION_NAMES = ('batch', 'act_embed')
+
+
+def data_placement(rules) -> tuple[bool, bool]:
+    """(the batch is split over `data`, some parameter dimension is) under logical `rules`."""
+    def axes(target):
+        return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+    table = {name: axes(target) for name, target in rules}
+    in_batch = DATA in table.get('batch', ())
+    over_data = any(DATA in t for name, t in table.items() if name not in ACTIVATION_NAMES)
+    return in_batch, over_data
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a model is spread over devices and time: the knobs the search turns."""
+
+    pipeline: int = 1
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    micro_batch: int = 1
+    accum_steps: int = 1
+    remat: str = 'full'
+    schedule: str = '1f1b'
+    virtual_stages: int = 1
+    zero1: bool = False
+    dropout: bool = False  # dropout > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
+    shard_activations: bool = True  # pipeline.shard_activations
+    # From the logical-axis rules (sharding.rules): the default rules put the batch on `data`
+    # and no parameter dimension on it.
+    data_in_batch: bool = True
+    params_over_data: bool = False
+
+    @property
+    def split_tokens(self) -> int:
+        """Parts the pipeline's stash and sends are split into over `tensor` (pipeline.TokenSplit)."""
+        if self.pipeline == 1:
+            return 1
+        # The batch's automatic axes: fsdp, and data unless the pipeline runs data-manual.
+        batch = tuple(a for a, n in (('data', 0 if self.reduce_once else self.data), ('fsdp', self.fsdp)) if n > 1)
+        axes = token_split_axes(self.shard_activations, batch, ('tensor',) if self.tensor > 1 else ())
+        return self.tensor if axes else 1
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
+        """The config's layout, made once per run and handed to the trainer, the pipeline and the planner."""
+        data_in_batch, params_over_data = data_placement(c.sharding.rules)
+        return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
+                   micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
+                   schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
+                   zero1=bool(c.sharding.zero1), dropout=c.model.dropout_rate > 0,
+                   shard_activations=bool(c.pipeline.shard_activations),
+                   data_in_batch=data_in_batch, params_over_data=params_over_data)
+
+    @property
+    def reduce_once(self) -> bool:
+        """Training's gradients cross `data` once per step (jaxfrontier/training/reduction.py)."""
+        return self.reduces_once(training=True)
+
+    def reduces_once(self, training: bool) -> bool:
+        """`reduce_once` for training or evaluation (which draws no dropout masks)."""
+        return reduce_once(data=self.data, dropout=training and self.dropout, accum_steps=self.accum_steps,
+                           pipeline=self.pipeline, data_is_batch_axis=self.data_in_batch,
+                           params_over_data=self.params_over_data)
+
+    @property
+    def virtual(self) -> int:
+        """Chunks per pipeline stage (1 without a pipeline, whatever pipeline.virtual_stages says)."""
+        return self.virtual_stages if self.pipeline > 1 else 1
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {'pipeline': self.pipeline, 'data': self.data, 'fsdp': self.fsdp, 'tensor': self.tensor}
+
+    @property
+    def num_devices(self) -> int:
+        return self.pipeline * self.data * self.fsdp * self.tensor
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas (data x fsdp)."""
+        return self.data * self.fsdp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accum_steps * self.dp
+
+    def apply(self, c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+        """A copy of config `c` with this layout."""
+        c = ml_collections.ConfigDict(c.to_dict())
+        c.mesh.update(pipeline=self.pipeline, data=self.data, fsdp=self.fsdp, tensor=self.tensor)
+        c.train.update(micro_batch=self.micro_batch, accum_steps=self.accum_steps, global_batch=self.global_batch)
+        c.model.remat = self.remat
+        c.pipeline.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
+        c.sharding.zero1 = self.zero1
+        c.pipeline.shard_activations = self.shard_activations
+        return c
+
+    def describe(self) -> str:
+        parts = [f'TP {self.tensor}', f'PP {self.pipeline}', f'DP {self.dp}']
+        if self.fsdp > 1:
+            parts[-1] += f' (data {self.data} x fsdp {self.fsdp})'
+        sched = ''
+        if self.pipeline > 1:
+            sched = f', {self.schedule}' + (f' v={self.virtual_stages}' if self.schedule == 'interleaved' else '')
+        return (' x '.join(parts) + f', micro-batch {self.micro_batch} x {self.accum_steps} steps, '
+                f'remat {self.remat}{sched}' + (', ZeRO-1' if self.zero1 else ''))

@@ -47,7 +47,7 @@ def no_compile(monkeypatch):
 
     monkeypatch.setattr(loop.mesh_lib, 'mesh_from_config', reached)
     monkeypatch.setattr(loop.ts, 'make_layout', reached)
-    monkeypatch.setattr(train, 'compile_steps', reached)
+    monkeypatch.setattr(loop.step_lib, 'compile_steps', reached)
     monkeypatch.setattr(loop.data_lib, 'make_datasets', reached)
 
 
@@ -271,17 +271,21 @@ def test_cli_bad_value(tmp_path):
 
 
 def test_pipeline_with_dropout_over_data_and_fsdp_is_refused_on_jax_0_11(monkeypatch):
-    """jax 0.11.2 aborts the process compiling it (training/loop.check_compiles): one error line instead."""
-    c = good_config()
-    c.mesh.update(pipeline=2, data=2, fsdp=2, tensor=1)
-    c.train.update(micro_batch=1, accum_steps=2)
-    c.model.dropout_rate = 0.1
-    layout = ts.make_layout(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()))
+    """jax 0.11.2 aborts the process compiling it (training/step.check_compiles): one error line instead."""
+    mesh = None
+
+    def layout_with(dropout_rate):  # the run's Layout is made once from its config (layout.py)
+        nonlocal mesh
+        c = good_config()
+        c.mesh.update(pipeline=2, data=2, fsdp=2, tensor=1)
+        c.train.update(micro_batch=1, accum_steps=2)
+        c.model.dropout_rate = dropout_rate
+        mesh = mesh or mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices())
+        return c, ts.make_layout(c, mesh)
+
     monkeypatch.setattr(jax, '__version__', '0.11.2')
     with pytest.raises(ConfigError, match=r'dropout_rate = 0.1: jax 0.11.2 aborts .* Fix: set model.dropout_rate=0.0'):
-        step_lib.check_compiles(c, layout)
-    c.model.dropout_rate = 0.0  # gradients reduced once: `data` is manual inside the pipeline's map
-    step_lib.check_compiles(c, layout)
+        step_lib.check_compiles(*layout_with(0.1))
+    step_lib.check_compiles(*layout_with(0.0))  # gradients reduced once: `data` is manual inside the pipeline's map
     monkeypatch.setattr(jax, '__version__', '0.10.2')
-    c.model.dropout_rate = 0.1
-    step_lib.check_compiles(c, layout)
+    step_lib.check_compiles(*layout_with(0.1))

@@ -9,9 +9,10 @@ the executor for a config and wraps it in `jax.shard_map`.
 from __future__ import annotations
 
 import jax
-import ml_collections
 from jax.sharding import PartitionSpec as P
 
+from jaxfrontier import config as config_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import lockstep, schedules, staggered
@@ -19,14 +20,18 @@ from jaxfrontier.pipeline.chunk import AXIS, data_local_scope, split_shared
 from jaxfrontier.pipeline.eval import make_pipeline_eval  # noqa: F401  (front door)
 
 
-def build_schedule(c: ml_collections.ConfigDict) -> schedules.Schedule | schedules.Staggered:
+def build_schedule(layout: layout_lib.Layout) -> schedules.Schedule | schedules.Staggered:
     """1F1B runs staggered (pipeline/staggered.py); GPipe and interleaved on the lockstep tick executor."""
-    return schedules.build(c.pipeline.schedule, c.mesh.pipeline, c.train.accum_steps, c.pipeline.virtual_stages)
+    return schedules.build(layout.schedule, layout.pipeline, layout.accum_steps, layout.virtual_stages)
 
 
-def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropout_key_fn,
+def make_pipeline_grads(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
+                        schedule: schedules.Schedule | schedules.Staggered, dropout_key_fn,
                         data_local_rules: mesh_lib.Rules | None = None):
-    """`(params, micro_abt, step[, scale]) -> (mean loss, grads)` of a pipelined layout (train.py lays out the result).
+    """`(params, micro_abt, step[, scale]) -> (mean loss, grads)` of a pipelined layout (training/step.py lays out the result).
+
+    `schedule`: `build_schedule(layout)`, built once per run; `dropout_key_fn(step, micro)`: the
+    dropout key of a micro-batch (None without dropout).
 
     `data_local_rules`: the layout's rules when gradients cross `data` once per step
     (`layout.reduce_once`, training/reduction.py). The map is then manual over `data` too: each
@@ -35,7 +40,6 @@ def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropo
     map over both axes, not the pipeline's nested in a data map: jax 0.11's Shardy rejects
     that nesting ("Manual axes must be sorted by mesh axis index"; benchmarks/repro_nested_shard_map.py).
     """
-    schedule = build_schedule(c)
     data_axes, scope = data_local_scope(data_local_rules)
 
     def pipeline_grads(params, micro_abt, step, scale=None):  # scale: float16's loss scale (grads come back scaled)
@@ -45,7 +49,7 @@ def make_pipeline_grads(c: ml_collections.ConfigDict, model_def: ModelDef, dropo
     def traced(params, micro_abt, step, scale):
         blocks, shared = split_shared(params)
         make_engine = staggered.make_engine if isinstance(schedule, schedules.Staggered) else lockstep.make_engine
-        engine = make_engine(c, model_def, schedule, lambda m: dropout_key_fn(c, step, m), scale)
+        engine = make_engine(layout, shape, model_def, schedule, lambda m: dropout_key_fn(step, m), scale)
 
         def run_replica(blocks, shared, micro_abt):
             out = engine(blocks, shared, micro_abt)  # (loss, block grads, shared grads)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
@@ -19,7 +19,7 @@ from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, data_local_s
                                         zero_activation)
 
 
-def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_micro,
+def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef, split_micro,
                        data_local_rules: mesh_lib.Rules | None = None):
     """`eval_loss(params, tokens) -> mean loss` of a pipelined layout: forward units only.
 
@@ -30,22 +30,22 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_
     (pipeline.make_pipeline_grads). jax 0.11.2 aborts compiling the wave with both `data` and
     `fsdp` > 1 left automatic inside the pipeline's map (spmd_partitioner_util.cc:498).
     """
-    schedule = schedules.forward_only(c.mesh.pipeline, c.train.accum_steps,
-                                      c.pipeline.virtual_stages if c.pipeline.schedule == 'interleaved' else 1)
+    schedule = schedules.forward_only(layout.pipeline, layout.accum_steps,
+                                      layout.virtual_stages if layout.schedule == 'interleaved' else 1)
     p_size, v_size = schedule.num_stages, schedule.virtual
-    lc = c.model.num_layers // (p_size * v_size)
-    dtype = jnp.dtype(c.model.dtype)
-    dp = config_lib.data_parallel_size(c)
+    lc = shape.num_layers // (p_size * v_size)
+    dtype = jnp.dtype(shape.dtype)
+    dp = layout.dp
     ring_fwd = [(i, (i + 1) % p_size) for i in range(p_size)]
     data_axes, scope = data_local_scope(data_local_rules)
     e_table, recv = jnp.asarray(schedule.e_table), jnp.asarray(schedule.recv)
 
     def engine(blocks, shared, micro_tokens):
-        ops = ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, lambda m: None,
-                       TokenSplit(c.pipeline.shard_activations))
+        ops = ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, lambda m: None,
+                       TokenSplit(layout.shard_activations))
         stage = jax.lax.axis_index(AXIS)
         chunks = stage_chunks(blocks, v_size)
-        x_zero = zero_activation(micro_tokens, c.model.d_model, dtype)
+        x_zero = zero_activation(micro_tokens, shape.d_model, dtype)
 
         def run(kind):
             def unit(chunk, tokens, x_split, m, chunk_index):
@@ -83,6 +83,6 @@ def make_pipeline_eval(c: ml_collections.ConfigDict, model_def: ModelDef, split_
         run = jax.shard_map(engine, in_specs=(block_spec, jax.tree.map(lambda _: P(), shared), P(None, *data_axes)),
                             out_specs=P(), axis_names={AXIS, *data_axes}, check_vma=False)
         with scope():
-            return run(blocks, shared, split_micro(tokens_gt, c.train.accum_steps, dp))
+            return run(blocks, shared, split_micro(tokens_gt, layout.accum_steps, dp))
 
     return eval_loss

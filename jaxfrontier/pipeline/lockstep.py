@@ -24,24 +24,25 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
+from jaxfrontier import config as config_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, stage_chunks, sum_over_stages,
                                          zero_activation)
 
 
-def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: schedules.Schedule, dropout_key_fn,
-                loss_scale=None):
+def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
+                schedule: schedules.Schedule, dropout_key_fn, loss_scale=None):
     """The per-stage tick loop: (local blocks, shared, micro tokens) -> (loss, grads)."""
     p_size, v_size = schedule.num_stages, schedule.virtual
-    lc = c.model.num_layers // (p_size * v_size)
-    ops = ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                    TokenSplit(c.pipeline.shard_activations), loss_scale)
+    lc = shape.num_layers // (p_size * v_size)
+    ops = ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
+                    TokenSplit(layout.shard_activations), loss_scale)
     f_ops = [ops.f_none, ops.f_first, ops.f_mid]
     b_ops = [ops.b_none, ops.b_first, ops.b_mid, ops.b_last, ops.b_only]
-    dtype = jnp.dtype(c.model.dtype)
+    dtype = jnp.dtype(shape.dtype)
     f_table, b_table = jnp.asarray(schedule.f_table), jnp.asarray(schedule.b_table)
     recv_f, recv_b = jnp.asarray(schedule.recv_f), jnp.asarray(schedule.recv_b)
     ring_fwd = [(i, (i + 1) % p_size) for i in range(p_size)]
@@ -51,7 +52,7 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
         stage = jax.lax.axis_index(AXIS)
         # This stage's chunks, [V, Lc, ...] in virtual-stage order (V == 1 arrives as [Lc, ...]).
         chunks = stage_chunks(blocks, v_size)
-        x_zero = zero_activation(micro_tokens, c.model.d_model, dtype)
+        x_zero = zero_activation(micro_tokens, shape.d_model, dtype)
 
         def tick(carry, t):
             stash, grad, g_chunks, g_shared, loss_sum = carry

@@ -30,9 +30,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit, f32_zeros, sum_over_stages, zero_activation
@@ -175,14 +175,14 @@ _B_KINDS = {schedules.BS_NONE: 'none', schedules.BS_FIRST: 'first', schedules.BS
             schedules.BS_LAST: 'last'}
 
 
-def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: schedules.Staggered, dropout_key_fn,
-                loss_scale=None):
+def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
+                schedule: schedules.Staggered, dropout_key_fn, loss_scale=None):
     """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, grads); pipeline.py's contract."""
     p_size = schedule.num_stages
-    lc = c.model.num_layers // p_size
-    dtype = jnp.dtype(c.model.dtype)
-    ops = StaggeredOps(ChunkOps(model_def, c.model.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                                         TokenSplit(c.pipeline.shard_activations), loss_scale), dtype, c.model.remat)
+    lc = shape.num_layers // p_size
+    dtype = jnp.dtype(shape.dtype)
+    ops = StaggeredOps(ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
+                                         TokenSplit(layout.shard_activations), loss_scale), dtype, layout.remat)
     a_ops = [ops.a_branch(*_A_KINDS[k]) for k in range(len(_A_KINDS))]
     b_ops = [ops.b_branch(_B_KINDS[k]) for k in range(len(_B_KINDS))]
     a_table, b_table = jnp.asarray(schedule.a_table), jnp.asarray(schedule.b_table)
@@ -191,7 +191,7 @@ def make_engine(c: ml_collections.ConfigDict, model_def: ModelDef, schedule: sch
     def engine(blocks, shared, micro_tokens):
         stage = jax.lax.axis_index(AXIS)
         ops.bind_shared(shared)
-        x_zero = zero_activation(micro_tokens, c.model.d_model, dtype)
+        x_zero = zero_activation(micro_tokens, shape.d_model, dtype)
         ops.res.probe(cast_chunk(blocks, dtype), x_zero, jnp.int32(0), jnp.int32(0))
         chunk_index = stage  # one chunk per stage
 

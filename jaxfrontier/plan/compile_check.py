@@ -34,6 +34,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.plan import hlo_collectives
+from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.training import step as step_lib
@@ -76,7 +77,7 @@ def pipeline_branch_weights(c: ml_collections.ConfigDict):
     Weight of kind b = share of (tick, stage) slots running b: the average device's count of a
     branch is the tick count times this. None without a pipeline.
     """
-    return None if c.mesh.pipeline == 1 else pipeline.build_schedule(c).hlo_weights
+    return None if c.mesh.pipeline == 1 else pipeline.build_schedule(layout_lib.Layout.from_config(c)).hlo_weights
 
 
 def collectives(c: ml_collections.ConfigDict, compiled) -> list[hlo_collectives.Collective]:

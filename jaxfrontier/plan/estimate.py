@@ -1,6 +1,6 @@
 """The planner's formulas: parameter table, memory, FLOPs, communication and compute time.
 
-Everything here is arithmetic on a `ModelShape`, a `planner.Layout`, the logical-axis rules
+Everything here is arithmetic on a `ModelShape`, a `layout.Layout`, the logical-axis rules
 and a `hardware.Hardware`; nothing is allocated or compiled. docs/planner.md explains each
 formula and how it was checked against XLA's compiled programs.
 """

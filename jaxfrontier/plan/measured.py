@@ -31,6 +31,7 @@ import ml_collections
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
 from jaxfrontier import hardware as hw_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import planner
 
 LAYOUT_FIELDS = {'tensor': 'mesh.tensor', 'pipeline': 'mesh.pipeline', 'data': 'mesh.data', 'fsdp': 'mesh.fsdp',
@@ -156,7 +157,7 @@ def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardwa
         config_lib.validate(c)
     except config_lib.UserError as e:
         raise _fail(path, line, f'its config is not valid ({e})', 'give a layout the trainer accepts') from None
-    work = planner.layout_work(config_lib.model_shape(c), planner.Layout.from_config(c), hw, rules=c.sharding.rules)
+    work = planner.layout_work(config_lib.model_shape(c), layout_lib.Layout.from_config(c), hw, rules=c.sharding.rules)
     name = str(record.get('name') or record.get('trial_id') or f'line {line}')
     return Measurement(name, model_key(c), str(record.get('machine', 'unknown machine')), work,
                        _measured_s(record, work, path, line, statistic), path)
@@ -188,7 +189,7 @@ def combine_repeats(ms: list[Measurement]) -> list[Measurement]:
 
     (Held out, a repeat left in the fit would predict its twin.)
     """
-    groups: dict[tuple[str, planner.Layout], list[Measurement]] = {}
+    groups: dict[tuple[str, layout_lib.Layout], list[Measurement]] = {}
     for m in ms:
         groups.setdefault((m.model, m.work.layout), []).append(m)
     out = []

@@ -3,7 +3,7 @@
 `plan(config, hardware)` answers, for the config's model and parallel layout on a hardware
 description (`hardware.py`), without devices and without allocating the model:
 
-  * parameters, exactly (`plan_model.param_specs` mirrors `model/`; a test holds it to eval_shape);
+  * parameters, exactly (`estimate.param_specs` mirrors `model/`; a test holds it to eval_shape);
   * memory per device: parameters, gradients, optimizer state, activations (the residuals JAX
     saves under the remat policy, read from JAX itself by `activations.py`, times the
     micro-batches the pipeline schedule keeps in flight), temporaries; fit and headroom;
@@ -12,7 +12,7 @@ description (`hardware.py`), without devices and without allocating the model:
   * the pipeline bubble, step time, tokens/s and MFU from a roofline-plus-communication model.
 
 The model, its calibration against XLA's compiled memory analysis and its overlap
-assumptions are written down in docs/planner.md. `plan_model.py` holds the parameter,
+assumptions are written down in docs/planner.md. `estimate.py` holds the parameter,
 memory, FLOP and compute-time formulas, `plan_comm.py` the communication, this module the
 layout, the step-time model, the plan and its printout.
 """
@@ -29,90 +29,10 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import comm as plan_comm
-from jaxfrontier.plan import estimate as plan_model
+from jaxfrontier.plan import estimate
 
-RESERVED_FRACTION = plan_model.RESERVED_FRACTION
+RESERVED_FRACTION = estimate.RESERVED_FRACTION
 GIB = hw_lib.GIB
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How a model is spread over devices and time: the knobs the search turns."""
-
-    pipeline: int = 1
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    micro_batch: int = 1
-    accum_steps: int = 1
-    remat: str = 'full'
-    schedule: str = '1f1b'
-    virtual_stages: int = 1
-    zero1: bool = False
-    dropout: bool = False  # dropout > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
-    shard_activations: bool = True  # pipeline.shard_activations
-
-    @property
-    def split_tokens(self) -> int:
-        """Parts the pipeline's stash and sends are split into over `tensor` (pipeline.TokenSplit)."""
-        if self.pipeline == 1:
-            return 1
-        # The batch's automatic axes: fsdp, and data unless the pipeline runs data-manual.
-        batch = tuple(a for a, n in (('data', 0 if self.reduce_once else self.data), ('fsdp', self.fsdp)) if n > 1)
-        axes = layout_lib.token_split_axes(self.shard_activations, batch, ('tensor',) if self.tensor > 1 else ())
-        return self.tensor if axes else 1
-
-    @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
-        return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
-                   micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
-                   schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
-                   zero1=bool(c.sharding.zero1), dropout=c.model.dropout_rate > 0,
-                   shard_activations=bool(c.pipeline.shard_activations))
-
-    @property
-    def reduce_once(self) -> bool:
-        """Gradients cross `data` once per step (jaxfrontier/training/reduction.py; default rules)."""
-        return layout_lib.reduce_once(data=self.data, dropout=self.dropout, accum_steps=self.accum_steps,
-                                      pipeline=self.pipeline)
-
-    @property
-    def mesh_shape(self) -> dict[str, int]:
-        return {'pipeline': self.pipeline, 'data': self.data, 'fsdp': self.fsdp, 'tensor': self.tensor}
-
-    @property
-    def num_devices(self) -> int:
-        return self.pipeline * self.data * self.fsdp * self.tensor
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel replicas (data x fsdp)."""
-        return self.data * self.fsdp
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.accum_steps * self.dp
-
-    def apply(self, c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-        """A copy of config `c` with this layout."""
-        c = ml_collections.ConfigDict(c.to_dict())
-        c.mesh.update(pipeline=self.pipeline, data=self.data, fsdp=self.fsdp, tensor=self.tensor)
-        c.train.update(micro_batch=self.micro_batch, accum_steps=self.accum_steps, global_batch=self.global_batch)
-        c.model.remat = self.remat
-        c.pipeline.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
-        c.sharding.zero1 = self.zero1
-        c.pipeline.shard_activations = self.shard_activations
-        return c
-
-    def describe(self) -> str:
-        parts = [f'TP {self.tensor}', f'PP {self.pipeline}', f'DP {self.dp}']
-        if self.fsdp > 1:
-            parts[-1] += f' (data {self.data} x fsdp {self.fsdp})'
-        sched = ''
-        if self.pipeline > 1:
-            sched = f', {self.schedule}' + (f' v={self.virtual_stages}' if self.schedule == 'interleaved' else '')
-        return (' x '.join(parts) + f', micro-batch {self.micro_batch} x {self.accum_steps} steps, '
-                f'remat {self.remat}{sched}' + (', ZeRO-1' if self.zero1 else ''))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +56,12 @@ class Plan:
     """Everything `--mode=plan` reports for one config, layout and hardware."""
 
     name: str
-    layout: Layout
+    layout: layout_lib.Layout
     hardware: hw_lib.Hardware
     shape: config_lib.ModelShape
     num_params: int
-    memory: plan_model.Memory
-    flops: plan_model.Flops
+    memory: estimate.Memory
+    flops: estimate.Flops
     transfers: tuple[plan_comm.Transfer, ...]
     time: StepTime
     notes: tuple[str, ...] = ()
@@ -159,8 +79,8 @@ class Plan:
         return self.usable_bytes - self.memory.total_bytes
 
 
-def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, flops: plan_model.Flops,
-              transfers: tuple[plan_comm.Transfer, ...], memory: plan_model.Memory, per_mb: float) -> StepTime:
+def step_time(shape: config_lib.ModelShape, layout: layout_lib.Layout, hw: hw_lib.Hardware, flops: estimate.Flops,
+              transfers: tuple[plan_comm.Transfer, ...], memory: estimate.Memory, per_mb: float) -> StepTime:
     """Roofline compute + exposed communication + pipeline bubble + update (docs/planner.md).
 
     Without a pipeline the micro-batches run back to back, each followed by the gradient
@@ -168,25 +88,25 @@ def step_time(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware,
     communication) / V and idle for P - 1 of them (the bubble, of which `hw.bubble_scale` is
     idle time); the sends between stages are exposed, and the lockstep executor pays one
     gradient accumulation per tick (staggered 1F1B: one per micro-batch). `hw.step_overhead_s`
-    is added once per step; `per_mb` is one micro-batch's compute (`plan_model.compute_s`).
+    is added once per step; `per_mb` is one micro-batch's compute (`estimate.compute_s`).
     """
     m, p = layout.accum_steps, layout.pipeline
     permute_s = sum(t.exposed_s for t in transfers if t.kind == 'collective-permute')
     exposed_mb = sum(t.exposed_s for t in transfers if t.per_micro_batch and t.kind != 'collective-permute') / m
     exposed_step = sum(t.exposed_s for t in transfers if not t.per_micro_batch)
-    accumulate_s = plan_model.accumulate_s(memory, layout, hw)
+    accumulate_s = estimate.accumulate_s(memory, layout, hw)
     stage_mb_s = per_mb + exposed_mb
     if p == 1:
         bubble_s, bubble_fraction, overhead_s = 0.0, 0.0, m * accumulate_s
     else:
         v = layout.virtual_stages if layout.schedule == 'interleaved' else 1
-        slots = plan_model.pipeline_slots(layout.schedule, p, m, v)
+        slots = estimate.pipeline_slots(layout.schedule, p, m, v)
         bubble_s, bubble_fraction = (p - 1) / v * stage_mb_s * hw.bubble_scale, slots.bubble
         # The lockstep executor adds a unit's gradients (or zeros) every tick; staggered 1F1B's
         # backward branches add into the sum themselves, M times per step.
-        accumulations = m if plan_model.staggered(layout) else slots.ticks
+        accumulations = m if estimate.staggered(layout) else slots.ticks
         overhead_s = accumulations * accumulate_s + permute_s
-    update_s = plan_model.update_s(memory, hw) + hw.step_overhead_s
+    update_s = estimate.update_s(memory, hw) + hw.step_overhead_s
     step_s = m * stage_mb_s + bubble_s + overhead_s + exposed_step + update_s
     devices_s = step_s * layout.num_devices
     peak = hw.compute_flops(shape.dtype, layout.num_devices)
@@ -203,35 +123,35 @@ class Work:
     """What one step of a layout does, independent of the time model's parameters (`timing`)."""
 
     shape: config_lib.ModelShape
-    layout: Layout
+    layout: layout_lib.Layout
     num_params: int
-    memory: plan_model.Memory
-    flops: plan_model.Flops
-    compute: plan_model.ComputeWork
+    memory: estimate.Memory
+    flops: estimate.Flops
+    compute: estimate.ComputeWork
     traffic: tuple[plan_comm.Traffic, ...]
 
 
-def layout_work(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, *,
+def layout_work(shape: config_lib.ModelShape, layout: layout_lib.Layout, hw: hw_lib.Hardware, *,
                 rules: Any = config_lib.DEFAULT_RULES) -> Work:
     """Parameters, memory, FLOPs, compute work and traffic of `shape` with `layout` (hw: topology only)."""
     rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
     virtual = layout.virtual_stages if layout.pipeline > 1 else 1
-    specs = plan_model.param_specs(shape, virtual)
-    attention = plan_model.attention_for(shape, hw)
-    memory = plan_model.memory(shape, layout, rules, specs, attention=attention)
-    flops = plan_model.flops(shape, layout, attention)
-    return Work(shape, layout, plan_model.count_params(specs), memory, flops,
-                plan_model.compute_work(shape, layout, hw, flops), plan_comm.traffic(shape, layout, rules, specs, hw))
+    specs = estimate.param_specs(shape, virtual)
+    attention = estimate.attention_for(shape, hw)
+    memory = estimate.memory(shape, layout, rules, specs, attention=attention)
+    flops = estimate.flops(shape, layout, attention)
+    return Work(shape, layout, estimate.count_params(specs), memory, flops,
+                estimate.compute_work(shape, layout, hw, flops), plan_comm.traffic(shape, layout, rules, specs, hw))
 
 
 def timing(work: Work, hw: hw_lib.Hardware) -> tuple[tuple[plan_comm.Transfer, ...], StepTime]:
     """The transfers' times and the step time of `work` on `hw` (arithmetic only: what calibration refits)."""
-    per_mb = plan_model.compute_s(work.compute, hw)
+    per_mb = estimate.compute_s(work.compute, hw)
     transfers = plan_comm.timed(work.traffic, work.layout, hw, per_mb, work.shape.num_layers)
     return transfers, step_time(work.shape, work.layout, hw, work.flops, transfers, work.memory, per_mb)
 
 
-def plan_layout(shape: config_lib.ModelShape, layout: Layout, hw: hw_lib.Hardware, *,
+def plan_layout(shape: config_lib.ModelShape, layout: layout_lib.Layout, hw: hw_lib.Hardware, *,
                 rules: Any = config_lib.DEFAULT_RULES, name: str = '', notes: tuple[str, ...] = ()) -> Plan:
     """The plan of `shape` with `layout` on `hw` (pure arithmetic after the first call per policy)."""
     work = layout_work(shape, layout, hw, rules=rules)
@@ -243,7 +163,7 @@ def plan(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi250x
     """The plan of config `c` on a hardware description (a name from `hardware.NAMES`)."""
     config_lib.validate(c)
     hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.get(hardware)
-    layout = Layout.from_config(c)
+    layout = layout_lib.Layout.from_config(c)
     p = plan_layout(config_lib.model_shape(c), layout, hw, rules=c.sharding.rules, name=name)
     return dataclasses.replace(p, notes=notes(p, c.sharding.rules))
 
@@ -252,7 +172,7 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
     """What the user should know about this layout beyond the numbers."""
     lay, out = p.layout, []
     if lay.zero1 and lay.dp > 1:
-        pls = plan_model.param_layouts(plan_model.param_specs(p.shape, lay.virtual_stages if lay.pipeline > 1 else 1),
+        pls = estimate.param_layouts(estimate.param_specs(p.shape, lay.virtual_stages if lay.pipeline > 1 else 1),
                                        lay, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules))
         unsharded = sum(x.local for x in pls if x.update_local == x.local) / sum(x.local for x in pls)
         if unsharded > 0.01:
@@ -265,7 +185,7 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
         exposed = sum(t.exposed_s for t in reductions)
         out.append(f'gradients are reduced over `data` once per micro-batch because {why} (jaxfrontier/training/reduction.py): '
                    f'{exposed:.2f} s exposed per step; once per step would cut the bytes {lay.accum_steps}-fold')
-    if lay.pipeline > 1 and lay.remat != 'full' and not plan_model.staggered(lay):
+    if lay.pipeline > 1 and lay.remat != 'full' and not estimate.staggered(lay):
         out.append(f'inside a pipeline every remat policy acts as per-layer full recomputation (model.remat='
                    f'{lay.remat} is ignored)')
     return tuple(out)

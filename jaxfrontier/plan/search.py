@@ -18,6 +18,7 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import planner
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -34,7 +35,7 @@ def _shape_for(c: ml_collections.ConfigDict, tensor: int) -> config_lib.ModelSha
     return dataclasses.replace(config_lib.model_shape(c), vocab_size=-(-m.vocab_size // multiple) * multiple)
 
 
-def candidate_layouts(c: ml_collections.ConfigDict, num_devices: int, hw: hw_lib.Hardware) -> list[planner.Layout]:
+def candidate_layouts(c: ml_collections.ConfigDict, num_devices: int, hw: hw_lib.Hardware) -> list[layout_lib.Layout]:
     """Layouts of `num_devices` that satisfy every divisibility rule at the config's global batch.
 
     Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses);
@@ -61,14 +62,14 @@ def _fsdp_sizes(dp: int, d_model: int) -> list[int]:
     return sorted(f for f in sizes if dp % f == 0 and d_model % f == 0)
 
 
-def _time_layouts(c, batch: int, pipeline: int, data: int, fsdp: int, tensor: int, zero1: bool) -> list[planner.Layout]:
+def _time_layouts(c, batch: int, pipeline: int, data: int, fsdp: int, tensor: int, zero1: bool) -> list[layout_lib.Layout]:
     """Micro-batch, accumulation, remat and schedule choices of one mesh."""
     dp, out = data * fsdp, []
     for micro in MICRO_BATCHES:
         if batch % (micro * dp):
             continue
         accum = batch // (micro * dp)
-        base = planner.Layout(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor, micro_batch=micro,
+        base = layout_lib.Layout(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor, micro_batch=micro,
                               accum_steps=accum, zero1=zero1)
         if pipeline == 1:
             out += [dataclasses.replace(base, remat=r) for r in config_lib.REMAT_POLICIES]

@@ -29,7 +29,6 @@ from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import memory_check
 from jaxfrontier.training import metrics as metrics_lib
-from jaxfrontier import pipeline
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import profile as profile_lib
 from jaxfrontier.training import state as ts
@@ -58,13 +57,13 @@ class _Reporter:
     """Turns fetched step metrics into log records: perf numbers, NaN check, writer output."""
 
     def __init__(self, c: ml_collections.ConfigDict, writer: metrics_lib.MetricsWriter, n_devices: int,
-                 first_row: dict[str, float] | None = None):
+                 pipeline_schedule=None, first_row: dict[str, float] | None = None):
         self.c, self.writer, self.n_devices = c, writer, n_devices
         self.first_row = dict(first_row or {})  # written once, with the first record: compile time, memory
         self.model_flops, self.hw_flops = flops_lib.flops_per_step_from_config(c)
         self.peak, self.peak_source = hardware.device_peak_flops(jax.devices()[0], c.model.dtype)
         self.tokens_per_step = c.train.global_batch * c.model.seq_len
-        self.constants = {'pipeline/bubble': pipeline.build_schedule(c).bubble} if c.mesh.pipeline > 1 else {}
+        self.constants = {'pipeline/bubble': pipeline_schedule.bubble} if pipeline_schedule is not None else {}
         self.last_time, self.last_step, self.last_record = None, None, {}
 
     def report(self, step: int, metrics: dict[str, jax.Array], eval_loss: jax.Array | None) -> None:
@@ -165,8 +164,8 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
 
     # 4. state, built abstractly, then restored from the newest checkpoint or materialised sharded
     layout = ts.make_layout(c, mesh)
-    if c.mesh.pipeline > 1:
-        sched = pipeline.build_schedule(c)
+    sched = layout.pipeline_schedule
+    if sched is not None:
         _log(f'pipeline: {sched.name}, P={sched.num_stages} stages x V={sched.virtual} chunks, '
              f'M={sched.num_micro} micro-batches, {sched.num_ticks} ticks, bubble {sched.bubble:.1%}, '
              f'at most {sched.act_slots} stashed micro-batches per stage')
@@ -195,7 +194,8 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
     done = int(state['step'])
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
                                        progress=c.train.progress, initial_step=done)
-    reporter = _Reporter(c, writer, jax.device_count(), first_row={'compile/time_s': compile_s, **memory})
+    reporter = _Reporter(c, writer, jax.device_count(), layout.pipeline_schedule,
+                         first_row={'compile/time_s': compile_s, **memory})
     preemption = preemption_lib.PreemptionWatcher(c.checkpoint)
     profiler = profile_lib.StepProfiler(c, workdir)
     pending, stop, step_metrics = None, False, None

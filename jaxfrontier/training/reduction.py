@@ -21,22 +21,12 @@ Not used when dropout is on: the masks are drawn for the whole micro-batch from 
 from __future__ import annotations
 
 import jax
-import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 
 AXIS = layout_lib.DATA
-
-
-def reduce_once(c: ml_collections.ConfigDict, rules: mesh_lib.Rules, param_shardings, training: bool = True) -> bool:
-    """`layout.reduce_once` for a config, its rules and its parameters' shardings (evaluation
-    draws no dropout masks: `training=False`)."""
-    return layout_lib.reduce_once(
-        data=c.mesh.data, dropout=training and c.model.dropout_rate > 0.0, accum_steps=c.train.accum_steps,
-        pipeline=c.mesh.pipeline, data_is_batch_axis=AXIS in mesh_lib.data_parallel_axes(rules),
-        params_over_data=any(AXIS in mesh_lib.spec_axes(s.spec) for s in jax.tree.leaves(param_shardings)))
 
 
 def data_local(fn, rules: mesh_lib.Rules):

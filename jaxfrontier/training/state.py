@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier import pipeline
 from jaxfrontier.training import loss_scale
 from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual, split_virtual_specs
 
@@ -90,9 +91,12 @@ def padded_optimizer(tx: optax.GradientTransformation, padded_shapes: Params,
 class StateLayout:
     """Everything needed to build, place and update the train state on one mesh."""
 
+    layout: layout_lib.Layout  # the parallel layout, made once from the config (layout.py)
+    shape: config_lib.ModelShape
     model_def: ModelDef
     tx: optax.GradientTransformation
-    schedule: optax.Schedule
+    lr_schedule: optax.Schedule
+    pipeline_schedule: Any  # pipeline.build_schedule's table, built once per run (None without a pipeline)
     mesh: Mesh
     rules: mesh_lib.Rules
     param_shardings: Params
@@ -107,12 +111,18 @@ def _platform(mesh) -> str | None:
     return None if devices is None else devices.flat[0].platform
 
 
-def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
-    """Builds the abstract train state and its shardings for `mesh` (no arrays allocated)."""
+def make_layout(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.Layout | None = None) -> StateLayout:
+    """Builds the abstract train state and its shardings for `mesh` (no arrays allocated).
+
+    `layout`: the run's parallel layout (`Layout.from_config(c)` when not given).
+    """
+    layout = layout or layout_lib.Layout.from_config(c)
     rules = tuple(tuple(r) for r in c.sharding.rules)
-    model_def = ModelDef.create(config_lib.model_shape(c, _platform(mesh)))
-    tx, schedule = make_optimizer(c)
-    virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
+    shape = config_lib.model_shape(c, _platform(mesh))
+    model_def = ModelDef.create(shape)
+    tx, lr_schedule = make_optimizer(c)
+    virtual = layout.virtual
+    pipeline_schedule = pipeline.build_schedule(layout) if layout.pipeline > 1 else None
     abstract_params = split_virtual(model_def.abstract_params(), virtual)
     param_shardings = mesh_lib.tree_shardings(split_virtual_specs(model_def.logical_specs(), virtual), mesh, rules)
     if c.sharding.zero1:
@@ -144,17 +154,14 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
     if loss_scale.enabled(c):  # float16: the dynamic loss scale travels with the state (and checkpoints)
         abstract_state['loss_scale'] = loss_scale.abstract_state()
         state_shardings['loss_scale'] = jax.tree.map(lambda _: replicated, abstract_state['loss_scale'])
-    return StateLayout(model_def, tx, schedule, mesh, rules, param_shardings, update_shardings,
+    return StateLayout(layout, shape, model_def, tx, lr_schedule, pipeline_schedule, mesh, rules, param_shardings, update_shardings,
                        state_shardings, abstract_state)
 
 
 def init_train_state(c: ml_collections.ConfigDict, layout: StateLayout) -> dict[str, Any]:
     """Materialises the train state directly in its shardings with one jitted init."""
-    shape = config_lib.model_shape(c)
-    virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
-
     def init(key):
-        params = split_virtual(init_params(shape, key), virtual)
+        params = split_virtual(init_params(layout.shape, key), layout.layout.virtual)
         state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': layout.tx.init(params)}
         if loss_scale.enabled(c):
             state['loss_scale'] = loss_scale.init_state(c)

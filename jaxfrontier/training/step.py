@@ -41,11 +41,15 @@ def split_micro_batches(tokens_gt: jax.Array, accum_steps: int, dp_size: int) ->
     return mesh_lib.constrain(x.reshape(accum_steps, dp_size * mb, t), (None, 'batch', None))
 
 
-def _dropout_key(c: ml_collections.ConfigDict, step: jax.Array, micro: jax.Array) -> jax.Array | None:
-    """Dropout randomness is a function of (seed, step, micro-batch): no RNG in the state."""
-    if c.model.dropout_rate == 0.0:
-        return None
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), micro)
+def dropout_keys(c: ml_collections.ConfigDict):
+    """`key(step, micro)`: dropout randomness as a function of (seed, step, micro-batch), so the
+    state holds no RNG and every layout draws the same masks; None without dropout."""
+    seed, on = c.seed, c.model.dropout_rate > 0.0
+
+    def key(step: jax.Array, micro: jax.Array) -> jax.Array | None:
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), micro) if on else None
+
+    return key
 
 
 def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs):
@@ -53,7 +57,7 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs
 
     The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
     """
-    accum, model_def = c.train.accum_steps, layout.model_def
+    accum, model_def, dropout_key = layout.layout.accum_steps, layout.model_def, dropout_keys(c)
 
     def micro_loss(params, tokens_bt, key):
         return model_def.bind(params).loss(tokens_bt[:, :-1], tokens_bt[:, 1:], key)
@@ -71,12 +75,12 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs
 
     def accumulate(params, micro_abt, step, scale=None):
         if accum == 1:
-            return grad_fn(params, micro_abt[0], _dropout_key(c, step, 0), scale)
+            return grad_fn(params, micro_abt[0], dropout_key(step, 0), scale)
 
         def body(carry, xs):
             loss_sum, grad_sum = carry
             tokens_bt, index = xs
-            loss, grads = grad_fn(params, tokens_bt, _dropout_key(c, step, index), scale)
+            loss, grads = grad_fn(params, tokens_bt, dropout_key(step, index), scale)
             return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), None
 
         zeros = constrain(jax.tree.map(jnp.zeros_like, params))
@@ -92,13 +96,14 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
 
     The loss is the mean over all tokens of the global batch; gradients are averaged over the
     micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
-    Where reduction.reduce_once holds, each data-parallel replica accumulates its own rows'
+    Where `Layout.reduce_once` holds, each data-parallel replica accumulates its own rows'
     gradients and they cross the `data` axis once per step (jaxfrontier/training/reduction.py).
     """
-    accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
-    once = reduction.reduce_once(c, layout.rules, layout.param_shardings)
-    if c.mesh.pipeline > 1:  # reduced once: the pipeline's own map is manual over `data` too
-        micro_fn = pipeline.make_pipeline_grads(c, layout.model_def, _dropout_key, layout.rules if once else None)
+    lay = layout.layout
+    accum, dp, once = lay.accum_steps, lay.dp, lay.reduce_once
+    if lay.pipeline > 1:  # reduced once: the pipeline's own map is manual over `data` too
+        micro_fn = pipeline.make_pipeline_grads(lay, layout.shape, layout.model_def, layout.pipeline_schedule,
+                                                dropout_keys(c), layout.rules if once else None)
     else:
         # Per micro-batch reduction: gradients meet the optimizer layout (ZeRO-1: a reduce-scatter)
         # in every step. Reduced once: they stay where the parameters are until the end.
@@ -117,7 +122,7 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
 
 def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """Returns the pure `train_step(state, tokens) -> (state, metrics)` for this layout."""
-    tx, schedule = layout.tx, layout.schedule
+    tx, lr_schedule = layout.tx, layout.lr_schedule
     loss_and_grads = make_loss_and_grads(c, layout)
 
     def train_step(state: State, tokens_gt: jax.Array) -> tuple[State, dict[str, jax.Array]]:
@@ -134,7 +139,7 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
             (new_state['params'], new_state['opt_state']), new_state['loss_scale'], extra = loss_scale.finish_step(
                 c, scale_state, grads, (new_params, opt_state), (params, state['opt_state']))
         metrics = {'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads),
-                   'train/param_norm': optax.tree.norm(new_state['params']), 'train/lr': schedule(state['step']),
+                   'train/param_norm': optax.tree.norm(new_state['params']), 'train/lr': lr_schedule(state['step']),
                    **extra}
         return new_state, metrics
 
@@ -143,10 +148,13 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
 
 def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
-    accum, dp = c.train.accum_steps, config_lib.data_parallel_size(c)
-    if c.mesh.pipeline > 1:  # a forward-only wave through the stages (pipeline.make_pipeline_eval)
-        local = reduction.reduce_once(c, layout.rules, layout.param_shardings, training=False)
-        return pipeline.make_pipeline_eval(c, layout.model_def, split_micro_batches, layout.rules if local else None)
+    del c  # evaluation needs only the layout
+    lay = layout.layout
+    accum, dp = lay.accum_steps, lay.dp
+    if lay.pipeline > 1:  # a forward-only wave through the stages (pipeline.make_pipeline_eval)
+        local = lay.reduces_once(training=False)
+        return pipeline.make_pipeline_eval(lay, layout.shape, layout.model_def, split_micro_batches,
+                                           layout.rules if local else None)
 
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)
@@ -175,9 +183,10 @@ def check_compiles(c: ml_collections.ConfigDict, layout: ts.StateLayout) -> None
     that out for training, since masks are drawn per whole micro-batch.
     """
     old_jax = tuple(int(x) for x in jax.__version__.split('.')[:2]) < (0, 11)
-    if old_jax or c.mesh.pipeline == 1 or c.mesh.data == 1 or c.mesh.fsdp == 1:
+    lay = layout.layout
+    if old_jax or lay.pipeline == 1 or lay.data == 1 or lay.fsdp == 1:
         return
-    if c.model.dropout_rate > 0 and not reduction.reduce_once(c, layout.rules, layout.param_shardings):
+    if lay.dropout and not lay.reduce_once:
         raise config_lib.ConfigError(
             'model.dropout_rate', c.model.dropout_rate,
             f'jax {jax.__version__} aborts compiling a pipeline whose data ({c.mesh.data}) and fsdp ({c.mesh.fsdp}) '

@@ -17,11 +17,11 @@ from jax.sharding import NamedSharding
 from jaxfrontier.plan import compile_check
 from jaxfrontier import config as config_lib
 from jaxfrontier.plan import flop_count
+from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.model import params as params_lib
-from jaxfrontier.training import loop
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from layout_check import LOSS_RTOL, assert_trees_close, check_against_reference, make_config, run_layout
@@ -242,7 +242,7 @@ def traced_step_flops(c):
     layout = ts.make_layout(c, mesh)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout.abstract_state)
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jax.numpy.int32)
-    weights = pipeline.build_schedule(c).flop_weights if c.mesh.pipeline > 1 else None
+    weights = pipeline.build_schedule(layout_lib.Layout.from_config(c)).flop_weights if c.mesh.pipeline > 1 else None
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return flop_count.executed_dot_flops(step_lib.make_train_step(c, layout), state, batch, branch_weights=weights)
 

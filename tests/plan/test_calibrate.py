@@ -24,6 +24,7 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
 from jaxfrontier import hardware as hw_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import calibrate as fit_lib
 from jaxfrontier.plan import measured
 from jaxfrontier.plan import planner
@@ -45,7 +46,7 @@ def _shape() -> config_lib.ModelShape:
 def _synthetic(truth: hw_lib.Hardware, prior: hw_lib.Hardware) -> list[measured.Measurement]:
     """Measurements of varied layouts whose step times are exactly `truth`'s predictions."""
     shape, out = _shape(), []
-    layouts = [planner.Layout(tensor=t, data=8 // (t * p), pipeline=p, micro_batch=mb, accum_steps=a, remat=r)
+    layouts = [layout_lib.Layout(tensor=t, data=8 // (t * p), pipeline=p, micro_batch=mb, accum_steps=a, remat=r)
                for t, p in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (1, 2))
                for mb, a, r in ((1, 4, 'full'), (4, 2, 'none'), (1, 8, 'none'))]
     for i, lay in enumerate(layouts):

@@ -33,11 +33,12 @@ from jaxfrontier.plan import compile_check
 from jaxfrontier import config as config_lib
 from jaxfrontier.plan import flop_count
 from jaxfrontier import hardware as hw_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import pipeline
 from jaxfrontier.model import blockwise
-from jaxfrontier.plan import estimate as plan_model
+from jaxfrontier.plan import estimate
 from jaxfrontier.plan import search as plan_search
 from jaxfrontier.plan import planner
 from jaxfrontier.pipeline import schedules
@@ -84,13 +85,13 @@ def test_param_table_matches_eval_shape(tied, virtual):
     logical = params_lib.split_virtual_specs(layout.model_def.logical_specs(), virtual)
     names = {jax.tree_util.keystr(p): tuple(s) for p, s in jax.tree_util.tree_flatten_with_path(
         logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
-    specs = {p.path: p for p in plan_model.param_specs(config_lib.model_shape(c), virtual)}
+    specs = {p.path: p for p in estimate.param_specs(config_lib.model_shape(c), virtual)}
     assert len(specs) == len(abstract)
     for path, leaf in abstract:
         key = '/'.join(k.key for k in path)
         assert specs[key].shape == leaf.shape, key
         assert specs[key].names == names[jax.tree_util.keystr(path)], key
-    assert plan_model.count_params(tuple(specs.values())) == sum(leaf.size for _, leaf in abstract)
+    assert estimate.count_params(tuple(specs.values())) == sum(leaf.size for _, leaf in abstract)
 
 
 def test_paper_model_sizes():
@@ -102,8 +103,8 @@ def test_paper_model_sizes():
 
 def test_flops_match_closed_forms_and_megatron():
     shape = config_lib.model_shape(paper_config('175b'))
-    layout = planner.Layout(pipeline=1, data=8, tensor=1, micro_batch=1, accum_steps=4, remat='full')
-    fl = plan_model.flops(shape, layout)
+    layout = layout_lib.Layout(pipeline=1, data=8, tensor=1, micro_batch=1, accum_steps=4, remat='full')
+    fl = estimate.flops(shape, layout)
     b, s, l, h, v = layout.global_batch, shape.seq_len, shape.num_layers, shape.d_model, shape.vocab_size
     # Integers are exact; the planner's floats round at 1e-16.
     assert fl.model == pytest.approx(72 * b * s * l * h * h + 12 * b * s * s * l * h + 6 * b * s * h * v, rel=1e-15)
@@ -111,7 +112,7 @@ def test_flops_match_closed_forms_and_megatron():
     kw = dict(global_batch=b, seq_len=s, num_layers=l, d_model=h, vocab_size=v)
     assert fl.model == pytest.approx(flops_lib.model_flops_per_step(**kw) + 1.5 * b * s * h * v, rel=1e-15)
     assert fl.megatron_hw == flops_lib.megatron_flops_per_step(**kw, recompute=True)
-    recompute = plan_model.forward_flops(shape)[0] - 2 * s * h * shape.mlp_dim  # all but the MLP output matmul
+    recompute = estimate.forward_flops(shape)[0] - 2 * s * h * shape.mlp_dim  # all but the MLP output matmul
     assert fl.hardware - fl.model == pytest.approx(b * l * recompute, rel=1e-15)
 
 
@@ -123,13 +124,13 @@ def test_hardware_flops_match_traced_train_step(remat, pipe):
     layout = ts.make_layout(c, mesh)
     weights = None
     if pipe > 1:
-        weights = pipeline.build_schedule(c).flop_weights
+        weights = pipeline.build_schedule(layout_lib.Layout.from_config(c)).flop_weights
     loss_and_grads = step_lib.make_loss_and_grads(c, layout)
     tokens = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
     with jax.sharding.use_abstract_mesh(mesh):
         traced = flop_count.executed_dot_flops(lambda p, t: loss_and_grads(p, t, 0), layout.abstract_state['params'],
                                                tokens, branch_weights=weights)
-    planned = plan_model.flops(config_lib.model_shape(c), planner.Layout.from_config(c)).hardware
+    planned = estimate.flops(config_lib.model_shape(c), layout_lib.Layout.from_config(c)).hardware
     assert traced == pytest.approx(planned, rel=1e-12)  # branch weights are fractions
 
 
@@ -143,22 +144,22 @@ def test_blockwise_visits_the_causal_blocks(seq, bq, bkv):
 
 def test_blockwise_flops_are_the_causal_half():
     shape = config_lib.model_shape(paper_config('175b'))
-    layout = planner.Layout(pipeline=1, data=8, tensor=1, micro_batch=1, accum_steps=4, remat='none')
-    full, block = plan_model.flops(shape, layout, 'xla'), plan_model.flops(shape, layout, 'blockwise')
+    layout = layout_lib.Layout(pipeline=1, data=8, tensor=1, micro_batch=1, accum_steps=4, remat='none')
+    full, block = estimate.flops(shape, layout, 'xla'), estimate.flops(shape, layout, 'blockwise')
     assert block.model == full.model  # MFU's convention counts every score
-    share = plan_model.blockwise_attention_share(shape)
+    share = estimate.blockwise_attention_share(shape)
     assert share == pytest.approx(0.5 + 0.5 * 64 / 2048)  # 32 blocks: 528 of 1024 pairs
     attention = 2 * 2 * shape.seq_len**2 * shape.d_model * layout.global_batch * shape.num_layers
     assert full.hardware - block.hardware == pytest.approx((3 - 3.5 * share) * attention, rel=1e-12)
 
 
 def test_blockwise_working_set_is_linear_in_the_sequence():
-    layout = planner.Layout(pipeline=1, data=1, tensor=1, micro_batch=1, accum_steps=1, remat='none')
+    layout = layout_lib.Layout(pipeline=1, data=1, tensor=1, micro_batch=1, accum_steps=1, remat='none')
     sizes = {}
     for attention in ('xla', 'blockwise'):
         for seq in (2048, 8192):
             shape = config_lib.model_shape(make_config(seq=seq, attention=attention))
-            sizes[attention, seq] = plan_model.backward_working_bytes(shape, layout, attention)
+            sizes[attention, seq] = estimate.backward_working_bytes(shape, layout, attention)
     assert sizes['xla', 8192] / sizes['xla', 2048] > 12  # s^2 buffers
     assert 3.5 < sizes['blockwise', 8192] / sizes['blockwise', 2048] <= 4  # per token, plus one block pair
 
@@ -172,8 +173,8 @@ def test_residuals_match_saved_residuals():
         tokens = jax.ShapeDtypeStruct((3, 20), jnp.int32)
         saved = saved_residuals(lambda p, t: model_def.bind(p).loss(t, t), model_def.abstract_params(), tokens)
         expected = sum(a.size * a.dtype.itemsize for a, why in saved if not why.startswith('from the argument'))
-        layout = planner.Layout.from_config(c)
-        per_layer, head = plan_model.layer_bytes(shape, layout, remat)
+        layout = layout_lib.Layout.from_config(c)
+        per_layer, head = estimate.layer_bytes(shape, layout, remat)
         assert per_layer * 3 + head == expected, (remat, dtype)
 
 
@@ -183,7 +184,7 @@ def test_pipeline_slots_match_schedules():
             for v in ((2, 3) if name == 'interleaved' else (1,)):
                 for m in ((p, 2 * p, 5 * p) if name == 'interleaved' else (p, p + 1, 2 * p + 1, 5 * p)):
                     built = schedules.build(name, p, m, v)
-                    slots = plan_model.pipeline_slots(name, p, m, v)
+                    slots = estimate.pipeline_slots(name, p, m, v)
                     assert (slots.act_slots, slots.grad_slots, slots.ticks) == (
                         built.act_slots, built.grad_slots, built.num_ticks), (name, p, m, v)
                     assert slots.bubble == pytest.approx(built.bubble)
