@@ -325,6 +325,16 @@ def _divides(divisor_field: str, divisor: int, field: str, value: int, what: str
              f'{divisor}', f'choose {field} as a multiple of {divisor}, or change {divisor_field}')
 
 
+def check_device_count(c: ml_collections.ConfigDict, n_devices: int) -> None:
+    """The one rule `validate` cannot check before JAX starts: the mesh uses every device present."""
+    if num_devices(c) != n_devices:
+        shape = ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
+        raise ConfigError('mesh', shape, f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
+                          'run on a machine or allocation with that many devices, change config.mesh.* so the '
+                          'product equals the devices present, or get a plan without devices: '
+                          'python -m jaxfrontier.main --config=... --mode=plan')
+
+
 def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
     """Checks every rule of `c`; raises ConfigError naming the first broken one.
 
@@ -341,12 +351,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              'of simulated CPU devices')
     _require(c.train.workdir_lease_s > 0, 'train.workdir_lease_s', c.train.workdir_lease_s, 'must be > 0',
              'set the lease in seconds, e.g. 600')
-    if n_devices is not None and num_devices(c) != n_devices:
-        shape = ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
-        raise ConfigError('mesh', shape, f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
-                          'run on a machine or allocation with that many devices, change config.mesh.* so the '
-                          'product equals the devices present, or get a plan without devices: '
-                          'python -m jaxfrontier.main --config=... --mode=plan')
+    if n_devices is not None:
+        check_device_count(c, n_devices)
 
     _require(isinstance(m.scan_unroll, int) and m.scan_unroll >= 0, 'model.scan_unroll', m.scan_unroll,
              'must be an integer >= 0', 'set 0 (auto), 1 (rolled) or the layers per scan iteration')

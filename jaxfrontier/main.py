@@ -17,6 +17,7 @@ from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_F
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
 from jaxfrontier.data import dataset as data_lib  # no JAX import at module level
+from jaxfrontier.training import validation  # no JAX import: config and data checks only
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
 
@@ -65,10 +66,10 @@ def main(argv: list[str]) -> int:
 
     try:  # validate, then decide how this process joins the job, before JAX starts
         processes = distributed.ProcessSettings('none')
-        if _MODE.value in ('train', 'plan'):
+        if _MODE.value == 'plan':
             data_lib.resolve_vocab(config)  # model.vocab_size=0: from the token file header
         if _MODE.value == 'train':
-            config_lib.validate(config)
+            validation.validate_run(config)  # once; the device count is checked when JAX has started
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
         per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
         config_lib.set_cpu_device_count(per_process)
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> int:
             if processes.process_id != 0:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             from jaxfrontier.training import loop  # pylint: disable=g-import-not-at-top
-            loop.train_and_evaluate(config, _WORKDIR.value)
+            loop.train_and_evaluate(config, _WORKDIR.value, validated=True)
     except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
         return cli.exit_code(e)
     return 0

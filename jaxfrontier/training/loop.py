@@ -32,6 +32,7 @@ from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import profile as profile_lib
 from jaxfrontier.training import state as ts
+from jaxfrontier.training import validation
 from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
@@ -124,15 +125,16 @@ def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
         os.replace(path + '.tmp', path)
 
 
-def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated: bool = False) -> dict[str, float]:
     """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record.
 
-    The run holds `<workdir>/workdir.lock` from before its first write to the end
+    `validated`: `validation.validate_run(c)` already ran (main does, before JAX starts); otherwise it
+    runs here. The run holds `<workdir>/workdir.lock` from before its first write to the end
     (training/workdir_lock.py): a second run on the same workdir refuses to start.
     """
     locks: list[workdir_lock.WorkdirLock] = []
     try:
-        return _train_and_evaluate(c, workdir, locks)
+        return _train_and_evaluate(c, workdir, locks, validated)
     except Exception as e:  # pylint: disable=broad-except  (a full disk or device: one line, not tracebacks)
         if memory_check.is_out_of_memory(e):
             raise memory_check.out_of_memory_error(e) from e
@@ -145,11 +147,12 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict[str, 
             lock.release()
 
 
-def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list) -> dict[str, float]:
+def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list, validated: bool) -> dict[str, float]:
     # 1. validate everything before writing or compiling anything
-    data_lib.resolve_vocab(c)  # model.vocab_size=0: from the token file header
-    config_lib.validate(c, jax.device_count())
-    data_lib.check_data(c)
+    if validated:
+        config_lib.check_device_count(c, jax.device_count())
+    else:
+        validation.validate_run(c, jax.device_count())
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
     locks.append(workdir_lock.acquire_for_job(workdir, c.train.workdir_lease_s))
 

@@ -1,0 +1,27 @@
+"""Every check of a training run's config, once, before anything is written or compiled.
+
+Imports no JAX: `main` runs it before JAX starts (and before the process joins a
+multi-process job), so a mistake is one line at once, on every process alike.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from jaxfrontier import config as config_lib
+from jaxfrontier.data import dataset as data_lib
+
+
+def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
+    """Resolves `model.vocab_size=0` from the token file header, then checks the config and its data.
+
+    `n_devices`: the devices present, where known (None before JAX starts: then
+    `train_and_evaluate(..., validated=True)` checks only the device count,
+    `config.check_device_count`).
+
+    Raises:
+      ConfigError: naming the field, the value and the fix.
+    """
+    data_lib.resolve_vocab(c)
+    config_lib.validate(c, n_devices)
+    data_lib.check_data(c)
