@@ -162,7 +162,7 @@ def _colour(intervals: list[tuple[int, int, tuple]], p_size: int) -> tuple[dict,
 
 def build(name: str, num_stages: int, num_micro: int, virtual: int = 1) -> Schedule | Staggered:
     """Builds and checks the tables of a schedule: half-slot tables for `1f1b` (staggered,
-    pipeline/staggered.py), tick tables for the lockstep executor's (pipeline.py)."""
+    pipeline/staggered.py), tick tables for the lockstep executor's (pipeline/lockstep.py)."""
     if name == '1f1b':
         if virtual != 1:
             raise ValueError(f'schedule {name!r} has one chunk per stage; virtual stages need interleaved')

@@ -1,6 +1,6 @@
 """Staggered 1F1B: at most P stashed stage inputs per stage, no arithmetic in bubbles.
 
-The lockstep tick executor (pipeline.py) runs one forward and one backward unit per stage per
+The lockstep tick executor (pipeline/lockstep.py) runs one forward and one backward unit per stage per
 tick, so a hop between stages costs a whole tick in both directions and stage p holds
 2(P - p) - 1 micro-batches. Asynchronous 1F1B holds P - p because a forward hop costs one
 forward and a backward hop one backward. This executor reproduces that timing in SPMD
@@ -177,7 +177,7 @@ _B_KINDS = {schedules.BS_NONE: 'none', schedules.BS_FIRST: 'first', schedules.BS
 
 def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
                 schedule: schedules.Staggered, dropout_key_fn, loss_scale=None):
-    """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, grads); pipeline.py's contract."""
+    """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, grads); pipeline/__init__.py's contract."""
     p_size = schedule.num_stages
     lc = shape.num_layers // p_size
     dtype = jnp.dtype(shape.dtype)

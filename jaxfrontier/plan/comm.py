@@ -1,6 +1,6 @@
 """The planner's communication model: what each mesh axis carries per step, and for how long.
 
-Per device and optimizer step, following what XLA emits for `train.make_train_step` (the
+Per device and optimizer step, following what XLA emits for `training.step.make_train_step` (the
 comparison with the compiled HLO is in tests/plan/test_planner.py; docs/planner.md has the table):
 
   tensor    per layer and micro-batch, 2 all-reduces of the [tokens, d] activations forward

@@ -226,7 +226,7 @@ def layer_working_bytes(shape, layout, attention: str = 'xla') -> float:
 
 
 def _plain_memory(shape, layout, states: dict[str, float], attention: str) -> tuple[float, float, float, str]:
-    """(gradients, activations, temporaries, detail) of `train.make_loss_and_grads` without a pipeline.
+    """(gradients, activations, temporaries, detail) of `training.step.make_loss_and_grads` without a pipeline.
 
     Gradients: one micro-batch's (parameter layout) plus the running sum (update layout)
     when accumulating. Activations: every layer's residuals under the remat policy for one
@@ -247,7 +247,7 @@ def _pipeline_memory(shape, layout, states: dict[str, float], attention: str) ->
 
     Gradients: fp32 accumulators of the stage's blocks and of the shared (embedding, head)
     parameters, plus one unit's gradients of a chunk and of the shared parameters.
-    Activations, lockstep executor (pipeline.py): the stash carry (slots x chunk layers x
+    Activations, lockstep executor (pipeline/lockstep.py): the stash carry (slots x chunk layers x
     [tokens, d]) and the received gradient slots. Staggered 1F1B (pipeline/staggered.py): P chunk
     inputs and the message buffer, plus one chunk's `jax.vjp` residuals (the `none` policy's
     set) carried from the recomputation to the backward, and the last stage's own output

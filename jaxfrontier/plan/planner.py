@@ -13,7 +13,7 @@ description (`hardware.py`), without devices and without allocating the model:
 
 The model, its calibration against XLA's compiled memory analysis and its overlap
 assumptions are written down in docs/planner.md. `estimate.py` holds the parameter,
-memory, FLOP and compute-time formulas, `plan_comm.py` the communication, this module the
+memory, FLOP and compute-time formulas, `comm.py` the communication, this module the
 layout, the step-time model, the plan and its printout.
 """
 
