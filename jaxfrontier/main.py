@@ -17,6 +17,7 @@ from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_F
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
 from jaxfrontier.data import dataset as data_lib  # no JAX import at module level
+from jaxfrontier.plan import shrink  # no JAX import either
 from jaxfrontier.training import validation  # no JAX import: config and data checks only
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
@@ -31,8 +32,10 @@ _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safeten
                                    'with --export_format=hf a directory, default <workdir>/hf).')
 _EXPORT_ALLOW_NONFINITE = flags.DEFINE_bool('export_allow_nonfinite', False, 'mode=export: write parameters '
                                             'that hold NaN or Inf instead of refusing.')
-_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'export', 'sample', 'eval'],
+_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export', 'sample', 'eval'],
                           'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
+                          'verify: the layout shrunk to a small model on simulated CPU devices against one device: '
+                          'a certificate, exit 0 (pass) or 1 (docs/preflight.md). '
                           'export: parameters of the newest checkpoint in --workdir to --export_path. '
                           'sample: continue --prompt with the newest checkpoint. eval: loss, perplexity and bits '
                           'per byte over --eval_path or the validation split (docs/inference.md).')
@@ -57,6 +60,9 @@ _PLAN_CHECK = flags.DEFINE_enum('plan_check', 'lower', ['none', 'lower', 'compil
                                 'mode=plan: lower the train step on an AbstractMesh (lower), and also compile an '
                                 'fp32 copy on <= 2048 simulated CPU devices (compile).')
 _PLAN_JSON = flags.DEFINE_string('plan_json', '', 'mode=plan: also write the plan (or search) as JSON here.')
+_VERIFY_MAX_DEVICES = flags.DEFINE_integer('verify_max_devices', 2048, 'mode=verify: simulated CPU devices at most; '
+                                           'a larger mesh is checked with a smaller data extent (said so).')
+_VERIFY_JSON = flags.DEFINE_string('verify_json', '', 'mode=verify: also write the certificate as JSON here.')
 
 
 def main(argv: list[str]) -> int:
@@ -71,8 +77,16 @@ def main(argv: list[str]) -> int:
         if _MODE.value == 'train':
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
-        per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
-        config_lib.set_cpu_device_count(per_process)
+        if _MODE.value == 'verify':  # the shrunk mesh on simulated CPU devices, whatever this machine has
+            data_lib.resolve_vocab(config)
+            verify_devices = shrink.device_count(config, _VERIFY_MAX_DEVICES.value)
+            os.environ['JAX_PLATFORMS'] = 'cpu'
+            os.environ['XLA_FLAGS'] = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
+                                               if 'xla_force_host_platform_device_count' not in f)
+            config_lib.set_cpu_device_count(verify_devices)
+        else:
+            per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
+            config_lib.set_cpu_device_count(per_process)
     except (config_lib.UserError, distributed.DistributedError) as e:
         return cli.exit_code(e)
     logging.set_verbosity(logging.INFO)
@@ -86,6 +100,14 @@ def main(argv: list[str]) -> int:
             print(plan_report.report(config, hardware=_HARDWARE.value, search=_SEARCH.value,
                                      search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
                                      json_path=_PLAN_JSON.value))
+        elif _MODE.value == 'verify':
+            from jaxfrontier.plan import verify  # pylint: disable=g-import-not-at-top
+            text, passed = verify.report(_config_name(), config, _VERIFY_MAX_DEVICES.value)
+            if _VERIFY_JSON.value:
+                with open(_VERIFY_JSON.value, 'w') as f:
+                    f.write(text.rsplit('\n', 1)[0] + '\n')
+            print(text)
+            return 0 if passed else 1
         elif _MODE.value in ('sample', 'eval') or (_MODE.value == 'export' and _EXPORT_FORMAT.value == 'hf'):
             print(_run_inference(config))
         elif _MODE.value == 'export':
@@ -103,6 +125,11 @@ def main(argv: list[str]) -> int:
     except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
         return cli.exit_code(e)
     return 0
+
+
+def _config_name() -> str:
+    """The --config the user named (its file and argument), for the certificate."""
+    return config_flags.get_config_filename(flags.FLAGS['config']) or _DEFAULT_CONFIG
 
 
 def _run_inference(config) -> str:

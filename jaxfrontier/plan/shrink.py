@@ -1,0 +1,136 @@
+"""The smallest model that keeps a config's parallel and numeric choices (`--mode=verify`).
+
+`shrink(c)` keeps the mesh (tensor, pipeline, fsdp, data), the schedule and its virtual
+stages, ZeRO-1, remat, attention kernel, dtype, dropout, tied embeddings, token split and
+the sharding rules, and shrinks what only sets the size: layers to one per pipeline chunk
+(two without a pipeline), heads to what the tensor axis splits, a small width and
+vocabulary the layout still divides, a short sequence, a few micro-batches. Where the mesh
+needs more devices than this machine can simulate, only the `data` extent shrinks (the
+data-parallel reduction is the same collective at any size above 1). Everything shrunk is
+recorded, so the certificate says what was and was not checked.
+
+No JAX import: `main` reads the device count of the shrunk mesh before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+
+from jaxfrontier import config as config_lib
+
+MAX_DEVICES = 2048  # simulated CPU devices a program still compiles with (the brief's machine limit)
+SEQ_LEN = 32
+HEAD_DIM = 8
+VOCAB = 251  # a prime, so the padded vocabulary always pads
+STEPS = 3
+# Optimizer settings of the check (docs/preflight.md): Adam with eps 1e-6 keeps rounding noise of a
+# vanishing gradient from becoming O(lr) updates; no warm-up, so the first update is not zero.
+CHECK_OPTIM = dict(lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-6)
+
+KEPT = ('mesh.pipeline', 'mesh.fsdp', 'mesh.tensor', 'pipeline.schedule', 'pipeline.virtual_stages',
+        'pipeline.shard_activations', 'sharding.zero1', 'sharding.rules', 'model.remat', 'model.attention',
+        'model.dtype', 'model.dropout_rate', 'model.tied_embeddings', 'model.mlp_ratio', 'model.scan_unroll',
+        'train.micro_batch', 'optim.clip_norm', 'optim.weight_decay')
+
+
+@dataclasses.dataclass(frozen=True)
+class Shrunk:
+    """The config to check, and what was kept and shrunk ({field: (old, new)})."""
+
+    config: ml_collections.ConfigDict
+    kept: dict[str, Any]
+    shrunk: dict[str, tuple[Any, Any]]
+
+    @property
+    def num_devices(self) -> int:
+        return config_lib.num_devices(self.config)
+
+
+def _get(c: ml_collections.ConfigDict, field: str) -> Any:
+    section, key = field.split('.')
+    value = c[section][key]
+    return [list(r) for r in value] if field == 'sharding.rules' else value
+
+
+def _divisors_down(n: int):
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shrunk:
+    """The small config to verify for `c` (validated; see the module docstring).
+
+    Raises:
+      ConfigError: `c` itself is invalid, or its mesh needs more than `max_devices` devices
+        even with `data` 1.
+    """
+    config_lib.validate(c)
+    s = ml_collections.ConfigDict(c.to_dict())
+    m, mesh = s.model, s.mesh
+    changes: dict[str, tuple[Any, Any]] = {}
+
+    def put(field: str, value: Any) -> None:
+        section, key = field.split('.')
+        old = s[section][key]
+        if old != value:
+            changes[field] = (old, value)
+            s[section][key] = value
+
+    others = mesh.pipeline * mesh.fsdp * mesh.tensor
+    if others > max_devices:
+        raise config_lib.ConfigError(
+            'mesh', config_lib.mesh_shape(c), f'pipeline x fsdp x tensor = {others} devices even with data 1, more '
+            f'than the {max_devices} this machine simulates', 'verify on a larger machine, or a smaller layout')
+    put('mesh.data', next(d for d in _divisors_down(mesh.data) if d * others <= max_devices))
+    put('mesh.cpu_devices', config_lib.num_devices(s))
+
+    chunks = mesh.pipeline * (s.pipeline.virtual_stages if mesh.pipeline > 1 else 1)
+    put('model.num_layers', chunks if mesh.pipeline > 1 else 2)
+    heads = 2 * mesh.tensor  # two heads per tensor shard: a swapped head order shows
+    head_dim = next(k for k in range(HEAD_DIM, HEAD_DIM * mesh.fsdp * 8 + 1) if (heads * k) % mesh.fsdp == 0)
+    put('model.num_heads', heads)
+    put('model.d_model', heads * head_dim)
+    put('model.vocab_size', VOCAB)
+    put('model.seq_len', SEQ_LEN)
+    if m.attention == 'cudnn':  # NVIDIA only; XLA's kernel computes the same attention on the CPU
+        put('model.attention', 'xla')
+    put('model.attention_block_q', min(m.attention_block_q, SEQ_LEN // 2))
+    put('model.attention_block_kv', min(m.attention_block_kv, SEQ_LEN // 2))
+    # Enough micro-batches to fill the pipeline twice; the schedule's shape is the same beyond.
+    accum = s.train.accum_steps
+    put('train.accum_steps', min(accum, max(2, 2 * chunks)) if accum > 1 else 1)
+    put('train.global_batch', s.train.micro_batch * s.train.accum_steps * mesh.data * mesh.fsdp)
+    put('train.steps', STEPS)
+    for key, value in CHECK_OPTIM.items():
+        put(f'optim.{key}', value)
+    put('data.kind', 'synthetic')
+    config_lib.validate(s, config_lib.num_devices(s))
+    kept = {field: _get(c, field) for field in KEPT}
+    kept['mesh'] = config_lib.mesh_shape(s)
+    return Shrunk(s, kept, changes)
+
+
+def reference_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`c` on one device: the same model, batch, micro-batches and numerics, no parallelism."""
+    r = ml_collections.ConfigDict(c.to_dict())
+    r.mesh.update(pipeline=1, data=1, fsdp=1, tensor=1, cpu_devices=0)
+    r.train.micro_batch = r.train.global_batch // r.train.accum_steps
+    r.sharding.zero1 = False
+    r.pipeline.virtual_stages = 1
+    config_lib.validate(r, 1)
+    return r
+
+
+def describe(shrunk: Shrunk) -> str:
+    """`data 6 -> 1, num_layers 128 -> 64, ...` (model/mesh/train fields; the check's optimizer omitted)."""
+    parts = [f'{field.split(".")[1]} {old} -> {new}' for field, (old, new) in shrunk.shrunk.items()
+             if field.split('.')[0] in ('mesh', 'model', 'train') and field != 'mesh.cpu_devices']
+    return ', '.join(parts) or 'nothing'
+
+
+def device_count(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> int:
+    """Simulated devices `--mode=verify` needs for `c` (main sets them before JAX starts)."""
+    return math.prod(config_lib.mesh_shape(shrink(c, max_devices).config).values())

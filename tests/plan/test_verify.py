@@ -1,0 +1,110 @@
+"""`--mode=verify`: the shrunk layout against one device (jaxfrontier/plan/shrink.py, verify.py).
+
+The shrink is checked without devices on the paper's configs; the certificate runs in this
+process on the 8 simulated devices (slow tier), passing for right layouts and failing, with
+the quantity named, when the test breaks the data-parallel reduction.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxfrontier import config as config_lib
+from jaxfrontier.plan import shrink as shrink_lib
+from jaxfrontier.plan import verify
+from jaxfrontier.training import reduction
+
+import processes
+
+sys.path.insert(0, os.path.join(processes.REPO, 'configs'))  # paper.py, which the paper configs import
+
+
+def _paper(name):
+    """configs/<name>.py's config (22b.py is not an importable module name)."""
+    spec = importlib.util.spec_from_file_location(f'config_{name}', os.path.join(processes.REPO, 'configs', f'{name}.py'))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+@pytest.mark.parametrize('name, devices, data, layers, accum', [
+    ('22b', 32, 1, 8, 16),  # TP 4 x PP 8: nothing but the size shrinks
+    ('175b', 128, 2, 16, 32),
+    ('1t', 1536, 3, 64, 128),  # TP 8 x PP 64 x DP 6 = 3,072 devices: data 6 -> 3 to fit 2,048
+])
+def test_shrink_keeps_the_layout_of_the_paper_configs(name, devices, data, layers, accum):
+    c = _paper(name)
+    s = shrink_lib.shrink(c)
+    assert s.num_devices == devices and s.config.mesh.data == data
+    assert (s.config.model.num_layers, s.config.train.accum_steps) == (layers, accum)
+    for field in ('mesh.tensor', 'mesh.pipeline', 'pipeline.schedule', 'sharding.zero1', 'model.remat',
+                  'model.dtype', 'model.attention', 'model.tied_embeddings'):
+        section, key = field.split('.')
+        assert s.config[section][key] == c[section][key], field
+        assert field in s.kept
+    assert ('mesh.data' in s.shrunk) == (c.mesh.data != data)
+    assert s.shrunk['model.num_layers'] == (c.model.num_layers, layers)
+    assert s.config.model.num_heads % c.mesh.tensor == 0
+    config_lib.validate(shrink_lib.reference_config(s.config), 1)
+    assert 'data 6 -> 3' in shrink_lib.describe(s) if name == '1t' else 'data' not in shrink_lib.describe(s)
+
+
+def test_shrink_refuses_a_mesh_too_large_even_with_data_1():
+    c = _paper('1t')
+    with pytest.raises(config_lib.ConfigError, match='even with data 1'):
+        shrink_lib.shrink(c, max_devices=256)
+
+
+def test_verify_cli_rejects_a_bad_config_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--mode=verify', '--config.model.num_heads=5',
+                           f'--workdir={tmp_path}'], cwd=processes.REPO, env=processes.subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith('error: config.model.d_model')
+
+
+def _small(**mesh):
+    c = config_lib.base_config()
+    c.model.update(num_layers=2, d_model=64, num_heads=8, seq_len=32, vocab_size=256, dtype='float32', remat='full')
+    c.mesh.update(**mesh)
+    dp = c.mesh.data * c.mesh.fsdp
+    c.train.update(micro_batch=2, accum_steps=2, global_batch=4 * dp)
+    c.data.kind = 'synthetic'
+    return c
+
+
+@pytest.mark.slow
+def test_certificate_passes_for_data_fsdp_tensor_zero1():
+    c = _small(data=2, fsdp=2, tensor=2)
+    c.sharding.zero1 = True
+    cert = verify.certificate('small', c, max_devices=8)
+    assert cert['passed'], verify.summary(cert)
+    assert cert['devices'] == 8 and cert['kept']['sharding.zero1']
+    line = verify.summary(cert)
+    assert line.startswith('verify: PASS small: data 2 x fsdp 2 x tensor 2') and 'ZeRO-1' in line
+
+
+@pytest.mark.slow
+def test_certificate_fails_naming_the_gradients_when_the_reduction_is_doubled(monkeypatch):
+    """A data-parallel reduction that sums instead of averaging (injected here, not in the product)."""
+    monkeypatch.setattr(reduction.jax.lax, 'pmean', lambda x, axis: jax.lax.psum(x, axis))
+    cert = verify.certificate('broken', _small(data=4, tensor=2), max_devices=8)
+    assert not cert['passed']
+    q = cert['quantities']
+    assert not q['loss']['passed'] and not q['grads']['passed'], verify.summary(cert)
+    assert q['grads']['worst_relative_difference'] > 0.5
+    assert 'FAIL' in verify.summary(cert).split(':')[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('schedule, virtual', [('1f1b', 1), ('interleaved', 2)])
+def test_certificate_passes_for_pipeline_schedules(schedule, virtual):
+    c = _small(pipeline=2, data=2, tensor=2)
+    c.pipeline.update(schedule=schedule, virtual_stages=virtual)
+    cert = verify.certificate(schedule, c, max_devices=8)
+    assert cert['passed'], verify.summary(cert)
+    assert cert['shrunk']['model.num_layers'][1] == 2 * virtual
