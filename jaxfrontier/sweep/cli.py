@@ -77,7 +77,7 @@ def select(study: sweep_run.Study, points: list[dict[str, Any]], devices: int, s
                 break
             runs += 1
         items.append(item)
-    if not any(isinstance(i, sweep_trials.Trial) or i['status'] == 'skipped_plan' for i in items):
+    if not any(isinstance(i, sweep_trials.Trial) or i['status'] in ('skipped_plan', 'skipped_verify') for i in items):
         reasons = sorted({i['error'] for i in items})
         raise config_lib.UserError(
             f'no point of the search space has a valid layout on {devices} devices ({len(items)} tried, nothing '

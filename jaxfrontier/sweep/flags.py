@@ -41,6 +41,9 @@ DEVICES_PER_TASK = flags.DEFINE_integer('devices_per_task', 1, 'slurm: devices p
                                         'CPU devices, how many each process creates).')
 TIMEOUT = flags.DEFINE_float('trial_timeout', 1800.0, 'Seconds before a trial is stopped and recorded as timeout.')
 RETRY = flags.DEFINE_bool('retry_failed', False, 'Rerun trials recorded as oom, crashed or timeout.')
+VERIFY = flags.DEFINE_bool('verify', False, 'Before trials run, check each distinct layout against one device '
+                           '(python -m jaxfrontier.main --mode=verify, on this machine\'s CPU); trials of a failing '
+                           'layout are recorded as skipped_verify (docs/preflight.md).')
 PYTHON = flags.DEFINE_string('python', '', 'Command that runs Python for trials (default: this interpreter), '
                              'e.g. a virtualenv on the compute nodes or a profiler wrapper.')
 
@@ -81,10 +84,15 @@ def make_study(config_spec: str, user_args: tuple[str, ...], max_devices: int) -
         from jaxfrontier.sweep import plan as sweep_plan  # pylint: disable=g-import-not-at-top
         predict = sweep_plan.predictor(HARDWARE.value, cpu)
     os.makedirs(WORKDIR.value, exist_ok=True)
+    check = None
+    if VERIFY.value:
+        from jaxfrontier.sweep import verify as sweep_verify  # pylint: disable=g-import-not-at-top
+        check = sweep_verify.verifier(python, sweep_run.trial_env(dict(os.environ), True), WORKDIR.value, config_spec,
+                                      TIMEOUT.value, log)
     return sweep_run.Study(workdir=WORKDIR.value, config_spec=config_spec, base=base, user_args=user_args,
                            warmup=WARMUP.value, steps=STEPS.value, launcher=launcher, trial_env=trial_env,
                            timeout_s=TIMEOUT.value, predict=predict, retry_failed=RETRY.value,
-                           launch_fixed=launch_fixed, log=log)
+                           launch_fixed=launch_fixed, log=log, verify=check)
 
 
 def describe_run(argv: list[str], module: str, devices: str) -> str:

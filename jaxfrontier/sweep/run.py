@@ -3,8 +3,9 @@
 `Study` holds what every trial of one sweep or scaling study shares: the base config and the
 `--config.*` overrides the user gave, the measurement (warm-up and measured steps), the
 launcher and the results file. `Study.prepare(point, devices)` gives a runnable `Trial`, or
-the record of a point that is `invalid` (a config rule) or `skipped_plan` (predicted not to
-fit); `Study.run(items)` runs the trials not yet finished, as many at once as the launcher
+the record of a point that is `invalid` (a config rule), `skipped_plan` (predicted not to
+fit) or `skipped_verify` (`--verify`: its layout does not compute what one device computes,
+sweep/verify.py); `Study.run(items)` runs the trials not yet finished, as many at once as the launcher
 allows, appending each record as its trial ends.
 """
 
@@ -47,6 +48,7 @@ class Study:
     retry_failed: bool = False
     launch_fixed: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. devices per process
     log: Callable[[str], None] = print
+    verify: Callable[[Trial, ml_collections.ConfigDict], dict[str, Any]] | None = None  # sweep/verify.py
 
     def __post_init__(self):
         os.makedirs(os.path.join(self.workdir, 'trials'), exist_ok=True)
@@ -93,6 +95,11 @@ class Study:
                 return sweep_trials.base_record(
                     trial, 'skipped_plan', error=f'the planner predicts {trial.plan["memory_gib"]:.2f} GiB per device '
                     f'on {trial.plan["hardware"]}, {trial.plan["usable_gib"]:.2f} GiB usable (--noplan_filter runs it)')
+        if self.verify is not None and self.finished(trial) is None:
+            checked = self.verify(trial, c)
+            if not checked['passed']:
+                return sweep_trials.base_record(trial, 'skipped_verify', error=checked['line'],
+                                                certificate=checked['certificate'])
         return trial
 
     def finished(self, item: Trial | dict[str, Any]) -> dict[str, Any] | None:

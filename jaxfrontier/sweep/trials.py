@@ -15,6 +15,7 @@ parent reads the trial's `metrics.jsonl` and log afterwards:
 
 Failure categories (`status`): `invalid` (the layout breaks a config rule: found before
 launching, or the trial exited 2), `skipped_plan` (the planner predicts it does not fit),
+`skipped_verify` (`--verify`: its layout does not compute what one device computes),
 `oom` (the log reports an allocation failure), `timeout`, `crashed` (any other non-zero exit
 or signal, or no measured steps), with the last lines of the log as the error.
 
@@ -39,7 +40,7 @@ import subprocess
 import time
 from typing import Any, Sequence
 
-STATUSES = ('ok', 'invalid', 'skipped_plan', 'oom', 'crashed', 'timeout')
+STATUSES = ('ok', 'invalid', 'skipped_plan', 'skipped_verify', 'oom', 'crashed', 'timeout')
 FAILED = ('oom', 'crashed', 'timeout')
 RAN = ('ok',) + FAILED  # statuses of trials whose process ran
 EXTRA_STEPS = 2  # after the measured ones: the final evaluation falls there

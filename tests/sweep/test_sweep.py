@@ -342,3 +342,48 @@ def test_sweep_sbatch_runs_trials_as_concurrent_steps_of_one_allocation(slurm, t
         assert log.startswith('$ srun --job-name=trial-') and '--ntasks=1' in log.splitlines()[0]
         assert 'of 8 global' in log and 'step creation temporarily disabled' not in log
     assert (workdir / 'report.md').exists()
+
+
+def test_study_with_verify_skips_trials_of_a_failing_layout_and_checks_each_layout_once(tmp_path):
+    """--verify: a layout whose check fails is recorded skipped_verify with the certificate's line."""
+    from jaxfrontier.sweep import launch as sweep_launch
+    from jaxfrontier.sweep import run as sweep_run
+    checked = []
+
+    def check(trial, c):
+        checked.append(c.mesh.tensor)
+        passed = c.mesh.tensor == 2
+        return {'passed': passed, 'line': f'verify: {"PASS" if passed else "FAIL"} tensor {c.mesh.tensor}',
+                'certificate': None}
+
+    study = sweep_run.Study(workdir=str(tmp_path), config_spec='configs/tiny.py', base=tiny_base(), user_args=(),
+                            warmup=1, steps=1, launcher=sweep_launch.LocalLauncher([sys.executable]), trial_env={},
+                            verify=check)
+    good, bad = study.prepare({'tensor': 2}, 8, ['tensor']), study.prepare({'tensor': 4}, 8, ['tensor'])
+    assert isinstance(good, sweep_trials.Trial), good
+    assert bad['status'] == 'skipped_verify' and bad['error'] == 'verify: FAIL tensor 4'
+    assert checked == [2, 4]
+    assert 'skipped_verify' in sweep_trials.STATUSES
+
+
+@pytest.mark.slow
+def test_verifier_runs_main_verify_once_per_shrunk_layout(tmp_path):
+    """The real check (python -m jaxfrontier.main --mode=verify) of a trial; an equal shrunk config reuses it."""
+    from jaxfrontier.sweep import launch as sweep_launch
+    from jaxfrontier.sweep import run as sweep_run
+    from jaxfrontier.sweep import verify as sweep_verify
+    logged = []
+    check = sweep_verify.verifier([sys.executable], subprocess_env(), str(tmp_path), 'configs/tiny.py', 600,
+                                  logged.append)
+    study = sweep_run.Study(workdir=str(tmp_path), config_spec='configs/tiny.py', base=tiny_base(), user_args=(),
+                            warmup=1, steps=1, launcher=sweep_launch.LocalLauncher([sys.executable]),
+                            trial_env={}, verify=check)
+    first = study.prepare({'micro_batch': 1}, 8, ['micro_batch'])
+    again = study.prepare({'micro_batch': 1}, 8, ['micro_batch'])  # the same layout: checked once
+    assert isinstance(first, sweep_trials.Trial) and isinstance(again, sweep_trials.Trial)
+    runs = [line for line in logged if 'checking' in line]
+    verdicts = [line for line in logged if 'verify: PASS' in line]
+    assert len(verdicts) == len(runs) >= 1, logged
+    certificate = sweep_verify.certificate(check(first, sweep_run.ml_collections.ConfigDict(first.config))['certificate'])
+    assert certificate['passed'] and certificate['devices'] == 8
+    assert len([line for line in logged if 'checking' in line]) == len(runs)  # the same layout: not checked again
