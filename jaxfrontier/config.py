@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import signal
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -163,6 +164,11 @@ def base_config() -> ml_collections.ConfigDict:
         profile_start=5,
         profile_steps=0,
         profile_all_processes=False,
+        # JAX's persistent compilation cache, shared by runs and sweep trials (safe with several
+        # processes): 'auto' is $JAX_COMPILATION_CACHE_DIR where set (the Frontier scripts set it),
+        # else ~/.cache/jaxfrontier/xla ($XDG_CACHE_HOME); 'off' disables it; anything else is a path.
+        compile_cache='auto',
+        compile_cache_min_s=1.0,  # programs that compile faster are not cached
     ))
 
     c.data = ml_collections.ConfigDict(dict(
@@ -233,6 +239,22 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
         kind = type(defaults[key])
         out[key] = (value.lower() in ('1', 'true', 'yes')) if kind is bool else kind(value)
     return out
+
+
+def compile_cache_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> str | None:
+    """Where `train.compile_cache` puts JAX's persistent compilation cache (None: off).
+
+    `env` is the process environment (main passes it: only entry points read it).
+    """
+    setting = c.train.compile_cache
+    if setting in ('off', '', None):
+        return None
+    if setting != 'auto':
+        return os.path.abspath(os.path.expanduser(setting))
+    if env.get('JAX_COMPILATION_CACHE_DIR'):
+        return env['JAX_COMPILATION_CACHE_DIR']
+    base = env.get('XDG_CACHE_HOME') or os.path.join(env.get('HOME') or os.path.expanduser('~'), '.cache')
+    return os.path.join(base, 'jaxfrontier', 'xla')
 
 
 def set_cpu_device_count(n: int) -> None:
@@ -391,6 +413,11 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              'set train.profile_start below train.steps')
     _require(isinstance(t.eval_every, int) and t.eval_every >= 0, 'train.eval_every', t.eval_every,
              'must be an integer >= 0', 'set train.eval_every to 0 (only at the end) or a step interval')
+    _require(isinstance(t.compile_cache, str), 'train.compile_cache', t.compile_cache, 'must be a string',
+             "set 'auto', 'off' or a directory")
+    _require(isinstance(t.compile_cache_min_s, (int, float)) and t.compile_cache_min_s >= 0,
+             'train.compile_cache_min_s', t.compile_cache_min_s, 'must be a number >= 0',
+             'set the seconds a compile must take to be cached, e.g. 1.0')
     dp = data_parallel_size(c)
     _require(t.global_batch == t.micro_batch * t.accum_steps * dp, 'train.global_batch', t.global_batch,
              f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '

@@ -77,6 +77,8 @@ def main(argv: list[str]) -> int:
         if _MODE.value == 'train':
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
+        if _MODE.value in ('train', 'verify'):
+            _use_compile_cache(config)
         if _MODE.value == 'verify':  # the shrunk mesh on simulated CPU devices, whatever this machine has
             data_lib.resolve_vocab(config)
             verify_devices = shrink.device_count(config, _VERIFY_MAX_DEVICES.value)
@@ -125,6 +127,22 @@ def main(argv: list[str]) -> int:
     except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
         return cli.exit_code(e)
     return 0
+
+
+def _use_compile_cache(config) -> None:
+    """JAX's persistent compilation cache for this process (train.compile_cache), set before JAX starts."""
+    path = config_lib.compile_cache_dir(config, os.environ)
+    if path is None:
+        os.environ.pop('JAX_COMPILATION_CACHE_DIR', None)
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise config_lib.ConfigError('train.compile_cache', config.train.compile_cache,
+                                     f'cannot create the compilation cache {path}: {e.strerror}',
+                                     "name a writable directory, or 'off'") from None
+    os.environ['JAX_COMPILATION_CACHE_DIR'] = path
+    os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', str(config.train.compile_cache_min_s))
 
 
 def _config_name() -> str:

@@ -1,0 +1,52 @@
+"""JAX's persistent compilation cache is on by default (train.compile_cache), shared and switchable off."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxfrontier import config as config_lib
+from processes import REPO, TINY, subprocess_env
+
+
+def _config(setting):
+    c = config_lib.base_config()
+    c.train.compile_cache = setting
+    return c
+
+
+def test_compile_cache_dir_follows_the_setting_and_the_environment(tmp_path):
+    home = {'HOME': str(tmp_path)}
+    assert config_lib.compile_cache_dir(_config('auto'), home) == str(tmp_path / '.cache' / 'jaxfrontier' / 'xla')
+    assert config_lib.compile_cache_dir(_config('auto'), dict(home, XDG_CACHE_HOME='/x')) == '/x/jaxfrontier/xla'
+    # The Frontier scripts export JAX_COMPILATION_CACHE_DIR (Lustre): 'auto' keeps it.
+    assert config_lib.compile_cache_dir(_config('auto'), dict(home, JAX_COMPILATION_CACHE_DIR='/lustre/c')) == '/lustre/c'
+    assert config_lib.compile_cache_dir(_config('off'), dict(home, JAX_COMPILATION_CACHE_DIR='/lustre/c')) is None
+    assert config_lib.compile_cache_dir(_config('~/cc'), home) == os.path.expanduser('~/cc')
+
+
+def test_a_bad_compile_cache_setting_is_one_line():
+    c = _config('auto')
+    c.train.compile_cache_min_s = -1
+    with pytest.raises(config_lib.ConfigError, match='train.compile_cache_min_s'):
+        config_lib.validate(c)
+
+
+def _train(tmp_path, *overrides):
+    env = subprocess_env(HOME=str(tmp_path / 'home'))
+    env.pop('JAX_COMPILATION_CACHE_DIR')
+    env.pop('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS')
+    cmd = [sys.executable, '-m', 'jaxfrontier.main', *TINY, '--config.train.steps=2', '--config.checkpoint.enabled=False',
+           f'--workdir={tmp_path / "wd"}', *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_training_fills_the_default_cache_and_off_writes_none(tmp_path):
+    cache = tmp_path / 'home' / '.cache' / 'jaxfrontier' / 'xla'
+    _train(tmp_path, '--config.train.compile_cache=off')
+    assert not cache.exists()
+    _train(tmp_path, '--config.train.compile_cache_min_s=0')
+    assert len(os.listdir(cache)) >= 2  # the train and eval steps (and the init) at least
