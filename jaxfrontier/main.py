@@ -16,7 +16,7 @@ from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
-from jaxfrontier.data import dataset as data_lib  # no JAX import at module level
+from jaxfrontier.data import loader as data_lib  # no JAX import at module level
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
 

@@ -40,7 +40,7 @@ import tensorstore as tstore
 from etils import epath
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import state as ts
 

@@ -24,7 +24,7 @@ from jaxfrontier.training import disk
 from jaxfrontier.training import export
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import loader as data_lib
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib

@@ -10,7 +10,7 @@ import pytest
 
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import loader
 from jaxfrontier.training import export
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import loop as train
@@ -80,8 +80,8 @@ def test_training_continues_on_other_mesh(runs, name):
     """After the restore, step 4 has the loss it had on the original layout, to fp32 rounding."""
     c, layout, state = restore_on(runs, name)
     train_step, _, batch_sharding = train.compile_steps(c, layout)
-    source, _ = data_lib.make_datasets(c, '')
-    batch = data_lib.make_global_batch(source, 3, batch_sharding, c.train.global_batch)
+    source, _ = loader.make_datasets(c, '')
+    batch = loader.make_global_batch(source, 3, batch_sharding, c.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         _, metrics = train_step(state, batch)
     np.testing.assert_allclose(float(metrics['train/loss']), losses(runs['straight'])[4], rtol=LOSS_RTOL)
@@ -134,8 +134,8 @@ def test_padded_zero1_state_restores_and_continues(tmp_path):
         assert np.count_nonzero(saved[name]) == np.count_nonzero(cut), name  # the padding was zero
 
     train_step, _, batch_sharding = train.compile_steps(single, layout)
-    source, _ = data_lib.make_datasets(single, '')
-    batch = data_lib.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
+    source, _ = loader.make_datasets(single, '')
+    batch = loader.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         _, metrics = train_step(state, batch)
     np.testing.assert_allclose(float(metrics['train/loss']), losses(workdir)[4], rtol=LOSS_RTOL)
