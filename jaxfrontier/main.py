@@ -17,6 +17,7 @@ from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_F
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
 from jaxfrontier.data import loader as data_lib  # no JAX import at module level
+from jaxfrontier.errors import DistributedError, NonFiniteLossError, UserError
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
 
@@ -72,12 +73,9 @@ def main(argv: list[str]) -> int:
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
         per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
         config_lib.set_cpu_device_count(per_process)
-    except (config_lib.UserError, distributed.DistributedError) as e:
+    except (UserError, DistributedError) as e:
         return cli.exit_code(e)
     logging.set_verbosity(logging.INFO)
-
-    # Imported here, after the environment is final: these import JAX.
-    from jaxfrontier.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 
     try:
         if _MODE.value == 'plan':
@@ -99,7 +97,7 @@ def main(argv: list[str]) -> int:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             from jaxfrontier.training import loop as train  # pylint: disable=g-import-not-at-top
             train.train_and_evaluate(config, _WORKDIR.value)
-    except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
+    except (UserError, NonFiniteLossError, DistributedError) as e:
         return cli.exit_code(e)
     return 0
 

@@ -19,9 +19,9 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import loader, token_files
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.training import loop as train
 from jaxfrontier.training import state as ts
-from jaxfrontier.config import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

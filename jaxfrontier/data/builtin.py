@@ -13,8 +13,8 @@ from typing import Iterator
 
 import numpy as np
 
-from jaxfrontier.config import ConfigError
 from jaxfrontier.data.token_files import open_token_file, write_token_file
+from jaxfrontier.errors import ConfigError
 
 BYTE_VOCAB = 256  # the built-in corpus is byte-level
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxfrontier import distributed
 from jaxfrontier.data import corpus, token_files
-from jaxfrontier.data.corpus import FlagError
+from jaxfrontier.errors import FlagError
 
 EOT_CANDIDATES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')  # first found is used
 TRAINED_EOT = '<|endoftext|>'

@@ -17,11 +17,12 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from jaxfrontier.config import DATA_KINDS, ConfigError
+from jaxfrontier.config import DATA_KINDS
 from jaxfrontier.data import sampling
 from jaxfrontier.data.builtin import BYTE_VOCAB, builtin_corpus
 from jaxfrontier.data.sources import TRAIN, VAL, Source, SyntheticSource, TokenSource
 from jaxfrontier.data.token_files import TokenFile, open_token_file, read_header, token_paths, tokenizer_path
+from jaxfrontier.errors import ConfigError
 
 
 def _split_boundary(c: ml_collections.ConfigDict, token_file: TokenFile) -> int:

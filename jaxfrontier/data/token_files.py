@@ -16,8 +16,8 @@ from typing import Any, Iterable, NoReturn
 
 import numpy as np
 
-from jaxfrontier.config import ConfigError
 from jaxfrontier.data import sampling
+from jaxfrontier.errors import ConfigError
 
 FORMAT = 'jaxfrontier-tokens'
 VERSION = 1

@@ -18,6 +18,7 @@ import ml_collections
 import optax
 from jax.sharding import NamedSharding
 
+from jaxfrontier.errors import ConfigError, NonFiniteLossError
 from jaxfrontier.training import checkpoint as checkpoint_lib
 from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
@@ -191,7 +192,7 @@ def check_compiles(c: ml_collections.ConfigDict, layout: ts.StateLayout) -> None
     if old_jax or c.mesh.pipeline == 1 or c.mesh.data == 1 or c.mesh.fsdp == 1:
         return
     if c.model.dropout_rate > 0 and not reduction.reduce_once(c, layout.rules, layout.param_shardings):
-        raise config_lib.ConfigError(
+        raise ConfigError(
             'model.dropout_rate', c.model.dropout_rate,
             f'jax {jax.__version__} aborts compiling a pipeline whose data ({c.mesh.data}) and fsdp ({c.mesh.fsdp}) '
             'axes are both automatic, which dropout needs',
@@ -411,7 +412,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
                 commits.started(done, state)
             checkpointer.wait()
             commits.poll(committed=True)
-    except metrics_lib.NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
+    except NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
         raise checkpointer.with_resume_hint(e) from None
     finally:
         profiler.close()

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import builtin, loader, sources, token_files
 from jaxfrontier.data import sampling
+from jaxfrontier.errors import ConfigError
 
 SEQ_LEN, BATCH = 13, 8  # distinct sizes so a swapped axis fails
 
@@ -109,7 +110,7 @@ def test_bad_file_raises_config_error_naming_data_path(tmp_path, damage, words):
     base = str(tmp_path / 'x')
     token_files.write_token_file(base + '.bin', np.arange(100) % 256, 256)
     damage(base)
-    with pytest.raises(config_lib.ConfigError, match=words) as e:
+    with pytest.raises(ConfigError, match=words) as e:
         token_files.open_token_file(base + '.bin', 256)
     assert e.value.field == 'data.path'
 
@@ -119,7 +120,7 @@ def test_token_beyond_vocab_reports_max_and_vocab(tmp_path):
     tokens[1234] = 777
     path = token_files.write_token_file(tmp_path / 'x.bin', tokens, 1000)
     token_files.open_token_file(path, 778)  # fits
-    with pytest.raises(config_lib.ConfigError, match=r'token 777 \(at position 1,234\).*= 500') as e:
+    with pytest.raises(ConfigError, match=r'token 777 \(at position 1,234\).*= 500') as e:
         token_files.open_token_file(path, 500)
     assert e.value.field == 'data.path'
     assert 'at least 778' in str(e.value)
@@ -130,17 +131,17 @@ def test_scan_covers_every_chunk(tmp_path, monkeypatch):
     tokens = np.zeros(1000, np.int64)
     tokens[-1] = 9  # in the last, partial chunk
     path = token_files.write_token_file(tmp_path / 'x.bin', tokens, 10)
-    with pytest.raises(config_lib.ConfigError, match='token 9 .at position 999'):
+    with pytest.raises(ConfigError, match='token 9 .at position 999'):
         token_files.open_token_file(path, 9)
 
 
 def test_too_few_tokens_for_one_sequence(tmp_path):
     path = token_files.write_token_file(tmp_path / 'x.bin', np.arange(SEQ_LEN), 256)
     token_files.open_token_file(path, 256)
-    with pytest.raises(config_lib.ConfigError, match='fewer than one sequence') as e:
+    with pytest.raises(ConfigError, match='fewer than one sequence') as e:
         token_files.open_token_file(path, 256, seq_len=SEQ_LEN)
     assert e.value.field == 'data.path'
-    with pytest.raises(config_lib.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         loader.check_data(_config(path=path))
     assert e.value.field == 'data.path'
 
@@ -184,7 +185,7 @@ def test_train_and_val_windows_never_cross_the_boundary(tmp_path):
 
 def test_validation_split_too_small(tmp_path):
     path = _positions_file(tmp_path, 100)
-    with pytest.raises(config_lib.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         loader.check_data(_config(path=path, vocab_size=100, val_fraction=0.1))
     assert e.value.field == 'data.val_fraction' and 'at least 0.14' in str(e.value)
     loader.check_data(_config(path=path, vocab_size=100, val_fraction=0.14))
@@ -302,10 +303,10 @@ def test_builtin_datasets_split_disjoint(builtin_path, tmp_path):
 def test_check_data_writes_nothing_and_checks_vocab(tmp_path):
     loader.check_data(_config(kind='builtin'))
     loader.check_data(_config(kind='synthetic'))
-    with pytest.raises(config_lib.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         loader.check_data(_config(kind='builtin', vocab_size=200))
     assert e.value.field == 'model.vocab_size'
-    with pytest.raises(config_lib.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         loader.check_data(_config(kind='tokens', path=tmp_path / 'missing.bin'))
     assert e.value.field == 'data.path'
     assert os.listdir(tmp_path) == []

@@ -11,6 +11,7 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader, token_files
 from jaxfrontier.data import sampling
+from jaxfrontier.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LEN, BATCH = 7, 10
@@ -139,7 +140,7 @@ def test_vocab_size_zero_reads_the_header(two_files):
 def test_vocab_size_zero_without_a_token_file(kind):
     c = _config(vocab_size=0)
     c.data.kind = kind
-    with pytest.raises(config_lib.ConfigError, match='no token file') as e:
+    with pytest.raises(ConfigError, match='no token file') as e:
         loader.resolve_vocab(c)
     assert e.value.field == 'model.vocab_size' and '\n' not in str(e.value)
 
@@ -167,7 +168,7 @@ def test_bad_blend_is_one_config_error(tmp_path, case):
     blend, words = _bad_blends(tmp_path)[case]
     for vocab_size in (VOCAB + 1, 0):
         c = _config(blend=blend, vocab_size=vocab_size)
-        with pytest.raises(config_lib.ConfigError) as e:
+        with pytest.raises(ConfigError) as e:
             loader.resolve_vocab(c)
             loader.check_data(c)
         assert e.value.field == 'data.blend' and words in str(e.value) and 'Fix:' in str(e.value), str(e.value)
@@ -176,11 +177,11 @@ def test_bad_blend_is_one_config_error(tmp_path, case):
 
 def test_blend_and_path_together_or_without_tokens(tmp_path):
     a = _positions(tmp_path, 'a', 0, 1000)
-    with pytest.raises(config_lib.ConfigError, match='both set'):
+    with pytest.raises(ConfigError, match='both set'):
         config_lib.validate(_config(a, blend=f'1:{a}', global_batch=8))
     c = _config(blend=f'1:{a}', global_batch=8)
     c.data.kind = 'builtin'
-    with pytest.raises(config_lib.ConfigError, match='mixes token files'):
+    with pytest.raises(ConfigError, match='mixes token files'):
         config_lib.validate(c)
 
 

@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from jaxfrontier.config import ConfigError
 from jaxfrontier.data import corpus
 from jaxfrontier.data import token_files
 from jaxfrontier.data import encode as tokenize_lib
+from jaxfrontier.errors import ConfigError, FlagError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOT = '<|endoftext|>'
@@ -136,7 +136,7 @@ def test_dtype_for_vocab():
     assert tokenize_lib.dtype_for_vocab(65536) == 'uint16'
     assert tokenize_lib.dtype_for_vocab(65537) == 'uint32'
     assert tokenize_lib.dtype_for_vocab(1 << 32) == 'uint32'
-    with pytest.raises(corpus.FlagError, match='does not fit uint32'):
+    with pytest.raises(FlagError, match='does not fit uint32'):
         tokenize_lib.dtype_for_vocab((1 << 32) + 1)
 
 

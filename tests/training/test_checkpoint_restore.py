@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.training import checkpoint as ckpt_lib
-from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader
 from jaxfrontier.training import export
 from jaxfrontier import mesh as mesh_lib
@@ -178,7 +178,7 @@ def test_interleaved_pipeline_layer_split(tmp_path):
 def test_model_mismatch_names_field(vocab300, field, value):
     workdir, _ = vocab300
     c = make_config(data=1, fsdp=1, tensor=2, **{'vocab_size': 300, field: value})
-    with pytest.raises(config_lib.ConfigError, match=f'model.{field}'):
+    with pytest.raises(ConfigError, match=f'model.{field}'):
         ckpt_lib.Checkpointer(c, workdir).restore_or_init(layout_for(c), no_init)
 
 
@@ -221,11 +221,11 @@ def test_fine_tune_source_mismatch_names_field(runs, tmp_path):
     for source in (out, runs['straight']):
         c = make_config(d_model=64)
         c.checkpoint.init_params_from = source
-        with pytest.raises(config_lib.ConfigError, match='model.d_model'):
+        with pytest.raises(ConfigError, match='model.d_model'):
             ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None, export.load_params)
     c = make_config()
     c.checkpoint.init_params_from = str(tmp_path / 'nothing_here')
-    with pytest.raises(config_lib.ConfigError, match='checkpoint.init_params_from'):
+    with pytest.raises(ConfigError, match='checkpoint.init_params_from'):
         ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None, export.load_params)
 
 

@@ -24,6 +24,7 @@ tokenizers = pytest.importorskip('tokenizers')
 from configs import tiny  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier.data import token_files  # noqa: E402
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.inference import load as load_lib  # noqa: E402
 from jaxfrontier.training import hf  # noqa: E402
 from tests import processes  # noqa: E402
@@ -134,6 +135,6 @@ def test_transformers_gpt2_imports_with_equal_logits(tmp_path, tied):
 
 
 def test_non_gpt2_config_is_refused(tmp_path):
-    with pytest.raises(hf.config_lib.ConfigError, match='activation_function'):
+    with pytest.raises(ConfigError, match='activation_function'):
         hf.model_fields({'model_type': 'gpt2', 'activation_function': 'relu', 'n_embd': 8, 'n_layer': 1,
                          'n_head': 2, 'vocab_size': 10, 'n_positions': 8}, str(tmp_path))
