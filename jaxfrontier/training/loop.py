@@ -18,7 +18,6 @@ import ml_collections
 import optax
 from jax.sharding import NamedSharding
 
-from jaxfrontier.errors import ConfigError, NonFiniteLossError
 from jaxfrontier.training import checkpoint as checkpoint_lib
 from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
@@ -26,6 +25,7 @@ from jaxfrontier.training import export
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader as data_lib
+from jaxfrontier.errors import ConfigError, NonFiniteLossError
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
