@@ -63,9 +63,10 @@ def step_config(size: str, attention: str, remat: str, micro_batch: int, quick: 
 def skip_reason(size: str, attention: str, remat: str, platform: str, kind: str, quick: bool) -> str | None:
     """Why a row cannot run here (config validation, platform), or None."""
     from jaxfrontier import config as config_lib  # pylint: disable=g-import-not-at-top  (no JAX)
+    from jaxfrontier.errors import ConfigError  # pylint: disable=g-import-not-at-top
     try:
         config_lib.validate(step_config(size, attention, remat, 1, quick))
-    except config_lib.ConfigError as e:
+    except ConfigError as e:
         return str(e)
     if attention == 'cudnn' and 'nvidia' not in kind.lower() and platform not in ('cuda', 'gpu'):
         return f'cuDNN attention needs an NVIDIA GPU (this is {platform}: {kind})'

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import loader, sources
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
@@ -37,11 +37,11 @@ def time_train_step(c: ml_collections.ConfigDict, steps: int = 5, warmup: int = 
     train_step, _, batch_sharding = step_lib.compile_steps(c, layout)
     compile_s = time.perf_counter() - t0
     mem = train_step.memory_analysis()
-    source = data_lib.SyntheticSource(c.model.vocab_size, c.model.seq_len, c.seed, data_lib.TRAIN)
+    source = sources.SyntheticSource(c.model.vocab_size, c.model.seq_len, c.seed, sources.TRAIN)
     times = []
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         for i in range(warmup + steps):
-            batch = data_lib.make_global_batch(source, i, batch_sharding, c.train.global_batch)
+            batch = loader.make_global_batch(source, i, batch_sharding, c.train.global_batch)
             jax.block_until_ready(batch)
             start = time.perf_counter()
             state, metrics = train_step(state, batch)

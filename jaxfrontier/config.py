@@ -19,7 +19,10 @@ from typing import Any
 
 import ml_collections
 
-from jaxfrontier.errors import UserError  # noqa: F401  (config_lib.UserError: the same class)
+from jaxfrontier.errors import ConfigError, UserError  # noqa: F401  (UserError: see below)
+
+# UserError above is imported only for training/checkpoint.py (CheckpointError(config_lib.UserError)), which
+# another change is moving; remove it from this import once CheckpointError lives in errors.py.
 
 # Logical axis name -> mesh axes. Parameters and activations are annotated with the logical
 # names on the left (see jaxfrontier/model/); this table decides the layout.
@@ -61,14 +64,6 @@ MODEL_SIZES = {
     '175b': (96, 12288, 96),
     '1t': (128, 25600, 160),
 }
-
-
-class ConfigError(UserError, ValueError):
-    """A config value breaks a rule. The message names the field, the value and the fix."""
-
-    def __init__(self, field: str, value: Any, problem: str, fix: str):
-        self.field, self.value = field, value
-        super().__init__(f'config.{field} = {value!r}: {problem}. Fix: {fix}')
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -37,19 +37,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from jaxfrontier.config import ConfigError
-from jaxfrontier.errors import UserError
+from jaxfrontier.errors import ConfigError, DistributedError, UserError
 
 # Innermost first: HIP indexes inside ROCR's set, and HIP also honours CUDA_VISIBLE_DEVICES.
 VISIBLE_DEVICE_VARS = ('HIP_VISIBLE_DEVICES', 'CUDA_VISIBLE_DEVICES', 'ROCR_VISIBLE_DEVICES')
 _SLURM_STEP_VARS = ('SLURM_JOB_ID', 'SLURM_PROCID', 'SLURM_LOCALID')
 _PORT_BASE, _PORT_RANGE = 61440, 4096  # ephemeral ports 61440..65535, as JAX's Slurm detection
-
-
-class DistributedError(RuntimeError):
-    """The processes of a job could not start together, or lost one another."""
-
-    exit_code = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,75 @@
-"""The errors a user can fix: shown as one line without a traceback (no JAX import)."""
+"""Every error that ends a command with an exit code of its own: shown as one line, no traceback.
+
+Layer 0: imports nothing from jaxfrontier (and no JAX), so every module can raise these.
+
+An entry point catches them and returns `cli.exit_code(e)`: it prints `error: <message>` and
+returns the class's `exit_code` (main.py catches UserError, NonFiniteLossError and
+DistributedError around its modes; calibrate likewise; prepare and the sweep / scaling entry
+points print the UserError themselves and return 2). Anything else is a bug: absl prints the
+traceback, exit 1. A malformed flag or `--config.*` override is `cli.fail`: one line, exit 2.
+0 is success.
+
+| class              | subclass of           | exit | raised when                                                         |
+|--------------------|-----------------------|-----:|---------------------------------------------------------------------|
+| UserError          | Exception             |    2 | a mistake the user can fix (config, data, workdir, flags)           |
+| ConfigError        | UserError, ValueError |    2 | a config value breaks a rule (`config.validate`, data checks): names field, value, fix |
+| FlagError          | UserError             |    2 | a command-line value breaks a rule (prepare: data/corpus.py, data/encode.py) |
+| SpaceError         | UserError             |    2 | a sweep's search space cannot be run (sweep/space.py)               |
+| DiskFullError      | UserError             |    2 | a write failed for lack of space; the process ends without joining Orbax's writer threads (`abandon_threads`, training/disk.py) |
+| CheckpointError    | UserError             |    2 | a checkpoint cannot be used (still defined in training/checkpoint.py) |
+| NonFiniteLossError | RuntimeError          |    3 | the training loss became NaN or Inf (training/metrics.py)           |
+| DistributedError   | RuntimeError          |    4 | the processes of a job could not start together, or lost one another (distributed.py) |
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class UserError(Exception):
     """A mistake the user can fix (bad config, data or workdir): shown without a traceback, exit 2."""
 
     exit_code = 2
+
+
+class ConfigError(UserError, ValueError):
+    """A config value breaks a rule. The message names the field, the value and the fix."""
+
+    def __init__(self, field: str, value: Any, problem: str, fix: str):
+        self.field, self.value = field, value
+        super().__init__(f'config.{field} = {value!r}: {problem}. Fix: {fix}')
+
+
+class FlagError(UserError):
+    """A command-line value breaks a rule: names the flag, the value, the problem and the fix."""
+
+    def __init__(self, flag: str, value: Any, problem: str, fix: str):
+        self.flag, self.value = flag, value
+        super().__init__(f'--{flag}={value}: {problem}. Fix: {fix}')
+
+
+class SpaceError(UserError):
+    """A search space that cannot be run; the message names the parameter and the fix."""
+
+    def __init__(self, name: str, values: Any, problem: str, fix: str):
+        super().__init__(f'--space {name}={values}: {problem}. Fix: {fix}')
+
+
+class DiskFullError(UserError):
+    """A write failed for lack of space. Orbax's failed writer threads would print tracebacks at
+    interpreter exit, after the one line: the process leaves without waiting for them
+    (`cli.exit_code`'s `abandon_threads`); what was committed before is on disk already."""
+
+    abandon_threads = True
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or Inf."""
+
+    exit_code = 3
+
+
+class DistributedError(RuntimeError):
+    """The processes of a job could not start together, or lost one another."""
+
+    exit_code = 4

@@ -16,7 +16,8 @@ from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
-from jaxfrontier.data import dataset as data_lib  # no JAX import at module level
+from jaxfrontier.data import loader as data_lib  # no JAX import at module level
+from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError, UserError
 from jaxfrontier.plan import shrink  # no JAX import either
 from jaxfrontier.training import validation  # no JAX import: config and data checks only
 
@@ -89,12 +90,9 @@ def main(argv: list[str]) -> int:
         else:
             per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
             config_lib.set_cpu_device_count(per_process)
-    except (config_lib.UserError, distributed.DistributedError) as e:
+    except (UserError, DistributedError) as e:
         return cli.exit_code(e)
     logging.set_verbosity(logging.INFO)
-
-    # Imported here, after the environment is final: these import JAX.
-    from jaxfrontier.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 
     try:
         if _MODE.value == 'plan':
@@ -124,7 +122,7 @@ def main(argv: list[str]) -> int:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             from jaxfrontier.training import loop  # pylint: disable=g-import-not-at-top
             loop.train_and_evaluate(config, _WORKDIR.value, validated=True)
-    except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
+    except (UserError, NonFiniteLossError, DistributedError) as e:
         return cli.exit_code(e)
     return 0
 
@@ -138,7 +136,7 @@ def _use_compile_cache(config) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise config_lib.ConfigError('train.compile_cache', config.train.compile_cache,
+        raise ConfigError('train.compile_cache', config.train.compile_cache,
                                      f'cannot create the compilation cache {path}: {e.strerror}',
                                      "name a writable directory, or 'off'") from None
     os.environ['JAX_COMPILATION_CACHE_DIR'] = path

@@ -19,8 +19,8 @@ import time
 from absl import app, flags
 
 from jaxfrontier import cli
-from jaxfrontier import config as config_lib  # UserError; imports no JAX
 from jaxfrontier.data import encode as tokenize_lib
+from jaxfrontier.errors import FlagError, UserError
 
 _INPUT = flags.DEFINE_multi_string('input', [], 'Input files or globs, comma-separated or repeated: *.txt '
                                    '(one document per file), *.jsonl, *.parquet.')
@@ -57,9 +57,9 @@ def main(argv: list[str]) -> int:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     try:
         if not _OUTPUT.value:
-            raise tokenize_lib.FlagError('output', '', 'no output named', 'pass --output=DIR/NAME')
+            raise FlagError('output', '', 'no output named', 'pass --output=DIR/NAME')
         if not _INPUT.value:
-            raise tokenize_lib.FlagError('input', '', 'no input named', 'pass --input=FILE_OR_GLOB[,...]')
+            raise FlagError('input', '', 'no input named', 'pass --input=FILE_OR_GLOB[,...]')
         files = tokenize_lib.corpus.expand_inputs(_INPUT.value)
         progress = _Progress(sum(map(os.path.getsize, files)), _PROGRESS.value)
         result = tokenize_lib.prepare(
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
             text_field=_TEXT_FIELD.value, eot_token=_EOT_TOKEN.value, workers=_WORKERS.value,
             batch_bytes=max(1, int(_BATCH_MB.value * 1e6)), progress=progress)
         progress.bar.close()
-    except config_lib.UserError as e:
+    except UserError as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     h = result.header

@@ -29,7 +29,7 @@ from typing import Any
 
 from absl import flags
 
-from jaxfrontier import config as config_lib  # no JAX
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.sweep import flags as F
 from jaxfrontier.sweep import trials as sweep_trials
 
@@ -44,10 +44,10 @@ def device_counts(values: list[str]) -> list[int]:
     try:
         counts = sorted({int(v) for v in values})
     except ValueError:
-        raise config_lib.UserError(f'--device_counts={",".join(values)}: not integers. Fix: give device counts '
+        raise UserError(f'--device_counts={",".join(values)}: not integers. Fix: give device counts '
                                    'like --device_counts=8,16,32') from None
     if len(counts) < 2 or counts[0] < 1:
-        raise config_lib.UserError(f'--device_counts={",".join(values)}: a scaling study needs at least two device '
+        raise UserError(f'--device_counts={",".join(values)}: a scaling study needs at least two device '
                                    'counts >= 1. Fix: give e.g. --device_counts=8,16')
     return counts
 
@@ -104,7 +104,7 @@ def plan_scaling(argv: list[str], counts: list[int], studies: list[str]) -> int:
         for n in counts:
             try:
                 c, _ = sweep_space.point_config(base, point, n, swept)
-            except config_lib.ConfigError as e:
+            except ConfigError as e:
                 records.append({'trial_id': 'plan', 'status': 'invalid', 'devices': n, 'error': str(e)})
                 continue
             records.append(planned_record(c, n, hw))
@@ -128,7 +128,7 @@ def plan_scaling(argv: list[str], counts: list[int], studies: list[str]) -> int:
 def run_scaling(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> int:
     counts = device_counts(_COUNTS.value)
     if any(a.startswith('--config.mesh.data=') for a in user_args):
-        raise config_lib.UserError('--config.mesh.data: the data axis is derived at every device count (data = '
+        raise UserError('--config.mesh.data: the data axis is derived at every device count (data = '
                                    'N / (tensor x pipeline x fsdp)). Fix: drop the override')
     if _PLAN_ONLY.value:
         return plan_scaling(argv, counts, ['weak', 'strong'] if _STUDY.value == 'both' else [_STUDY.value])

@@ -18,11 +18,11 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import loader, token_files
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.training import loop
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
-from jaxfrontier.config import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +69,7 @@ def assert_fails_cleanly(c, workdir, field, value, *more, error=ConfigError):
 def test_good_config_is_valid():
     c = good_config()
     config_lib.validate(c, jax.device_count())
-    data_lib.check_data(c)
+    loader.check_data(c)
 
 
 def test_good_config_passes_every_check(tmp_path, no_compile):
@@ -172,22 +172,22 @@ def test_token_path_empty(tmp_path, no_compile):
 
 
 def test_token_file_truncated(tmp_path, no_compile):
-    path = data_lib.write_token_file(tmp_path / 'data' / 'toks.bin', np.arange(1000) % 256, 256)
+    path = token_files.write_token_file(tmp_path / 'data' / 'toks.bin', np.arange(1000) % 256, 256)
     with open(path, 'r+b') as f:
         f.truncate(1500)  # uint16: the header promises 2,000 bytes
     assert_fails_cleanly(token_config(path), tmp_path / 'wd', 'data.path', path, 'truncated', '2,000 bytes')
 
 
 def test_token_header_missing(tmp_path, no_compile):
-    path = data_lib.write_token_file(tmp_path / 'data' / 'toks.bin', np.arange(1000) % 256, 256)
-    os.remove(data_lib.token_paths(path)[1])
+    path = token_files.write_token_file(tmp_path / 'data' / 'toks.bin', np.arange(1000) % 256, 256)
+    os.remove(token_files.token_paths(path)[1])
     assert_fails_cleanly(token_config(path), tmp_path / 'wd', 'data.path', path, 'header', 'missing')
 
 
 def test_tokens_not_below_vocabulary(tmp_path, no_compile):
     tokens = np.arange(1000) % 256
     tokens[617] = 999
-    path = data_lib.write_token_file(tmp_path / 'data' / 'toks.bin', tokens, 1000)
+    path = token_files.write_token_file(tmp_path / 'data' / 'toks.bin', tokens, 1000)
     assert_fails_cleanly(token_config(path), tmp_path / 'wd', 'data.path', path, 'token 999',
                          'position 617', 'model.vocab_size = 256')
 

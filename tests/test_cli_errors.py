@@ -5,12 +5,16 @@ the line and the problem; a JAX platform that is not present names the one asked
 present; every entry point prints its --help without other flags.
 """
 
+import ast
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
+from jaxfrontier import errors
 from tests import processes
 
 
@@ -90,7 +94,7 @@ def test_an_abandoned_thread_error_is_the_last_line_on_stderr():
     script = r'''
 import os, sys, threading, time
 from jaxfrontier import cli
-from jaxfrontier.training.disk import DiskFullError
+from jaxfrontier.errors import DiskFullError
 
 def noise():
     while True:
@@ -107,3 +111,31 @@ cli.exit_code(DiskFullError('no space left on the device holding /x (0.0 MiB fre
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.splitlines()[-1]
     assert last == 'error: no space left on the device holding /x (0.0 MiB free of 4.0 MiB)', proc.stderr[-2000:]
+
+
+def test_the_errors_table_gives_every_class_its_exit_code():
+    """errors.py's docstring table has a row per error class, with the exit code the class carries."""
+    classes = {name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, Exception)}
+    rows = {m.group(1): int(m.group(2))
+            for m in re.finditer(r'^\| (\w+Error) +\|[^|]*\| +(\d+) \|', errors.__doc__, re.M)}
+    assert set(classes) <= set(rows), f'add rows for {sorted(set(classes) - set(rows))} to errors.py\'s table'
+    assert {name: cls.exit_code for name, cls in classes.items()} == {name: rows[name] for name in classes}
+
+
+def test_error_classes_with_an_exit_code_live_in_errors_py():
+    """No module but errors.py defines a UserError kind or a class with its own `exit_code`."""
+    # training/checkpoint.py is being moved by another change; its CheckpointError moves to errors.py after.
+    allowed = {('training/checkpoint.py', 'CheckpointError')}
+    names = {name for name, cls in vars(errors).items() if isinstance(cls, type)}
+    root = pathlib.Path(errors.__file__).parent
+    found = set()
+    for path in sorted(root.rglob('*.py')):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or path.name == 'errors.py':
+                continue
+            bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, 'id', '') for b in node.bases}
+            sets_exit_code = any(isinstance(s, ast.Assign) and any(getattr(t, 'id', '') == 'exit_code' for t in s.targets)
+                                 for s in node.body)
+            if bases & names or sets_exit_code:
+                found.add((path.relative_to(root).as_posix(), node.name))
+    assert found <= allowed, f'move {sorted(found - allowed)} into jaxfrontier/errors.py'

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from processes import REPO, TINY, subprocess_env
 
 
@@ -29,7 +30,7 @@ def test_compile_cache_dir_follows_the_setting_and_the_environment(tmp_path):
 def test_a_bad_compile_cache_setting_is_one_line():
     c = _config('auto')
     c.train.compile_cache_min_s = -1
-    with pytest.raises(config_lib.ConfigError, match='train.compile_cache_min_s'):
+    with pytest.raises(ConfigError, match='train.compile_cache_min_s'):
         config_lib.validate(c)
 
 

@@ -22,6 +22,7 @@ from absl import flags
 from ml_collections.config_flags import config_flags
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.training import state as ts
 from jaxfrontier.model import params as params_lib
 
@@ -129,9 +130,9 @@ def test_parse_arg_types_and_values():
 
 
 def test_parse_arg_unknown_key_raises_config_error():
-    with pytest.raises(config_lib.ConfigError, match=r'sise.*unknown config argument.*size'):
+    with pytest.raises(ConfigError, match=r'sise.*unknown config argument.*size'):
         config_lib.parse_arg('sise=1.3b', size='125m', tensor=1)
-    with pytest.raises(config_lib.ConfigError, match='unknown config argument'):
+    with pytest.raises(ConfigError, match='unknown config argument'):
         load_config('gpt.py', 'size=1.3b,tensr=2')
 
 

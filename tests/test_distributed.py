@@ -13,7 +13,7 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import distributed
-from jaxfrontier.config import ConfigError
+from jaxfrontier.errors import ConfigError
 from processes import REPO, free_port, subprocess_env
 
 

@@ -5,6 +5,7 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.training import state as ts
 
 
@@ -27,5 +28,5 @@ def test_trainer_resolves_auto_from_the_mesh_devices():
 def test_negative_scan_unroll_is_refused():
     c = config_lib.base_config()
     c.model.scan_unroll = -1
-    with pytest.raises(config_lib.ConfigError, match='model.scan_unroll'):
+    with pytest.raises(ConfigError, match='model.scan_unroll'):
         config_lib.validate(c, 1)

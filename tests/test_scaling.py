@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from jaxfrontier import config as config_lib
 from jaxfrontier import scaling
+from jaxfrontier.errors import UserError
 from processes import REPO, subprocess_env
 from sweeps import png_axes
 
@@ -47,7 +47,7 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     proc = run_scaling(tmp_path, *args, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith('error: ') and message in proc.stderr, proc.stderr
     assert 'Traceback' not in proc.stderr
-    with pytest.raises(config_lib.UserError):
+    with pytest.raises(UserError):
         scaling.device_counts(['1'])
 
 

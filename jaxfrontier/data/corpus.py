@@ -20,20 +20,13 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
-from jaxfrontier.config import UserError
+from jaxfrontier.errors import FlagError
+
 
 PIECE_BYTES = 1 << 20  # a .txt file is encoded in pieces of about this size
 FORMATS = {'.txt': 'text', '.jsonl': 'jsonl', '.parquet': 'parquet'}
-
-
-class FlagError(UserError):
-    """A command-line value breaks a rule: names the flag, the value, the problem and the fix."""
-
-    def __init__(self, flag: str, value: Any, problem: str, fix: str):
-        self.flag, self.value = flag, value
-        super().__init__(f'--{flag}={value}: {problem}. Fix: {fix}')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,9 +32,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxfrontier import distributed
-from jaxfrontier.data import corpus
-from jaxfrontier.data import dataset as data_lib
-from jaxfrontier.data.corpus import FlagError
+from jaxfrontier.data import corpus, token_files
+from jaxfrontier.errors import FlagError
 
 EOT_CANDIDATES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')  # first found is used
 TRAINED_EOT = '<|endoftext|>'
@@ -157,7 +156,7 @@ def encode_batch(tokenizer: Any, texts: list[str], ends: list[bool], eot_id: int
     eot = (eot_id,)
     ids = itertools.chain.from_iterable(
         itertools.chain(e.ids, eot) if end else e.ids for e, end in zip(encodings, ends))
-    return np.fromiter(ids, dtype=np.dtype(data_lib.NUMPY_DTYPES[dtype]))
+    return np.fromiter(ids, dtype=np.dtype(token_files.NUMPY_DTYPES[dtype]))
 
 
 _WORKER: dict[str, Any] = {}
@@ -210,7 +209,7 @@ def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, token
 
 def output_paths(output: str) -> dict[str, str]:
     """The files of output DIR/NAME: bin, header and tokenizer."""
-    bin_path, header_path = data_lib.token_paths(output)
+    bin_path, header_path = token_files.token_paths(output)
     return {'bin': bin_path, 'tokenizer': bin_path[:-len('.bin')] + TOKENIZER_SUFFIX, 'header': header_path}
 
 
@@ -314,7 +313,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_v
                                 'pass files that hold text (check --text_field)')
             bin_file.flush()
             os.fsync(bin_file.fileno())
-        header = {'format': data_lib.FORMAT, 'version': data_lib.VERSION, 'dtype': dtype,
+        header = {'format': token_files.FORMAT, 'version': token_files.VERSION, 'dtype': dtype,
                   'num_tokens': num_tokens, 'vocab_size': vocab_size,
                   'tokenizer': os.path.basename(paths['tokenizer']), 'eot_token': eot, 'eot_id': eot_id,
                   'num_documents': num_documents, 'source': 'jaxfrontier.prepare',

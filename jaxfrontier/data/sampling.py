@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxfrontier.config import ConfigError
+from jaxfrontier.errors import ConfigError
+
 
 _ROUNDS = 4
 

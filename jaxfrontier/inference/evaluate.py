@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import builtin, token_files
 from jaxfrontier.errors import UserError
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import text
@@ -55,11 +55,11 @@ def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, 
     """(token file, first token, stop, codec): --eval_path whole, else the run's validation split."""
     c, vocab = loaded.config, loaded.config.model.vocab_size
     if eval_path:
-        token_file = data_lib.open_token_file(eval_path, vocab, seq_len=1)
+        token_file = token_files.open_token_file(eval_path, vocab, seq_len=1)
         return token_file.path, 0, token_file.num_tokens, text.token_file_codec(eval_path, vocab)
     data = loaded.run_config.get('data', {})
     if data.get('kind') == 'builtin':
-        path = data_lib.builtin_corpus(os.path.join(workdir, 'data_cache'))
+        path = builtin.builtin_corpus(os.path.join(workdir, 'data_cache'))
     elif data.get('kind') == 'tokens' and data.get('blend'):
         raise UserError('the run blends several token files (data.blend), each with its own validation split. '
                         'Fix: pass --eval_path=FILE.bin to score one file whole.')
@@ -67,7 +67,7 @@ def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, 
         path = data['path']
     else:
         raise UserError('the run has no token file to take a validation split from. Fix: pass --eval_path=FILE.bin.')
-    token_file = data_lib.open_token_file(path, vocab, seq_len=c.model.seq_len)
+    token_file = token_files.open_token_file(path, vocab, seq_len=c.model.seq_len)
     start = token_file.num_tokens - int(token_file.num_tokens * data.get('val_fraction', c.data.val_fraction))
     return token_file.path, start, token_file.num_tokens, text.run_codec(data, vocab)
 
@@ -77,7 +77,7 @@ def evaluate(c: ml_collections.ConfigDict, workdir: str, eval_path: str) -> dict
     loaded = load_lib.load(c, workdir)
     c, layout = loaded.config, loaded.layout
     path, start, stop, codec = _range(loaded, eval_path, workdir)
-    tokens = data_lib.open_token_file(path, c.model.vocab_size).tokens
+    tokens = token_files.open_token_file(path, c.model.vocab_size).tokens
     byte_lengths = codec.byte_lengths(c.model.vocab_size)
     seq_len, batch = c.model.seq_len, c.train.global_batch
     sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))

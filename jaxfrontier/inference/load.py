@@ -18,7 +18,7 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.errors import UserError
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import export
 from jaxfrontier.training import hf
@@ -62,7 +62,7 @@ def decode_config(c: ml_collections.ConfigDict, model: dict[str, Any]) -> ml_col
     c.pipeline.virtual_stages = 1
     c.sharding.zero1 = False
     if c.model.num_heads % c.mesh.tensor:
-        raise config_lib.ConfigError('mesh.tensor', c.mesh.tensor, f'the model has {c.model.num_heads} heads, '
+        raise ConfigError('mesh.tensor', c.mesh.tensor, f'the model has {c.model.num_heads} heads, '
                                      'which the tensor axis must divide', 'choose mesh.tensor dividing the heads')
     return c
 
@@ -82,7 +82,7 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
     c = decode_config(c, model)
     mesh = mesh_lib.mesh_from_config(c)
     if config_lib.num_devices(c) != jax.device_count():
-        raise config_lib.ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
+        raise ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
                                      f'devices but {jax.device_count()} are present', 'change the mesh sizes')
     layout = ts.make_layout(c, mesh)
     return Loaded(c, layout, export.load_params(source, c, layout), source, step, run_config, hf_dir)

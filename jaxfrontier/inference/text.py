@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import builtin, token_files
 from jaxfrontier.errors import UserError
 
 
@@ -65,11 +65,11 @@ class HFCodec:
 
 def token_file_codec(path: str, vocab_size: int) -> Any:
     """The codec of a token file: its header's tokenizer, else bytes when the vocabulary allows."""
-    token_file = data_lib.open_token_file(path, vocab_size)
+    token_file = token_files.open_token_file(path, vocab_size)
     tokenizer = token_file.header.get('tokenizer')
     if tokenizer:
         return HFCodec(os.path.join(os.path.dirname(token_file.path), tokenizer), token_file.header.get('eot_id'))
-    if token_file.header['vocab_size'] <= data_lib.BYTE_VOCAB:
+    if token_file.header['vocab_size'] <= builtin.BYTE_VOCAB:
         return ByteCodec()
     raise UserError(f'the token file {token_file.path} records no tokenizer (header key "tokenizer"), so its '
                     'tokens cannot be turned into text. Fix: write it with python -m jaxfrontier.prepare.')
@@ -81,13 +81,13 @@ def run_codec(data: dict[str, Any], vocab_size: int, hf_dir: str | None = None) 
         path = os.path.join(hf_dir, 'tokenizer.json')
         if os.path.isfile(path):
             return HFCodec(path)
-        if vocab_size <= data_lib.BYTE_VOCAB:
+        if vocab_size <= builtin.BYTE_VOCAB:
             return ByteCodec()
         raise UserError(f'{hf_dir} has no tokenizer.json. Fix: save the tokenizer beside the model '
                         '(tokenizer.save_pretrained(DIR)).')
     if data.get('kind') == 'tokens':
-        return token_file_codec(data_lib.run_token_path(data), vocab_size)  # a blend: its first file
-    if vocab_size < data_lib.BYTE_VOCAB:
+        return token_file_codec(token_files.run_token_path(data), vocab_size)  # a blend: its first file
+    if vocab_size < builtin.BYTE_VOCAB:
         raise UserError(f'the run has no tokenizer and a vocabulary of {vocab_size} < 256 bytes. '
                         "Fix: train on data.kind='builtin' or on a token file from jaxfrontier.prepare.")
     return ByteCodec()  # builtin: bytes; synthetic: bytes are as good as anything

@@ -33,6 +33,7 @@ import ml_collections
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
@@ -97,7 +98,7 @@ def cpu_copy(c: ml_collections.ConfigDict, max_devices: int = MAX_CPU_DEVICES) -
             size = c.mesh[axis]
             c.mesh[axis] = max(d for d in range(1, size) if size % d == 0)
     if config_lib.num_devices(c) > max_devices:
-        raise config_lib.ConfigError('mesh', config_lib.mesh_shape(c),
+        raise ConfigError('mesh', config_lib.mesh_shape(c),
                                      f'even without data parallelism the mesh needs more than {max_devices} devices',
                                      'check a layout with fewer tensor x pipeline devices')
     c.train.global_batch = c.train.micro_batch * c.train.accum_steps * config_lib.data_parallel_size(c)

@@ -155,7 +155,7 @@ def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardwa
     c = _published_config(record, path, line) if published else _trial_config(record, path, line)
     try:
         config_lib.validate(c)
-    except config_lib.UserError as e:
+    except errors.UserError as e:
         raise _fail(path, line, f'its config is not valid ({e})', 'give a layout the trainer accepts') from None
     work = planner.layout_work(config_lib.model_shape(c), layout_lib.Layout.from_config(c), hw, rules=c.sharding.rules)
     name = str(record.get('name') or record.get('trial_id') or f'line {line}')

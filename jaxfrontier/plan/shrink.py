@@ -21,6 +21,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 
 MAX_DEVICES = 2048  # simulated CPU devices a program still compiles with (the brief's machine limit)
 SEQ_LEN = 32
@@ -81,7 +82,7 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
 
     others = mesh.pipeline * mesh.fsdp * mesh.tensor
     if others > max_devices:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             'mesh', config_lib.mesh_shape(c), f'pipeline x fsdp x tensor = {others} devices even with data 1, more '
             f'than the {max_devices} this machine simulates', 'verify on a larger machine, or a smaller layout')
     put('mesh.data', next(d for d in _divisors_down(mesh.data) if d * others <= max_devices))

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import attention
 from jaxfrontier.model import params as params_lib
@@ -120,7 +121,7 @@ def certificate(name: str, original: ml_collections.ConfigDict, max_devices: int
     c = shrunk.config
     devices = jax.devices()
     if len(devices) < shrunk.num_devices:
-        raise config_lib.ConfigError('mesh', config_lib.mesh_shape(c), f'the check needs {shrunk.num_devices} '
+        raise ConfigError('mesh', config_lib.mesh_shape(c), f'the check needs {shrunk.num_devices} '
                                      f'devices but {len(devices)} are present',
                                      'run it through python -m jaxfrontier.main --mode=verify, which sets them')
     loss, grads, updates = run(c, devices[:shrunk.num_devices])

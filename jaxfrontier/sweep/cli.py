@@ -18,6 +18,7 @@ from typing import Any
 from absl import flags
 
 from jaxfrontier import config as config_lib  # no JAX
+from jaxfrontier.errors import UserError
 from jaxfrontier.sweep import flags as sweep_flags
 from jaxfrontier.sweep import run as sweep_run
 from jaxfrontier.sweep import space as sweep_space
@@ -41,12 +42,12 @@ F = sweep_flags
 
 def _check_flags() -> None:
     if _MAX_TRIALS.value is not None and _MAX_TRIALS.value < 1:
-        raise config_lib.UserError(f'--max_trials={_MAX_TRIALS.value}: a budget of no trials runs nothing. Fix: '
+        raise UserError(f'--max_trials={_MAX_TRIALS.value}: a budget of no trials runs nothing. Fix: '
                                    'give --max_trials >= 1, or leave it out for the whole grid')
     if _MAX_TRIALS.value is None and _METHOD.value != 'grid':
-        raise config_lib.UserError(f'--method={_METHOD.value} needs a budget. Fix: pass --max_trials=N')
+        raise UserError(f'--method={_METHOD.value} needs a budget. Fix: pass --max_trials=N')
     if _DEVICES.value < 0:
-        raise config_lib.UserError(f'--devices={_DEVICES.value}: must be >= 0. Fix: give the devices per trial, '
+        raise UserError(f'--devices={_DEVICES.value}: must be >= 0. Fix: give the devices per trial, '
                                    'or 0 for the base config mesh size')
 
 
@@ -57,7 +58,7 @@ def _read_space() -> sweep_space.Space:
             with open(_SPACE_FILE.value, encoding='utf-8') as f:
                 text = f.read()
         except OSError as e:
-            raise config_lib.UserError(f'--space_file={_SPACE_FILE.value!r}: {e.strerror}. Fix: give a readable '
+            raise UserError(f'--space_file={_SPACE_FILE.value!r}: {e.strerror}. Fix: give a readable '
                                        'JSON file') from None
     return sweep_space.parse_space(_SPACE.value, text, f'--space_file={_SPACE_FILE.value}')
 
@@ -79,7 +80,7 @@ def select(study: sweep_run.Study, points: list[dict[str, Any]], devices: int, s
         items.append(item)
     if not any(isinstance(i, sweep_trials.Trial) or i['status'] in ('skipped_plan', 'skipped_verify') for i in items):
         reasons = sorted({i['error'] for i in items})
-        raise config_lib.UserError(
+        raise UserError(
             f'no point of the search space has a valid layout on {devices} devices ({len(items)} tried, nothing '
             f'run; docs/sweeps.md). ' + (f'{len(reasons)} reasons; the first: ' if len(reasons) > 1 else '')
             + reasons[0])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jaxfrontier import config as config_lib
+from jaxfrontier.errors import UserError
 from jaxfrontier.sweep import space as sweep_space
 from jaxfrontier.sweep import trials as sweep_trials
 from jaxfrontier.sweep.run import Study
@@ -32,7 +32,7 @@ def _hpo():
     try:
         from deephyper import hpo  # pylint: disable=g-import-not-at-top
     except ImportError as e:
-        raise config_lib.UserError(f'--method=deephyper needs DeepHyper, which is not installed ({e}). Fix: '
+        raise UserError(f'--method=deephyper needs DeepHyper, which is not installed ({e}). Fix: '
                                    "pip install -e '.[tune]' (or pip install 'deephyper>=0.13,<0.14')") from None
     return hpo
 

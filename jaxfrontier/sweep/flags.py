@@ -21,6 +21,7 @@ from ml_collections import config_flags
 from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX
 from jaxfrontier import hardware as hw_lib  # no JAX at import
+from jaxfrontier.errors import UserError
 from jaxfrontier.sweep import launch as sweep_launch
 from jaxfrontier.sweep import run as sweep_run
 
@@ -56,7 +57,7 @@ def check_common() -> None:
     for name, value, low in (('warmup', WARMUP.value, 1), ('steps', STEPS.value, 1),
                              ('trial_timeout', TIMEOUT.value, 1)):
         if value < low:
-            raise config_lib.UserError(f'--{name}={value}: must be >= {low}. Fix: pass --{name} >= {low}'
+            raise UserError(f'--{name}={value}: must be >= {low}. Fix: pass --{name} >= {low}'
                                        + (' (the first step includes start-up)' if name == 'warmup' else ''))
 
 
@@ -139,7 +140,7 @@ def run_command(body) -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
             return body(sys.argv, spec, user_args)
-        except config_lib.UserError as e:
+        except UserError as e:
             print(f'error: {e}', file=sys.stderr)
             return 2
 

@@ -16,7 +16,7 @@ import re
 import subprocess
 from typing import Mapping, Sequence
 
-from jaxfrontier import config as config_lib
+from jaxfrontier.errors import UserError
 from jaxfrontier.sweep.trials import Trial
 
 
@@ -66,7 +66,7 @@ def allocation_nodes(env: Mapping[str, str]) -> list[str]:
     """Host names of the allocation (`scontrol show hostnames $SLURM_JOB_NODELIST`)."""
     nodelist = env.get('SLURM_JOB_NODELIST') or env.get('SLURM_NODELIST')
     if not env.get('SLURM_JOB_ID') or not nodelist:
-        raise config_lib.UserError(
+        raise UserError(
             '--launcher=slurm: not inside a Slurm allocation (no SLURM_JOB_ID / SLURM_JOB_NODELIST). Fix: submit '
             'launch/sweep.sbatch, or run the sweep inside salloc; elsewhere use --launcher=local')
     out = subprocess.run(['scontrol', 'show', 'hostnames', nodelist], capture_output=True, text=True, check=True,
@@ -82,7 +82,7 @@ class SlurmLauncher:
     def __init__(self, python: Sequence[str], nodes: Sequence[str], tasks_per_node: int, devices_per_task: int,
                  gpus: bool, gpu_bind: str = 'closest', cpus_per_task: int = 1):
         if tasks_per_node < 1 or devices_per_task < 1:
-            raise config_lib.UserError(f'--tasks_per_node={tasks_per_node}, --devices_per_task={devices_per_task}: '
+            raise UserError(f'--tasks_per_node={tasks_per_node}, --devices_per_task={devices_per_task}: '
                                        'must be >= 1. Fix: give the processes per node and the devices per process')
         self.python, self.nodes = list(python), list(nodes)
         self.tasks_per_node, self.devices_per_task = tasks_per_node, devices_per_task
@@ -96,7 +96,7 @@ class SlurmLauncher:
         nodes = allocation_nodes(env)
         tpn = tasks_per_node or _tasks_per_node(env)
         if not tpn:
-            raise config_lib.UserError('--launcher=slurm: the allocation does not say its tasks per node '
+            raise UserError('--launcher=slurm: the allocation does not say its tasks per node '
                                        '(SLURM_NTASKS_PER_NODE). Fix: pass --tasks_per_node=N (processes per node, one '
                                        'per GPU) or submit with sbatch --ntasks-per-node=N')
         return cls(python, nodes, tpn, devices_per_task, gpus, cpus_per_task=_cpus_per_task(env, tpn))

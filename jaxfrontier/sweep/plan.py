@@ -16,14 +16,14 @@ from typing import Any, Callable
 
 import ml_collections
 
-from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
+from jaxfrontier.errors import UserError
 
 
 def predictor(hardware: str, cpu: bool) -> Callable[[ml_collections.ConfigDict, int], dict[str, Any]]:
     """`predict(config, devices)`: the planner's memory, fit and tokens/s for one trial config."""
     if hardware == 'local' and not cpu:
-        raise config_lib.UserError(
+        raise UserError(
             '--hardware=local: the trials run on GPUs, and the sweep process must not take one to look. Fix: '
             f'name the device with --hardware (one of {", ".join(hw_lib.HARDWARE)}), or pass --noplan_filter')
     from jaxfrontier.plan import planner  # pylint: disable=g-import-not-at-top  (imports JAX)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import ml_collections
 
-from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.sweep import space as sweep_space
 from jaxfrontier.sweep import trials as sweep_trials
 from jaxfrontier.sweep.trials import Trial
@@ -57,7 +57,7 @@ class Study:
         overridden = {a.split('=', 1)[0][len('--config.'):] for a in self.user_args}
         for path, how in FIXED.items():
             if path in overridden:
-                raise config_lib.UserError(f'--config.{path}: the sweep sets it for every trial. Fix: drop it; '
+                raise UserError(f'--config.{path}: the sweep sets it for every trial. Fix: drop it; '
                                            f'choose it with {how}')
         self.fixed = {'train.steps': self.warmup + self.steps + sweep_trials.EXTRA_STEPS, 'train.log_every': 1}
         self.fixed.update({k: v for k, v in DEFAULTS.items() if k not in overridden})
@@ -78,7 +78,7 @@ class Study:
         measure = (self.warmup, self.steps)
         try:
             c, sets = sweep_space.point_config(base, point, devices, swept)
-        except config_lib.ConfigError as e:
+        except ConfigError as e:
             args = head + [f'--config.{sweep_space.param_for(n).path or n}={v}' for n, v in point.items()]
             trial = Trial(sweep_trials.trial_id(self.config_spec, args, devices, measure), point, devices,
                           tuple(args), {'model': sweep_space.describe_model(base), **point})

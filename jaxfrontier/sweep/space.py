@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError, SpaceError, UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +65,6 @@ _SIZE_FIELDS = ('model.num_layers', 'model.d_model', 'model.num_heads')
 DERIVED = ('mesh.data', 'train.accum_steps', 'train.global_batch')
 
 Space = tuple[tuple[str, tuple[Any, ...]], ...]
-
-
-class SpaceError(config_lib.UserError):
-    """A search space that cannot be run; the message names the parameter and the fix."""
-
-    def __init__(self, name: str, values: Any, problem: str, fix: str):
-        super().__init__(f'--space {name}={values}: {problem}. Fix: {fix}')
 
 
 def param_for(name: str) -> Param:
@@ -124,10 +118,10 @@ def parse_space(items: Sequence[str] = (), json_text: str = '', source: str = '-
         try:
             data = json.loads(json_text)
         except json.JSONDecodeError as e:
-            raise config_lib.UserError(f'{source}: not JSON ({e}). Fix: write an object like '
+            raise UserError(f'{source}: not JSON ({e}). Fix: write an object like '
                                        '{"tensor": [1, 2], "remat": ["full", "none"]}') from None
         if not isinstance(data, dict):
-            raise config_lib.UserError(f'{source}: must be a JSON object of name -> list of values')
+            raise UserError(f'{source}: must be a JSON object of name -> list of values')
         raw += [(k, v if isinstance(v, list) else [v]) for k, v in data.items()]
     raw += [_parse_item(item) for item in items]
     if not raw:
@@ -207,7 +201,7 @@ def point_config(base: ml_collections.ConfigDict, point: dict[str, Any], devices
         c[section][field] = value
     model_parallel = c.mesh.tensor * c.mesh.pipeline * c.mesh.fsdp
     if devices % model_parallel:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             'mesh', f'tensor {c.mesh.tensor} x pipeline {c.mesh.pipeline} x fsdp {c.mesh.fsdp}',
             f'{model_parallel} devices per data-parallel replica do not divide the {devices} devices of a trial',
             'sweep sizes whose product divides --devices')
@@ -216,7 +210,7 @@ def point_config(base: ml_collections.ConfigDict, point: dict[str, Any], devices
     if 'accum_steps' in swept:
         c.train.global_batch = rows * c.train.accum_steps
     elif c.train.global_batch % rows:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             'train.global_batch', c.train.global_batch,
             f'is not a multiple of micro_batch {c.train.micro_batch} x data-parallel size '
             f'{config_lib.data_parallel_size(c)} = {rows}, so no whole number of accumulation steps fits',

@@ -13,7 +13,8 @@ import os
 import re
 import shutil
 
-from jaxfrontier.errors import UserError
+from jaxfrontier.errors import DiskFullError, UserError
+
 
 
 def disk_full(e: BaseException | None) -> OSError | None:
@@ -36,14 +37,6 @@ def disk_full(e: BaseException | None) -> OSError | None:
 
 def _size(n: int) -> str:
     return f'{n / 2**30:.2f} GiB' if n >= 2**30 else f'{n / 2**20:.1f} MiB'
-
-
-class DiskFullError(UserError):
-    """A write failed for lack of space. Orbax's failed writer threads would print tracebacks at
-    interpreter exit, after the one line: the process leaves without waiting for them
-    (`cli.exit_code`'s `abandon_threads`); what was committed before is on disk already."""
-
-    abandon_threads = True
 
 
 def disk_full_error(e: OSError, workdir: str) -> UserError:

@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import hf
 from jaxfrontier import config as config_lib
@@ -81,7 +82,7 @@ def _restore_params(step_dir: str, item: dict[str, Any], restore_args: dict[str,
 def _check_out_path(out_path: str) -> None:
     """Fails with one line when `out_path` is a directory or its directory cannot be written."""
     if os.path.isdir(out_path):
-        raise config_lib.UserError(f'--export_path={out_path!r} is a directory. '
+        raise UserError(f'--export_path={out_path!r} is a directory. '
                                    'Fix: name a file, e.g. --export_path=params.safetensors.')
     directory = os.path.dirname(os.path.abspath(out_path))
     try:
@@ -89,7 +90,7 @@ def _check_out_path(out_path: str) -> None:
         open(f'{out_path}.tmp{os.getpid()}', 'wb').close()  # pylint: disable=consider-using-with
         os.remove(f'{out_path}.tmp{os.getpid()}')
     except OSError as e:
-        raise config_lib.UserError(f'--export_path={out_path!r} cannot be written ({e.strerror or e}). '
+        raise UserError(f'--export_path={out_path!r} cannot be written ({e.strerror or e}). '
                                    'Fix: choose a path in a directory you can write to.') from None
 
 
@@ -231,7 +232,7 @@ def load_params(source: str, c: ml_collections.ConfigDict, layout: ts.StateLayou
     """Initial parameters for config.checkpoint.init_params_from: a .safetensors file, a Hugging Face
     GPT-2 directory or a checkpoint."""
     if not os.path.exists(source):
-        raise config_lib.ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
+        raise ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
                                      'name a training workdir, a checkpoint directory or a .safetensors file')
     if os.path.isfile(source):
         return load_safetensors(source, c, layout)

@@ -39,8 +39,8 @@ import orbax.checkpoint as ocp
 import tensorstore as tstore
 from etils import epath
 
-from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import token_files as data_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import state as ts
 
@@ -169,7 +169,7 @@ def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     try:
         path = data_lib.run_token_path(data)  # a blend: its first file (they share the tokenizer)
         token_file = data_lib.open_token_file(path, config['model']['vocab_size'])
-    except config_lib.ConfigError:
+    except ConfigError:
         return None, {}  # the data moved: export the weights without the tokenizer
     return data_lib.tokenizer_path(token_file), token_file.header
 
@@ -277,7 +277,7 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
 def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """Our model.* fields for a HF GPT-2 config; refuses what our model cannot compute."""
     def refuse(key, value, fix):
-        raise config_lib.ConfigError('checkpoint.init_params_from', where,
+        raise ConfigError('checkpoint.init_params_from', where,
                                      f'its config.json has {key} = {value!r}, which jaxfrontier cannot compute', fix)
 
     if hf.get('model_type') != 'gpt2':
@@ -306,7 +306,7 @@ def _check_matches(fields: dict[str, Any], c: ml_collections.ConfigDict, where: 
         if key == 'seq_len' and ours <= theirs:
             continue  # a shorter context takes the first positions
         if ours != theirs:
-            raise config_lib.ConfigError(f'model.{key}', ours, f'the Hugging Face model {where} has {theirs}',
+            raise ConfigError(f'model.{key}', ours, f'the Hugging Face model {where} has {theirs}',
                                          f'set --config.model.{key}={theirs}')
 
 

@@ -23,7 +23,8 @@ from jaxfrontier.training import disk
 from jaxfrontier.training import export
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import loader as data_lib
+from jaxfrontier.errors import NonFiniteLossError
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
@@ -233,7 +234,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 commits.started(done, state)
             checkpointer.wait()
             commits.poll(committed=True)
-    except metrics_lib.NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
+    except NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
         raise checkpointer.with_resume_hint(e) from None
     finally:
         profiler.close()

@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import jax
 
+from jaxfrontier.errors import NonFiniteLossError
+
 
 def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, model_flops: float,
                  megatron_hw_flops: float, peak_flops: float) -> dict[str, float]:
@@ -140,12 +142,6 @@ class MetricsWriter:
 
 
 # --------------------------------------------------------------------------- NaN/Inf guard
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or Inf."""
-
-    exit_code = 3
 
 
 def check_finite(step: int, loss: Any) -> None:

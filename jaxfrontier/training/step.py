@@ -18,7 +18,7 @@ import ml_collections
 import optax
 from jax.sharding import NamedSharding
 
-from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.training import checkpoint as checkpoint_lib
@@ -187,7 +187,7 @@ def check_compiles(c: ml_collections.ConfigDict, layout: ts.StateLayout) -> None
     if old_jax or lay.pipeline == 1 or lay.data == 1 or lay.fsdp == 1:
         return
     if lay.dropout and not lay.reduce_once:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             'model.dropout_rate', c.model.dropout_rate,
             f'jax {jax.__version__} aborts compiling a pipeline whose data ({c.mesh.data}) and fsdp ({c.mesh.fsdp}) '
             'axes are both automatic, which dropout needs',

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import loader as data_lib
 
 
 def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:

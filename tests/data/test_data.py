@@ -1,4 +1,4 @@
-"""Tests of jaxfrontier.data.dataset: token-file format and validation, sampling, sharded batches, corpora."""
+"""Tests of jaxfrontier.data (token_files, builtin, sources, loader): token-file format and validation, sampling, sharded batches, corpora."""
 
 import json
 import os
@@ -11,8 +11,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data
+from jaxfrontier.data import builtin, loader, sources, token_files
 from jaxfrontier.data import sampling
+from jaxfrontier.errors import ConfigError
 
 SEQ_LEN, BATCH = 13, 8  # distinct sizes so a swapped axis fails
 
@@ -26,7 +27,7 @@ def _config(kind='tokens', path='', vocab_size=256, seq_len=SEQ_LEN, val_fractio
 
 def _positions_file(tmp_path, num_tokens=5003):
     """A uint32 file whose token i is i: every row shows where it was read from."""
-    return data.write_token_file(tmp_path / 'pos.bin', np.arange(num_tokens), num_tokens, 'uint32')
+    return token_files.write_token_file(tmp_path / 'pos.bin', np.arange(num_tokens), num_tokens, 'uint32')
 
 
 # --------------------------------------------------------------------------- format
@@ -36,14 +37,14 @@ def _positions_file(tmp_path, num_tokens=5003):
 def test_write_read_round_trip(tmp_path, vocab_size, dtype, itemsize):
     tokens = np.random.default_rng(0).integers(0, vocab_size, size=1009)
     tokens[7] = vocab_size - 1
-    path = data.write_token_file(tmp_path / 'x.bin', tokens, vocab_size)  # dtype picked
+    path = token_files.write_token_file(tmp_path / 'x.bin', tokens, vocab_size)  # dtype picked
     with open(tmp_path / 'x.json') as f:
         header = json.load(f)
     assert header == {'format': 'jaxfrontier-tokens', 'version': 1, 'dtype': dtype,
                       'num_tokens': 1009, 'vocab_size': vocab_size}
     raw = (tmp_path / 'x.bin').read_bytes()
     assert raw == tokens.astype('<u2' if itemsize == 2 else '<u4').tobytes()  # little-endian
-    token_file = data.open_token_file(path, vocab_size)
+    token_file = token_files.open_token_file(path, vocab_size)
     assert isinstance(token_file.tokens, np.memmap)
     assert token_file.tokens.dtype.itemsize == itemsize and token_file.num_tokens == 1009
     np.testing.assert_array_equal(token_file.tokens, tokens)
@@ -51,9 +52,9 @@ def test_write_read_round_trip(tmp_path, vocab_size, dtype, itemsize):
 
 
 def test_explicit_uint32_and_rewrite(tmp_path):
-    data.write_token_file(tmp_path / 'x', np.arange(100), 300, dtype='uint32')
-    data.write_token_file(tmp_path / 'x', np.arange(50), 300)  # rewrite as uint16
-    token_file = data.open_token_file(tmp_path / 'x.bin', 300)
+    token_files.write_token_file(tmp_path / 'x', np.arange(100), 300, dtype='uint32')
+    token_files.write_token_file(tmp_path / 'x', np.arange(50), 300)  # rewrite as uint16
+    token_file = token_files.open_token_file(tmp_path / 'x.bin', 300)
     assert token_file.header['dtype'] == 'uint16'
     np.testing.assert_array_equal(token_file.tokens, np.arange(50))
 
@@ -67,7 +68,7 @@ def test_explicit_uint32_and_rewrite(tmp_path):
 ])
 def test_write_rejects_bad_tokens(tmp_path, tokens, vocab_size, dtype):
     with pytest.raises(ValueError):
-        data.write_token_file(tmp_path / 'x.bin', np.array(tokens), vocab_size, dtype)
+        token_files.write_token_file(tmp_path / 'x.bin', np.array(tokens), vocab_size, dtype)
     assert not (tmp_path / 'x.json').exists()
 
 
@@ -107,41 +108,41 @@ def _wrong_dtype(p):
 ])
 def test_bad_file_raises_config_error_naming_data_path(tmp_path, damage, words):
     base = str(tmp_path / 'x')
-    data.write_token_file(base + '.bin', np.arange(100) % 256, 256)
+    token_files.write_token_file(base + '.bin', np.arange(100) % 256, 256)
     damage(base)
-    with pytest.raises(config_lib.ConfigError, match=words) as e:
-        data.open_token_file(base + '.bin', 256)
+    with pytest.raises(ConfigError, match=words) as e:
+        token_files.open_token_file(base + '.bin', 256)
     assert e.value.field == 'data.path'
 
 
 def test_token_beyond_vocab_reports_max_and_vocab(tmp_path):
     tokens = np.zeros(3001, np.int64)
     tokens[1234] = 777
-    path = data.write_token_file(tmp_path / 'x.bin', tokens, 1000)
-    data.open_token_file(path, 778)  # fits
-    with pytest.raises(config_lib.ConfigError, match=r'token 777 \(at position 1,234\).*= 500') as e:
-        data.open_token_file(path, 500)
+    path = token_files.write_token_file(tmp_path / 'x.bin', tokens, 1000)
+    token_files.open_token_file(path, 778)  # fits
+    with pytest.raises(ConfigError, match=r'token 777 \(at position 1,234\).*= 500') as e:
+        token_files.open_token_file(path, 500)
     assert e.value.field == 'data.path'
     assert 'at least 778' in str(e.value)
 
 
 def test_scan_covers_every_chunk(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, '_SCAN_CHUNK_TOKENS', 64)
+    monkeypatch.setattr(token_files, '_SCAN_CHUNK_TOKENS', 64)
     tokens = np.zeros(1000, np.int64)
     tokens[-1] = 9  # in the last, partial chunk
-    path = data.write_token_file(tmp_path / 'x.bin', tokens, 10)
-    with pytest.raises(config_lib.ConfigError, match='token 9 .at position 999'):
-        data.open_token_file(path, 9)
+    path = token_files.write_token_file(tmp_path / 'x.bin', tokens, 10)
+    with pytest.raises(ConfigError, match='token 9 .at position 999'):
+        token_files.open_token_file(path, 9)
 
 
 def test_too_few_tokens_for_one_sequence(tmp_path):
-    path = data.write_token_file(tmp_path / 'x.bin', np.arange(SEQ_LEN), 256)
-    data.open_token_file(path, 256)
-    with pytest.raises(config_lib.ConfigError, match='fewer than one sequence') as e:
-        data.open_token_file(path, 256, seq_len=SEQ_LEN)
+    path = token_files.write_token_file(tmp_path / 'x.bin', np.arange(SEQ_LEN), 256)
+    token_files.open_token_file(path, 256)
+    with pytest.raises(ConfigError, match='fewer than one sequence') as e:
+        token_files.open_token_file(path, 256, seq_len=SEQ_LEN)
     assert e.value.field == 'data.path'
-    with pytest.raises(config_lib.ConfigError) as e:
-        data.check_data(_config(path=path))
+    with pytest.raises(ConfigError) as e:
+        loader.check_data(_config(path=path))
     assert e.value.field == 'data.path'
 
 
@@ -150,7 +151,7 @@ def test_too_few_tokens_for_one_sequence(tmp_path):
 
 def test_token_source_rows_are_windows_and_deterministic(tmp_path):
     c = _config(path=_positions_file(tmp_path), vocab_size=5003)
-    train, val = data.make_datasets(c, str(tmp_path / 'work'))
+    train, val = loader.make_datasets(c, str(tmp_path / 'work'))
     rows = np.arange(BATCH)
     batch_bl = train.read_rows(3, rows, BATCH)
     assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
@@ -158,21 +159,21 @@ def test_token_source_rows_are_windows_and_deterministic(tmp_path):
     np.testing.assert_array_equal(batch_bl, batch_bl[:, :1] + np.arange(SEQ_LEN + 1))
     # windows k = step * B + row of epoch 0's permutation of the stride-seq_len windows
     k = 3 * BATCH + rows
-    offsets = sampling.permute(k, (train.stop - 1) // SEQ_LEN, [0, data.TRAIN, 0]) * SEQ_LEN
+    offsets = sampling.permute(k, (train.stop - 1) // SEQ_LEN, [0, sources.TRAIN, 0]) * SEQ_LEN
     np.testing.assert_array_equal(batch_bl[:, 0], offsets)
     assert len(set(offsets.tolist())) == BATCH  # without replacement
     np.testing.assert_array_equal(train.read_rows(3, rows, BATCH), batch_bl)
-    again, _ = data.make_datasets(c, str(tmp_path / 'work'))
+    again, _ = loader.make_datasets(c, str(tmp_path / 'work'))
     np.testing.assert_array_equal(again.read_rows(3, rows, BATCH), batch_bl)
     assert not np.array_equal(train.read_rows(4, rows, BATCH), batch_bl)
-    other_seed, _ = data.make_datasets(_config(path=c.data.path, vocab_size=5003, seed=1), '')
+    other_seed, _ = loader.make_datasets(_config(path=c.data.path, vocab_size=5003, seed=1), '')
     assert not np.array_equal(other_seed.read_rows(3, rows, BATCH), batch_bl)
     assert not np.array_equal(val.read_rows(3, rows, BATCH), batch_bl)
 
 
 def test_train_and_val_windows_never_cross_the_boundary(tmp_path):
     c = _config(path=_positions_file(tmp_path, 1000), vocab_size=1000, val_fraction=0.05)
-    train, val = data.make_datasets(c, '')
+    train, val = loader.make_datasets(c, '')
     boundary = 1000 - 50
     assert (train.start, train.stop, val.start, val.stop) == (0, boundary, boundary, 1000)
     train_bl = np.concatenate([train.read_rows(s, np.arange(64), 64) for s in range(20)])
@@ -184,16 +185,16 @@ def test_train_and_val_windows_never_cross_the_boundary(tmp_path):
 
 def test_validation_split_too_small(tmp_path):
     path = _positions_file(tmp_path, 100)
-    with pytest.raises(config_lib.ConfigError) as e:
-        data.check_data(_config(path=path, vocab_size=100, val_fraction=0.1))
+    with pytest.raises(ConfigError) as e:
+        loader.check_data(_config(path=path, vocab_size=100, val_fraction=0.1))
     assert e.value.field == 'data.val_fraction' and 'at least 0.14' in str(e.value)
-    data.check_data(_config(path=path, vocab_size=100, val_fraction=0.14))
+    loader.check_data(_config(path=path, vocab_size=100, val_fraction=0.14))
 
 
 @pytest.mark.parametrize('kind', ['tokens', 'synthetic'])
 def test_subset_of_rows_equals_full_batch_rows(tmp_path, kind):
     c = _config(kind=kind, path=_positions_file(tmp_path), vocab_size=5003)
-    train, _ = data.make_datasets(c, '')
+    train, _ = loader.make_datasets(c, '')
     full_bl = train.read_rows(5, np.arange(BATCH), BATCH)
     for rows in (np.array([6, 1]), np.arange(4, 8), np.array([], np.int64)):
         np.testing.assert_array_equal(train.read_rows(5, rows, BATCH), full_bl[rows])
@@ -201,12 +202,12 @@ def test_subset_of_rows_equals_full_batch_rows(tmp_path, kind):
 
 def test_synthetic_is_deterministic_and_in_vocab():
     c = _config(kind='synthetic', vocab_size=97)
-    train, val = data.make_datasets(c, '/nonexistent')
+    train, val = loader.make_datasets(c, '/nonexistent')
     rows = np.arange(BATCH)
     batch_bl = train.read_rows(2, rows, BATCH)
     assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
     assert batch_bl.min() >= 0 and batch_bl.max() < 97 and len(np.unique(batch_bl)) > 50
-    np.testing.assert_array_equal(data.make_datasets(c, '')[0].read_rows(2, rows, BATCH), batch_bl)
+    np.testing.assert_array_equal(loader.make_datasets(c, '')[0].read_rows(2, rows, BATCH), batch_bl)
     assert not np.array_equal(train.read_rows(3, rows, BATCH), batch_bl)
     assert not np.array_equal(val.read_rows(2, rows, BATCH), batch_bl)
     assert not np.array_equal(train.read_rows(2, rows + 1, BATCH), batch_bl)
@@ -235,11 +236,11 @@ class _CountingSource:
 ])
 def test_make_global_batch_matches_numpy_batch(tmp_path, kind, mesh_shape, batch_axes):
     c = _config(kind=kind, path=_positions_file(tmp_path), vocab_size=5003)
-    train, _ = data.make_datasets(c, '')
+    train, _ = loader.make_datasets(c, '')
     devices = np.array(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape)
     sharding = NamedSharding(Mesh(devices, ('data', 'fsdp', 'tensor')), P(batch_axes, None))
     source = _CountingSource(train)
-    batch_bl = data.make_global_batch(source, 7, sharding, BATCH)
+    batch_bl = loader.make_global_batch(source, 7, sharding, BATCH)
     assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
     assert batch_bl.sharding == sharding
     np.testing.assert_array_equal(np.asarray(batch_bl), train.read_rows(7, np.arange(BATCH), BATCH))
@@ -254,23 +255,23 @@ def test_make_global_batch_matches_numpy_batch(tmp_path, kind, mesh_shape, batch
 
 @pytest.fixture(scope='module')
 def builtin_path(tmp_path_factory):
-    return data.builtin_corpus(tmp_path_factory.mktemp('cache'))
+    return builtin.builtin_corpus(tmp_path_factory.mktemp('cache'))
 
 
 def test_builtin_corpus_is_stdlib_bytes_and_cached(builtin_path):
-    token_file = data.open_token_file(builtin_path, 256)
+    token_file = token_files.open_token_file(builtin_path, 256)
     assert token_file.header['vocab_size'] == 256 and token_file.header['num_files'] > 100
     assert token_file.num_tokens > 1_000_000
-    stdlib_files = data._stdlib_source_files(token_file.header['source'])
+    stdlib_files = builtin._stdlib_source_files(token_file.header['source'])
     assert not any('site-packages' in str(f) for f in stdlib_files)
     first = stdlib_files[0].read_bytes()
     np.testing.assert_array_equal(token_file.tokens[:len(first)], np.frombuffer(first, np.uint8))
-    mtimes = [os.stat(p).st_mtime_ns for p in data.token_paths(builtin_path)]
-    assert data.builtin_corpus(os.path.dirname(builtin_path)) == builtin_path
-    assert [os.stat(p).st_mtime_ns for p in data.token_paths(builtin_path)] == mtimes
+    mtimes = [os.stat(p).st_mtime_ns for p in token_files.token_paths(builtin_path)]
+    assert builtin.builtin_corpus(os.path.dirname(builtin_path)) == builtin_path
+    assert [os.stat(p).st_mtime_ns for p in token_files.token_paths(builtin_path)] == mtimes
     # the token file, its header and the builders' lock file; no temp files left
     assert sorted(os.listdir(os.path.dirname(builtin_path))) == sorted(
-        [os.path.basename(p) for p in data.token_paths(builtin_path)] + [os.path.basename(builtin_path) + '.lock'])
+        [os.path.basename(p) for p in token_files.token_paths(builtin_path)] + [os.path.basename(builtin_path) + '.lock'])
 
 
 def test_builtin_corpus_rebuilds_a_damaged_cache(builtin_path, tmp_path):
@@ -279,19 +280,19 @@ def test_builtin_corpus_rebuilds_a_damaged_cache(builtin_path, tmp_path):
     name = os.path.basename(builtin_path)
     with open(builtin_path, 'rb') as src, open(cache / name, 'wb') as dst:
         dst.write(src.read(1 << 20))  # a crash left half the tokens...
-    bin_path, header_path = data.token_paths(builtin_path)
-    with open(header_path, 'rb') as src, open(data.token_paths(cache / name)[1], 'wb') as dst:
+    bin_path, header_path = token_files.token_paths(builtin_path)
+    with open(header_path, 'rb') as src, open(token_files.token_paths(cache / name)[1], 'wb') as dst:
         dst.write(src.read())  # ...beside a complete header
-    rebuilt = data.builtin_corpus(cache)
+    rebuilt = builtin.builtin_corpus(cache)
     assert os.path.getsize(rebuilt) == os.path.getsize(bin_path)
 
 
 def test_builtin_datasets_split_disjoint(builtin_path, tmp_path):
     workdir = tmp_path / 'work'
     os.makedirs(workdir / 'data_cache')
-    for src in data.token_paths(builtin_path):  # reuse the module's cache instead of rebuilding
+    for src in token_files.token_paths(builtin_path):  # reuse the module's cache instead of rebuilding
         os.link(src, workdir / 'data_cache' / os.path.basename(src))
-    train, val = data.make_datasets(_config(kind='builtin', vocab_size=256, seq_len=64), str(workdir))
+    train, val = loader.make_datasets(_config(kind='builtin', vocab_size=256, seq_len=64), str(workdir))
     assert train.stop == val.start and val.stop == len(train.tokens)
     assert val.stop - val.start == int(len(train.tokens) * 0.1)
     train_bl = train.read_rows(0, np.arange(16), 16)
@@ -300,13 +301,13 @@ def test_builtin_datasets_split_disjoint(builtin_path, tmp_path):
 
 
 def test_check_data_writes_nothing_and_checks_vocab(tmp_path):
-    data.check_data(_config(kind='builtin'))
-    data.check_data(_config(kind='synthetic'))
-    with pytest.raises(config_lib.ConfigError) as e:
-        data.check_data(_config(kind='builtin', vocab_size=200))
+    loader.check_data(_config(kind='builtin'))
+    loader.check_data(_config(kind='synthetic'))
+    with pytest.raises(ConfigError) as e:
+        loader.check_data(_config(kind='builtin', vocab_size=200))
     assert e.value.field == 'model.vocab_size'
-    with pytest.raises(config_lib.ConfigError) as e:
-        data.check_data(_config(kind='tokens', path=tmp_path / 'missing.bin'))
+    with pytest.raises(ConfigError) as e:
+        loader.check_data(_config(kind='tokens', path=tmp_path / 'missing.bin'))
     assert e.value.field == 'data.path'
     assert os.listdir(tmp_path) == []
 
@@ -320,7 +321,7 @@ def test_builtin_corpus_builders_wait_for_each_other(tmp_path):
     import multiprocessing  # pylint: disable=g-import-not-at-top
     name = f'stdlib-{sys.implementation.name}-{platform.python_version()}.bin'
     ctx = multiprocessing.get_context('spawn')
-    with data._exclusive(str(tmp_path / (name + '.lock'))):  # pylint: disable=protected-access
+    with builtin._exclusive(str(tmp_path / (name + '.lock'))):  # pylint: disable=protected-access
         builder = ctx.Process(target=_build_and_open, args=(str(tmp_path),))
         builder.start()
         builder.join(timeout=3.0)
@@ -328,8 +329,8 @@ def test_builtin_corpus_builders_wait_for_each_other(tmp_path):
         assert not (tmp_path / name).exists()
     builder.join(timeout=120)
     assert builder.exitcode == 0
-    data.open_token_file(str(tmp_path / name), 256)
+    token_files.open_token_file(str(tmp_path / name), 256)
 
 
 def _build_and_open(cache_dir):
-    data.open_token_file(data.builtin_corpus(cache_dir), 256)  # raises on a missing or bad header
+    token_files.open_token_file(builtin.builtin_corpus(cache_dir), 256)  # raises on a missing or bad header

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data
+from jaxfrontier.data import loader, token_files
 from jaxfrontier.data import sampling
+from jaxfrontier.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LEN, BATCH = 7, 10
@@ -27,7 +28,7 @@ def _config(path='', blend='', vocab_size=VOCAB, seed=0, global_batch=BATCH):
 
 def _positions(tmp_path, name, first, num_tokens, vocab_size=VOCAB):
     """Token i of the file is first + i: every row shows which file and where it came from."""
-    return data.write_token_file(tmp_path / f'{name}.bin', first + np.arange(num_tokens), vocab_size, 'uint16')
+    return token_files.write_token_file(tmp_path / f'{name}.bin', first + np.arange(num_tokens), vocab_size, 'uint16')
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_permute_is_a_permutation_and_depends_on_the_key(size):
 
 
 def test_one_epoch_reads_every_window_once_and_the_next_epoch_reorders(tmp_path):
-    train, _ = data.make_datasets(_config(_positions(tmp_path, 'a', 0, 1000)), '')
+    train, _ = loader.make_datasets(_config(_positions(tmp_path, 'a', 0, 1000)), '')
     w = train.num_windows
     assert w == (900 - 1) // SEQ_LEN  # 900 training tokens at stride seq_len
     steps = -(-2 * w // BATCH) + 1  # past two epochs; w is not a multiple of BATCH, so a step straddles
@@ -66,7 +67,7 @@ def test_one_epoch_reads_every_window_once_and_the_next_epoch_reorders(tmp_path)
 
 
 def test_epoch_metric(tmp_path):
-    train, val = data.make_datasets(_config(_positions(tmp_path, 'a', 0, 1000)), '')
+    train, val = loader.make_datasets(_config(_positions(tmp_path, 'a', 0, 1000)), '')
     assert train.epochs(0, BATCH) == {'data/epoch': BATCH / train.num_windows}
     assert train.num_windows == 128
     assert train.epochs(11, BATCH)['data/epoch'] == pytest.approx(120 / 128)  # still epoch 0
@@ -81,7 +82,7 @@ def test_epoch_metric(tmp_path):
                                           ('2:{b},8:{a}', (2, 8)), ('1:{a},2:{b}', (3, 7))])
 def test_blend_rows_per_step_are_exact(two_files, blend, counts):
     a, b = two_files
-    train, val = data.make_datasets(_config(blend=blend.format(a=a, b=b)), '')
+    train, val = loader.make_datasets(_config(blend=blend.format(a=a, b=b)), '')
     assert train.counts == counts and val.counts == counts and sum(counts) == BATCH
     from_a = 0 if blend.index('{a}') < blend.index('{b}') else 1
     for step in range(30):
@@ -95,13 +96,13 @@ def test_blend_rows_per_step_are_exact(two_files, blend, counts):
 def test_blend_is_deterministic_resumable_and_per_file_epochs(two_files):
     a, b = two_files
     c = _config(blend=f'0.7:{a},0.3:{b}')
-    train, _ = data.make_datasets(c, '')
+    train, _ = loader.make_datasets(c, '')
     continuous = [train.read_rows(s, np.arange(BATCH), BATCH) for s in range(200)]
     for k in (0, 1, 57, 128, 199):  # a fresh source (a restarted run) at step k reads the same batch
-        fresh, _ = data.make_datasets(c, '')
+        fresh, _ = loader.make_datasets(c, '')
         np.testing.assert_array_equal(fresh.read_rows(k, np.arange(BATCH), BATCH), continuous[k])
         np.testing.assert_array_equal(fresh.read_rows(k, np.array([9, 2, 4]), BATCH), continuous[k][[9, 2, 4]])
-    other, _ = data.make_datasets(_config(blend=f'0.7:{a},0.3:{b}', seed=1), '')
+    other, _ = loader.make_datasets(_config(blend=f'0.7:{a},0.3:{b}', seed=1), '')
     assert not np.array_equal(other.read_rows(3, np.arange(BATCH), BATCH), continuous[3])
     # file i's rows of step s are its windows k = s * n_i + [0, n_i); each file runs its own epochs
     for step in (0, 17, 18, 150):
@@ -127,11 +128,11 @@ def test_blend_metric_names_distinguish_equal_stems():
 def test_vocab_size_zero_reads_the_header(two_files):
     a, b = two_files
     for c in (_config(a, vocab_size=0), _config(blend=f'1:{a},1:{b}', vocab_size=0)):
-        data.resolve_vocab(c)
+        loader.resolve_vocab(c)
         assert c.model.vocab_size == VOCAB
-        data.check_data(c)
+        loader.check_data(c)
     c = _config(a, vocab_size=123)
-    data.resolve_vocab(c)
+    loader.resolve_vocab(c)
     assert c.model.vocab_size == 123  # an explicit vocabulary is kept
 
 
@@ -139,8 +140,8 @@ def test_vocab_size_zero_reads_the_header(two_files):
 def test_vocab_size_zero_without_a_token_file(kind):
     c = _config(vocab_size=0)
     c.data.kind = kind
-    with pytest.raises(config_lib.ConfigError, match='no token file') as e:
-        data.resolve_vocab(c)
+    with pytest.raises(ConfigError, match='no token file') as e:
+        loader.resolve_vocab(c)
     assert e.value.field == 'model.vocab_size' and '\n' not in str(e.value)
 
 
@@ -167,20 +168,20 @@ def test_bad_blend_is_one_config_error(tmp_path, case):
     blend, words = _bad_blends(tmp_path)[case]
     for vocab_size in (VOCAB + 1, 0):
         c = _config(blend=blend, vocab_size=vocab_size)
-        with pytest.raises(config_lib.ConfigError) as e:
-            data.resolve_vocab(c)
-            data.check_data(c)
+        with pytest.raises(ConfigError) as e:
+            loader.resolve_vocab(c)
+            loader.check_data(c)
         assert e.value.field == 'data.blend' and words in str(e.value) and 'Fix:' in str(e.value), str(e.value)
         assert '\n' not in str(e.value)
 
 
 def test_blend_and_path_together_or_without_tokens(tmp_path):
     a = _positions(tmp_path, 'a', 0, 1000)
-    with pytest.raises(config_lib.ConfigError, match='both set'):
+    with pytest.raises(ConfigError, match='both set'):
         config_lib.validate(_config(a, blend=f'1:{a}', global_batch=8))
     c = _config(blend=f'1:{a}', global_batch=8)
     c.data.kind = 'builtin'
-    with pytest.raises(config_lib.ConfigError, match='mixes token files'):
+    with pytest.raises(ConfigError, match='mixes token files'):
         config_lib.validate(c)
 
 
@@ -205,8 +206,8 @@ def test_cli_bad_blend_exits_2_with_one_line(tmp_path, case):
 @pytest.mark.slow
 def test_cli_trains_a_blend_with_vocab_from_the_header(tmp_path):
     rng = np.random.default_rng(0)
-    a = data.write_token_file(tmp_path / 'a.bin', rng.integers(0, 300, 20000), 300)
-    b = data.write_token_file(tmp_path / 'b.bin', rng.integers(0, 300, 10000), 300)
+    a = token_files.write_token_file(tmp_path / 'a.bin', rng.integers(0, 300, 20000), 300)
+    b = token_files.write_token_file(tmp_path / 'b.bin', rng.integers(0, 300, 10000), 300)
     proc = _main(tmp_path, f'--config.data.blend=0.75:{a},0.25:{b}', '--config.model.vocab_size=0',
                  '--config.train.steps=2', '--config.train.log_every=1', '--config.train.eval_batches=1',
                  '--config.checkpoint.enabled=False', '--config.train.progress=False')

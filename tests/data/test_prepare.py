@@ -19,8 +19,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from jaxfrontier.data import corpus
-from jaxfrontier.data import dataset as data
+from jaxfrontier.data import token_files
 from jaxfrontier.data import encode as tokenize_lib
+from jaxfrontier.errors import ConfigError, FlagError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOT = '<|endoftext|>'
@@ -68,9 +69,9 @@ def _prepare(*args, check=True):
 
 def _decoded_documents(bin_path):
     """The documents of a prepared token file, decoded with the tokenizer its header names."""
-    header = json.load(open(data.token_paths(bin_path)[1]))
-    token_file = data.open_token_file(bin_path, header['vocab_size'])
-    tokenizer = Tokenizer.from_file(data.tokenizer_path(token_file))
+    header = json.load(open(token_files.token_paths(bin_path)[1]))
+    token_file = token_files.open_token_file(bin_path, header['vocab_size'])
+    tokenizer = Tokenizer.from_file(token_files.tokenizer_path(token_file))
     tokens = np.asarray(token_file.tokens)
     assert tokens[-1] == header['eot_id'], 'every document, the last included, ends with end-of-text'
     cuts = np.flatnonzero(tokens == header['eot_id'])
@@ -115,7 +116,7 @@ def test_tokenizer_directory_eot_token_and_uint32(tmp_path):
     _prepare(f'--input={source}', f'--output={tmp_path}/o', f'--tokenizer={tmp_path}/tok')
     header = json.load(open(tmp_path / 'o.json'))
     assert header['dtype'] == 'uint32' and header['vocab_size'] == 70_001 and header['eot_token'] == '</s>'
-    tokens = data.open_token_file(tmp_path / 'o.bin', 70_001).tokens
+    tokens = token_files.open_token_file(tmp_path / 'o.bin', 70_001).tokens
     np.testing.assert_array_equal(tokens, [5, 69_999, 70_000, 1, 70_000, 2, 1])
 
 
@@ -135,13 +136,13 @@ def test_dtype_for_vocab():
     assert tokenize_lib.dtype_for_vocab(65536) == 'uint16'
     assert tokenize_lib.dtype_for_vocab(65537) == 'uint32'
     assert tokenize_lib.dtype_for_vocab(1 << 32) == 'uint32'
-    with pytest.raises(corpus.FlagError, match='does not fit uint32'):
+    with pytest.raises(FlagError, match='does not fit uint32'):
         tokenize_lib.dtype_for_vocab((1 << 32) + 1)
 
 
 def test_files_without_a_tokenizer_still_load(tmp_path):
-    path = data.write_token_file(tmp_path / 'old.bin', np.arange(100), 256)
-    assert data.tokenizer_path(data.open_token_file(path, 256)) is None
+    path = token_files.write_token_file(tmp_path / 'old.bin', np.arange(100), 256)
+    assert token_files.tokenizer_path(token_files.open_token_file(path, 256)) is None
 
 
 # --------------------------------------------------------------------------- bad input
@@ -260,8 +261,8 @@ def test_killed_run_leaves_nothing_that_looks_complete_and_a_rerun_cleans_up(tmp
     child.wait()
     left = os.listdir(out)
     assert left == [f'c.bin.tmp-{child.pid}'], left  # no header, no .bin: nothing loads
-    with pytest.raises(data.ConfigError, match='does not exist'):
-        data.open_token_file(out / 'c.bin', 2000)
+    with pytest.raises(ConfigError, match='does not exist'):
+        token_files.open_token_file(out / 'c.bin', 2000)
     _prepare(f'--input={source}', f'--output={out}/c', '--tokenizer=' + _good_tokenizer(tmp_path))
     assert sorted(os.listdir(out)) == ['c.bin', 'c.json', 'c.tokenizer.json']  # the stale temporary is gone
 

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.errors import UserError
 from jaxfrontier.inference import evaluate
 from jaxfrontier.inference import generate as gen
 from jaxfrontier.inference import sample
@@ -107,7 +108,7 @@ def test_sample_without_checkpoint_is_one_line(tmp_path):
 
 
 def test_prompt_longer_than_the_model_is_refused():
-    with pytest.raises(config_lib.UserError, match='exceeds the model'):
+    with pytest.raises(UserError, match='exceeds the model'):
         sample.encode_prompts(type('C', (), {'encode': staticmethod(lambda s: [1] * len(s))})(), ['x' * 30],
                               max_new=20, seq_len=40)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.model import attention as attention_lib
 from jaxfrontier.model.blockwise import blockwise_attention
@@ -68,7 +69,7 @@ def test_auto_picks_blockwise_off_nvidia():
 @pytest.mark.parametrize('field,value', [('attention_block_q', 0), ('attention_block_kv', -3)])
 def test_bad_block_sizes_fail_validation(field, value):
     c = tiny_config(attention='blockwise', **{field: value})
-    with pytest.raises(config_lib.ConfigError, match=f'model.{field}'):
+    with pytest.raises(ConfigError, match=f'model.{field}'):
         config_lib.validate(c)
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.plan import compile_check
 from jaxfrontier import config as config_lib
 from jaxfrontier.plan import flop_count
@@ -131,21 +132,21 @@ def test_bubble_formula():
 def test_bad_pipeline_configs_fail_before_compiling():
     c = make_config(layers=LAYERS, global_batch=BATCH, accum=2)
     c.mesh.update(pipeline=4, data=1)
-    with pytest.raises(config_lib.ConfigError, match='train.accum_steps = 2'):
+    with pytest.raises(ConfigError, match='train.accum_steps = 2'):
         config_lib.validate(c, 4)
     c = make_config(layers=LAYERS, global_batch=BATCH, accum=6)
     c.mesh.pipeline, c.pipeline.schedule, c.pipeline.virtual_stages = 4, 'interleaved', 2
-    with pytest.raises(config_lib.ConfigError, match='multiple of 4'):
+    with pytest.raises(ConfigError, match='multiple of 4'):
         config_lib.validate(c, 4)
     c.pipeline.virtual_stages = 3  # 8 layers over 4 x 3 chunks
     c.train.accum_steps, c.train.micro_batch = 4, 6
-    with pytest.raises(config_lib.ConfigError, match='model.num_layers = 8'):
+    with pytest.raises(ConfigError, match='model.num_layers = 8'):
         config_lib.validate(c, 4)
     c.pipeline.schedule, c.pipeline.virtual_stages = 'zigzag', 1
-    with pytest.raises(config_lib.ConfigError, match="pipeline.schedule = 'zigzag'"):
+    with pytest.raises(ConfigError, match="pipeline.schedule = 'zigzag'"):
         config_lib.validate(c, 4)
     c.pipeline.schedule, c.pipeline.virtual_stages = '1f1b', 2
-    with pytest.raises(config_lib.ConfigError, match='pipeline.virtual_stages = 2'):
+    with pytest.raises(ConfigError, match='pipeline.virtual_stages = 2'):
         config_lib.validate(c, 4)
 
 

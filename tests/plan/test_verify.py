@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.plan import shrink as shrink_lib
 from jaxfrontier.plan import verify
 from jaxfrontier.training import reduction
@@ -55,7 +56,7 @@ def test_shrink_keeps_the_layout_of_the_paper_configs(name, devices, data, layer
 
 def test_shrink_refuses_a_mesh_too_large_even_with_data_1():
     c = _paper('1t')
-    with pytest.raises(config_lib.ConfigError, match='even with data 1'):
+    with pytest.raises(ConfigError, match='even with data 1'):
         shrink_lib.shrink(c, max_devices=256)
 
 

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError, SpaceError, UserError
 from jaxfrontier.sweep import space as sweep_space
 from jaxfrontier.sweep import trials as sweep_trials
 from processes import subprocess_env
@@ -62,16 +63,16 @@ def test_space_parses_typed_values_from_flags_and_json():
     ([], '[1, 2]', 'must be a JSON object'),
 ])
 def test_bad_spaces_fail_with_the_parameter_and_a_fix(items, json_text, message):
-    with pytest.raises(config_lib.UserError, match='Fix|JSON object') as e:
+    with pytest.raises(UserError, match='Fix|JSON object') as e:
         sweep_space.parse_space(items, json_text)
     assert message in str(e.value)
 
 
 def test_fixed_overrides_must_not_contradict_the_space():
     space = sweep_space.parse_space(['tensor=1,2'])
-    with pytest.raises(sweep_space.SpaceError, match='tensor=.*is swept, but --config.mesh.tensor also fixes it'):
+    with pytest.raises(SpaceError, match='tensor=.*is swept, but --config.mesh.tensor also fixes it'):
         sweep_space.check_fixed(space, ['mesh.tensor'])
-    with pytest.raises(sweep_space.SpaceError, match='mesh.data is derived'):
+    with pytest.raises(SpaceError, match='mesh.data is derived'):
         sweep_space.check_fixed(space, ['mesh.data'])
     sweep_space.check_fixed(space, ['train.global_batch', 'model.remat'])  # fixed, not swept: fine
 
@@ -88,11 +89,11 @@ def test_point_config_derives_data_and_accumulation():
     c, _ = sweep_space.point_config(base, {'size': '125m', 'tensor': 4}, 8, ['size', 'tensor'])
     assert (c.model.num_layers, c.model.d_model, c.model.num_heads, sweep_space.describe_model(c)) == (12, 768, 12,
                                                                                                        '125m')
-    with pytest.raises(config_lib.ConfigError, match='do not divide the 8 devices'):
+    with pytest.raises(ConfigError, match='do not divide the 8 devices'):
         sweep_space.point_config(base, {'tensor': 3}, 8, ['tensor'])
-    with pytest.raises(config_lib.ConfigError, match='no whole number of accumulation steps'):
+    with pytest.raises(ConfigError, match='no whole number of accumulation steps'):
         sweep_space.point_config(base, {'micro_batch': 3}, 8, ['micro_batch'])
-    with pytest.raises(config_lib.ConfigError, match='needs at least 2 micro-batches'):  # config.validate
+    with pytest.raises(ConfigError, match='needs at least 2 micro-batches'):  # config.validate
         sweep_space.point_config(base, {'pipeline': 2, 'micro_batch': 4}, 8, ['pipeline', 'micro_batch'])
 
 

@@ -14,9 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError, NonFiniteLossError
 from jaxfrontier.training import checkpoint as ckpt_lib
-from jaxfrontier.training import metrics as metrics_lib
 from processes import read_metrics
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
@@ -50,7 +49,7 @@ def test_save_refuses_a_nonfinite_step(tmp_path):
     good = {'train/loss': np.float32(2.0), 'train/grad_norm': np.float32(1.0), 'train/param_norm': np.float32(5.0)}
     assert checkpointer.save(1, state, metrics=good)
     for key in good:
-        with pytest.raises(metrics_lib.NonFiniteLossError, match=r'step 2 .*newest finite checkpoint is step 1 '
+        with pytest.raises(NonFiniteLossError, match=r'step 2 .*newest finite checkpoint is step 1 '
                                                                  r'.*--config\.optim\.lr='):
             checkpointer.save(2, state, metrics={**good, key: np.float32(np.nan)})
     checkpointer.close()
@@ -79,7 +78,7 @@ def test_restore_step_picks_a_step_and_lists_the_available_ones(tmp_path):
     for step in (2, 4, 6):
         save_state(c, str(tmp_path), random_state(layout, seed=step), step=step)
     c.checkpoint.restore_step = 5
-    with pytest.raises(config_lib.ConfigError, match=r'checkpoint.restore_step = 5: .* no checkpoint of step 5 '
+    with pytest.raises(ConfigError, match=r'checkpoint.restore_step = 5: .* no checkpoint of step 5 '
                                                       r'\(available: 2, 4, 6\)'):
         ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(layout, no_init)
     c.checkpoint.restore_step = 4

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier import config as config_lib
 from jaxfrontier.training import loop
@@ -37,7 +38,7 @@ def test_corrupted_checkpoint_fails_clearly(vocab300, tmp_path, kind):
     workdir, c = vocab300
     shutil.copytree(f'{workdir}/checkpoints', tmp_path / 'checkpoints')
     CORRUPTIONS[kind](str(tmp_path / 'checkpoints' / '0'))
-    with pytest.raises(config_lib.UserError, match=r'checkpoints/0.*Fix:'):
+    with pytest.raises(UserError, match=r'checkpoints/0.*Fix:'):
         checkpointer = ckpt_lib.Checkpointer(c, str(tmp_path))
         checkpointer.restore_or_init(layout_for(c), no_init)
 
@@ -58,11 +59,11 @@ def test_incomplete_checkpoint_is_never_restored(vocab300, tmp_path):
 def test_unwritable_workdir_fails_before_training(tmp_path):
     blocker = tmp_path / 'file'
     blocker.write_text('x')
-    with pytest.raises(config_lib.UserError, match='cannot be written'):
+    with pytest.raises(UserError, match='cannot be written'):
         loop.train_and_evaluate(make_config(), str(blocker / 'run'))
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'checkpoints').write_text('not a directory')
-    with pytest.raises(config_lib.UserError, match='checkpoint directory .* cannot be written'):
+    with pytest.raises(UserError, match='checkpoint directory .* cannot be written'):
         loop.train_and_evaluate(make_config(), str(tmp_path / 'run'))
     assert not (tmp_path / 'run' / 'metrics.jsonl').exists()
 
@@ -74,7 +75,7 @@ def test_config_validation():
                          ('preemption_signals', ('SIGTERM', 'SIGNOPE')), ('preemption_signals', ('SIGKILL',))]:
         bad = make_config()
         bad.checkpoint[field] = value
-        with pytest.raises(config_lib.ConfigError, match=f'checkpoint.{field}'):
+        with pytest.raises(ConfigError, match=f'checkpoint.{field}'):
             config_lib.validate(bad, 8)
 
 

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.training import checkpoint as ckpt_lib
-from jaxfrontier import config as config_lib
-from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import loader
 from jaxfrontier.training import export
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import loop
@@ -81,8 +81,8 @@ def test_training_continues_on_other_mesh(runs, name):
     """After the restore, step 4 has the loss it had on the original layout, to fp32 rounding."""
     c, layout, state = restore_on(runs, name)
     train_step, _, batch_sharding = step_lib.compile_steps(c, layout)
-    source, _ = data_lib.make_datasets(c, '')
-    batch = data_lib.make_global_batch(source, 3, batch_sharding, c.train.global_batch)
+    source, _ = loader.make_datasets(c, '')
+    batch = loader.make_global_batch(source, 3, batch_sharding, c.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         _, metrics = train_step(state, batch)
     np.testing.assert_allclose(float(metrics['train/loss']), losses(runs['straight'])[4], rtol=LOSS_RTOL)
@@ -135,8 +135,8 @@ def test_padded_zero1_state_restores_and_continues(tmp_path):
         assert np.count_nonzero(saved[name]) == np.count_nonzero(cut), name  # the padding was zero
 
     train_step, _, batch_sharding = step_lib.compile_steps(single, layout)
-    source, _ = data_lib.make_datasets(single, '')
-    batch = data_lib.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
+    source, _ = loader.make_datasets(single, '')
+    batch = loader.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         _, metrics = train_step(state, batch)
     np.testing.assert_allclose(float(metrics['train/loss']), losses(workdir)[4], rtol=LOSS_RTOL)
@@ -179,7 +179,7 @@ def test_interleaved_pipeline_layer_split(tmp_path):
 def test_model_mismatch_names_field(vocab300, field, value):
     workdir, _ = vocab300
     c = make_config(data=1, fsdp=1, tensor=2, **{'vocab_size': 300, field: value})
-    with pytest.raises(config_lib.ConfigError, match=f'model.{field}'):
+    with pytest.raises(ConfigError, match=f'model.{field}'):
         ckpt_lib.Checkpointer(c, workdir).restore_or_init(layout_for(c), no_init)
 
 
@@ -222,11 +222,11 @@ def test_fine_tune_source_mismatch_names_field(runs, tmp_path):
     for source in (out, runs['straight']):
         c = make_config(d_model=64)
         c.checkpoint.init_params_from = source
-        with pytest.raises(config_lib.ConfigError, match='model.d_model'):
+        with pytest.raises(ConfigError, match='model.d_model'):
             ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None, export.load_params)
     c = make_config()
     c.checkpoint.init_params_from = str(tmp_path / 'nothing_here')
-    with pytest.raises(config_lib.ConfigError, match='checkpoint.init_params_from'):
+    with pytest.raises(ConfigError, match='checkpoint.init_params_from'):
         ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None, export.load_params)
 
 

@@ -23,7 +23,8 @@ tokenizers = pytest.importorskip('tokenizers')
 
 from configs import tiny  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
-from jaxfrontier.data import dataset as data_lib  # noqa: E402
+from jaxfrontier.data import token_files  # noqa: E402
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.inference import load as load_lib  # noqa: E402
 from jaxfrontier.training import hf  # noqa: E402
 from tests import processes  # noqa: E402
@@ -46,7 +47,7 @@ def write_corpus(directory) -> tuple[str, int]:
     eot = tok.token_to_id(EOT)
     ids = [i for doc in docs for i in tok.encode(doc).ids + [eot]]
     vocab = tok.get_vocab_size()
-    data_lib.write_token_file(os.path.join(directory, 'corpus.bin'), np.array(ids), vocab, metadata={
+    token_files.write_token_file(os.path.join(directory, 'corpus.bin'), np.array(ids), vocab, metadata={
         'tokenizer': 'corpus.tokenizer.json', 'eot_id': eot, 'eot_token': EOT})
     return os.path.join(directory, 'corpus.bin'), vocab
 
@@ -84,7 +85,7 @@ def test_corpus_to_transformers_through_the_clis(tmp_path):
     assert result['perplexity'] == pytest.approx(math.exp(result['loss']), rel=1e-5)
     assert result['bits_per_byte'] == pytest.approx(result['loss'] * result['tokens'] / math.log(2) / result['bytes'],
                                                     rel=1e-5)
-    num_tokens = data_lib.open_token_file(path, vocab).num_tokens
+    num_tokens = token_files.open_token_file(path, vocab).num_tokens
     assert result['tokens'] == num_tokens - result['first_token'] - 1  # every validation token once
 
     main(*common, '--mode=export', '--export_format=hf', f'--export_path={out}')
@@ -134,6 +135,6 @@ def test_transformers_gpt2_imports_with_equal_logits(tmp_path, tied):
 
 
 def test_non_gpt2_config_is_refused(tmp_path):
-    with pytest.raises(hf.config_lib.ConfigError, match='activation_function'):
+    with pytest.raises(ConfigError, match='activation_function'):
         hf.model_fields({'model_type': 'gpt2', 'activation_function': 'relu', 'n_embd': 8, 'n_layer': 1,
                          'n_head': 2, 'vocab_size': 10, 'n_positions': 8}, str(tmp_path))

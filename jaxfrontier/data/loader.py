@@ -1,0 +1,208 @@
+"""A run's data: the data config checked, split into (train, validation) sources, and each step's global batch.
+
+A batch is a pure function of (seed, split, step): row r of step s is the source's window
+k = step * global_batch + r (sources.py); `data.blend` mixes several files with fixed rows per
+step (sampling.py). Any process can read any subset of rows and get the same values however
+many processes or devices there are; `make_global_batch` relies on that to read only the rows
+of the shards a process holds.
+
+JAX is imported only inside `make_global_batch`: importing this module starts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from jaxfrontier.config import DATA_KINDS
+from jaxfrontier.data import sampling
+from jaxfrontier.data.builtin import BYTE_VOCAB, builtin_corpus
+from jaxfrontier.data.sources import TRAIN, VAL, Source, SyntheticSource, TokenSource
+from jaxfrontier.data.token_files import TokenFile, open_token_file, read_header, token_paths, tokenizer_path
+from jaxfrontier.errors import ConfigError
+
+
+def _split_boundary(c: ml_collections.ConfigDict, token_file: TokenFile) -> int:
+    """First validation token: the last data.val_fraction of the stream is validation."""
+    num_tokens, needed = token_file.num_tokens, c.model.seq_len + 1
+    num_val = int(num_tokens * c.data.val_fraction)
+    if num_val < needed:
+        problem = (f'the validation split gets {num_val:,} of the {num_tokens:,} tokens of '
+                   f'{token_file.path}, fewer than one sequence (model.seq_len + 1 = {needed})')
+        if num_tokens <= 2 * needed:  # no val_fraction < 0.5 can help
+            raise ConfigError('data.path', token_file.path, problem,
+                              'use a longer token file or a smaller model.seq_len')
+        raise ConfigError('data.val_fraction', c.data.val_fraction, problem,
+                          f'raise data.val_fraction to at least {needed / num_tokens:.4g}, use a '
+                          'longer token file, or lower model.seq_len')
+    return num_tokens - num_val
+
+
+def _open_checked(c: ml_collections.ConfigDict, path: str) -> tuple[TokenFile, int]:
+    token_file = open_token_file(path, c.model.vocab_size, seq_len=c.model.seq_len)
+    return token_file, _split_boundary(c, token_file)
+
+
+def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str) -> ConfigError:
+    """A data.path error about one file of data.blend, renamed to data.blend."""
+    problem = str(e).split('. Fix: ')[0][len(f'config.{e.field} = {e.value!r}: '):]
+    fix = str(e).split('. Fix: ', 1)[1] if '. Fix: ' in str(e) else 'check the path'
+    return ConfigError('data.blend', c.data.blend, f'{path}: {problem}' if path not in problem else problem, fix)
+
+
+def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[int], list[str], list[tuple[TokenFile, int]]]:
+    """Parses data.blend, opens and checks every file: (rows per step of each, paths, [(file, boundary)])."""
+    entries = sampling.parse_blend(c.data.blend)
+    weights, paths = [w for w, _ in entries], [p for _, p in entries]
+    opened = []
+    for path in paths:
+        try:
+            opened.append(_open_checked(c, path))
+        except ConfigError as e:
+            if e.field != 'data.path':
+                raise
+            raise _as_blend_error(c, e, path) from None
+    _check_same_tokenizer(c.data.blend, [f for f, _ in opened])
+    return sampling.check_blend_counts(c.data.blend, paths, weights, c.train.global_batch), paths, opened
+
+
+def _tokenizer_bytes(token_file: TokenFile) -> bytes | None:
+    path = tokenizer_path(token_file)
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, 'rb') as f:
+        return f.read()
+
+
+def _check_same_tokenizer(blend: str, files: list[TokenFile]) -> None:
+    """All files of a blend share vocab_size, eot_id and (where recorded) the tokenizer file."""
+    first = files[0]
+    for other in files[1:]:
+        for key in ('vocab_size', 'eot_id'):
+            a, b = first.header.get(key), other.header.get(key)
+            if key == 'vocab_size' or (a is not None and b is not None):
+                if a != b:
+                    raise ConfigError('data.blend', blend, f'{first.path} has {key} {a} but {other.path} has {b}: '
+                                      'the files were tokenised differently', 'blend only files written with '
+                                      'the same tokenizer (re-run python -m jaxfrontier.prepare --tokenizer=...)')
+        a, b = _tokenizer_bytes(first), _tokenizer_bytes(other)
+        if a is not None and b is not None and a != b:
+            raise ConfigError('data.blend', blend, f'{first.path} and {other.path} name different tokenizer '
+                              'files', 'blend only files written with the same tokenizer')
+
+
+
+def resolve_vocab(c: ml_collections.ConfigDict) -> None:
+    """`model.vocab_size = 0`: sets it to the token file's header `vocab_size` (data.path or data.blend).
+
+    Raises:
+      ConfigError: vocab_size is 0 but there is no token file (data.kind != tokens, no path),
+        or the file or its header cannot be read.
+    """
+    if c.model.vocab_size != 0:
+        return
+    blend, path = c.data.get('blend', ''), c.data.path
+    if c.data.kind != 'tokens' or not (blend or path):
+        raise ConfigError('model.vocab_size', 0, f'0 takes the vocabulary from a token file header, but '
+                          f'data.kind={c.data.kind!r} has no token file',
+                          'set model.vocab_size to a positive number, or use data.kind=tokens with data.path '
+                          'or data.blend')
+    paths = [p for _, p in sampling.parse_blend(blend)] if blend else [path]
+    vocabs = []
+    for p in paths:
+        bin_path, header_path = token_paths(p)
+        field, value = ('data.blend', blend) if blend else ('data.path', p)
+        if not os.path.isfile(bin_path):
+            raise ConfigError(field, value, f'the token file {bin_path} does not exist (model.vocab_size=0 reads '
+                              'the vocabulary from its header)', 'check the path, or set model.vocab_size')
+        try:
+            vocabs.append(read_header(p, header_path)['vocab_size'])
+        except ConfigError as e:
+            raise (_as_blend_error(c, e, p) if blend else e) from None
+    if len(set(vocabs)) > 1:
+        i = next(i for i, v in enumerate(vocabs) if v != vocabs[0])
+        raise ConfigError('data.blend', blend, f'{paths[0]} has vocab_size {vocabs[0]} but {paths[i]} has '
+                          f'{vocabs[i]}: the files were tokenised differently',
+                          'blend only files written with the same tokenizer')
+    c.model.vocab_size = int(vocabs[0])
+
+
+def check_data(c: ml_collections.ConfigDict) -> None:
+    """Validates the data config cheaply and writes nothing; for kind=tokens, checks the file(s).
+
+    Raises:
+      ConfigError: naming the field to fix.
+    """
+    if c.data.kind not in DATA_KINDS:
+        raise ConfigError('data.kind', c.data.kind, 'unknown dataset kind', f'use one of {DATA_KINDS}')
+    if not (isinstance(c.seed, int) and c.seed >= 0):
+        raise ConfigError('seed', c.seed, 'the data seed must be an integer >= 0', 'set seed to e.g. 0')
+    if c.data.kind == 'builtin' and c.model.vocab_size < BYTE_VOCAB:
+        raise ConfigError('model.vocab_size', c.model.vocab_size,
+                          f'the built-in corpus is byte-level ({BYTE_VOCAB} tokens)',
+                          f'set model.vocab_size to at least {BYTE_VOCAB}')
+    if c.data.kind == 'tokens' and c.data.get('blend', ''):
+        _blend_files(c)
+    elif c.data.kind == 'tokens':
+        _open_checked(c, c.data.path)
+
+
+def _splits(c: ml_collections.ConfigDict, token_file: TokenFile, boundary: int,
+            name: str) -> tuple[TokenSource, TokenSource]:
+    m, seed = c.model, c.seed
+    return (TokenSource(token_file.tokens, 0, boundary, m.seq_len, seed, TRAIN, f'{name} train'),
+            TokenSource(token_file.tokens, boundary, token_file.num_tokens, m.seq_len, seed, VAL,
+                        f'{name} val'))
+
+
+def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, Source]:
+    """Returns (train, validation) sources for `c.data.kind`.
+
+    builtin: the stdlib corpus, cached in `<workdir>/data_cache`; tokens: `c.data.path`, or
+    the files of `c.data.blend` mixed with their weights (each split per file);
+    synthetic: random tokens, no file. Token files split into train (first part) and
+    validation (the last `c.data.val_fraction`); no window crosses the boundary.
+    """
+    check_data(c)
+    m, seed = c.model, c.seed
+    if c.data.kind == 'synthetic':
+        return (SyntheticSource(m.vocab_size, m.seq_len, seed, TRAIN),
+                SyntheticSource(m.vocab_size, m.seq_len, seed, VAL))
+    if c.data.kind == 'tokens' and c.data.get('blend', ''):
+        counts, paths, opened = _blend_files(c)
+        splits = [_splits(c, f, boundary, f'tokens {f.path}') for f, boundary in opened]
+        names = tuple(sampling.metric_names(paths))
+        return tuple(sampling.BlendSource(tuple(s[i] for s in splits), tuple(counts), names, seed, i)  # type: ignore
+                     for i in (TRAIN, VAL))
+    path = builtin_corpus(os.path.join(workdir, 'data_cache')) if c.data.kind == 'builtin' else c.data.path
+    token_file, boundary = _open_checked(c, path)
+    return _splits(c, token_file, boundary, f'{c.data.kind} {token_file.path}')
+
+
+def make_global_batch(source: Source, step: int, sharding: Any, global_batch: int) -> Any:
+    """Builds step's global batch [global_batch, seq_len + 1] int32 as a sharded jax.Array.
+
+    Each process reads only the rows of its addressable shards; devices that hold the same
+    rows (replicas along non-batch mesh axes) share one read.
+
+    Args:
+      source: a TokenSource or SyntheticSource.
+      step: the step whose batch to build.
+      sharding: a jax.sharding.NamedSharding whose dim 0 is split over the batch axes.
+      global_batch: rows in the whole batch, over all processes.
+    """
+    import jax  # pylint: disable=g-import-not-at-top  (importing this module must not start JAX)
+
+    all_rows = np.arange(global_batch)
+    read: dict[bytes, np.ndarray] = {}
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        rows = all_rows[index[0]]
+        if rows.tobytes() not in read:
+            read[rows.tobytes()] = source.read_rows(step, rows, global_batch)
+        return read[rows.tobytes()][(slice(None),) + tuple(index[1:])]
+
+    return jax.make_array_from_callback((global_batch, source.seq_len + 1), sharding, callback, dtype=np.int32)
