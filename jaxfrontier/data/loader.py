@@ -164,9 +164,9 @@ def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, S
     builtin: the stdlib corpus, cached in `<workdir>/data_cache`; tokens: `c.data.path`, or
     the files of `c.data.blend` mixed with their weights (each split per file);
     synthetic: random tokens, no file. Token files split into train (first part) and
-    validation (the last `c.data.val_fraction`); no window crosses the boundary.
+    validation (the last `c.data.val_fraction`); no window crosses the boundary. `c` has passed
+    `check_data` (training/validation.py runs it once per run, before anything is written).
     """
-    check_data(c)
     m, seed = c.model, c.seed
     if c.data.kind == 'synthetic':
         return (SyntheticSource(m.vocab_size, m.seq_len, seed, TRAIN),
