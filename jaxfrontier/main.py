@@ -14,6 +14,7 @@ from ml_collections import config_flags
 
 from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
+from jaxfrontier import errors  # no JAX import
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
 from jaxfrontier.data import dataset as data_lib  # no JAX import at module level
@@ -77,8 +78,6 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.INFO)
 
     # Imported here, after the environment is final: these import JAX.
-    from jaxfrontier.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-
     try:
         if _MODE.value == 'plan':
             from jaxfrontier.plan import report as plan_report  # pylint: disable=g-import-not-at-top
@@ -88,9 +87,9 @@ def main(argv: list[str]) -> int:
         elif _MODE.value in ('sample', 'eval') or (_MODE.value == 'export' and _EXPORT_FORMAT.value == 'hf'):
             print(_run_inference(config))
         elif _MODE.value == 'export':
-            from jaxfrontier.training import export  # pylint: disable=g-import-not-at-top
+            from jaxfrontier.checkpoint import safetensors as safetensors_lib  # pylint: disable=g-import-not-at-top
             out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
-            names = export.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
+            names = safetensors_lib.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
         else:
             distributed.initialize(processes, config.distributed)
@@ -99,16 +98,16 @@ def main(argv: list[str]) -> int:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             from jaxfrontier.training import loop as train  # pylint: disable=g-import-not-at-top
             train.train_and_evaluate(config, _WORKDIR.value)
-    except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
+    except (config_lib.UserError, errors.NonFiniteLossError, distributed.DistributedError) as e:
         return cli.exit_code(e)
     return 0
 
 
 def _run_inference(config) -> str:
-    """mode=sample, mode=eval and the Hugging Face export (jaxfrontier/inference/, training/hf.py)."""
+    """mode=sample, mode=eval and the Hugging Face export (jaxfrontier/inference/, checkpoint/hf.py)."""
     # pylint: disable=g-import-not-at-top
     if _MODE.value == 'export':
-        from jaxfrontier.training import hf
+        from jaxfrontier.checkpoint import hf
         out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'hf')
         summary = hf.export_hf(_WORKDIR.value, out)
         return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face GPT-2 directory {out} ' \

@@ -18,10 +18,12 @@ import ml_collections
 import optax
 from jax.sharding import NamedSharding
 
-from jaxfrontier.training import checkpoint as checkpoint_lib
+from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint import manager as checkpoint_lib
+from jaxfrontier.checkpoint import target as target_lib
+from jaxfrontier import errors
 from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
-from jaxfrontier.training import export
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import dataset as data_lib
@@ -173,7 +175,7 @@ def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """The jitted train step (donated state, explicit shardings) and abstract (state, batch) to lower it with."""
     batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    state = checkpoint_lib.abstract_target(layout)
+    state = target_lib.abstract_target(layout.abstract_state, layout.state_shardings)
     train_jit = jax.jit(make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
                         out_shardings=(layout.state_shardings, None), donate_argnums=0)
     return train_jit, state, batch
@@ -352,8 +354,9 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
              f'M={sched.num_micro} micro-batches, {sched.num_ticks} ticks, bubble {sched.bubble:.1%}, '
              f'at most {sched.act_slots} stashed micro-batches per stage')
     checkpointer = checkpoint_lib.Checkpointer(c, workdir)
-    state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout),
-                                                   export.load_params)
+    state, origin = checkpointer.restore_or_init(
+        target_lib.abstract_target(layout.abstract_state, layout.state_shardings),
+        lambda: ts.init_train_state(c, layout), init_from.load_params)
     _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
     write_resolved_config(c, workdir)  # only now: a refused resume leaves the old config.json
     if int(state['step']) >= c.train.steps:  # nothing to do: say so instead of `done: {}`
@@ -411,7 +414,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list)
                 commits.started(done, state)
             checkpointer.wait()
             commits.poll(committed=True)
-    except metrics_lib.NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
+    except errors.NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
         raise checkpointer.with_resume_hint(e) from None
     finally:
         profiler.close()

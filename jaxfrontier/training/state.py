@@ -29,8 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import loss_scale
-from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual, split_virtual_specs
+from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual
 
 
 def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
@@ -101,20 +102,12 @@ class StateLayout:
     abstract_state: dict[str, Any]
 
 
-def _platform(mesh) -> str | None:
-    """The mesh's device platform (None for an AbstractMesh: model.scan_unroll=0 then means rolled)."""
-    devices = getattr(mesh, 'devices', None) if isinstance(mesh, Mesh) else None
-    return None if devices is None else devices.flat[0].platform
-
-
 def make_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> StateLayout:
     """Builds the abstract train state and its shardings for `mesh` (no arrays allocated)."""
-    rules = tuple(tuple(r) for r in c.sharding.rules)
-    model_def = ModelDef.create(config_lib.model_shape(c, _platform(mesh)))
+    params = target_lib.param_layout(c, mesh)
+    model_def, rules, abstract_params, param_shardings = (params.model_def, params.rules, params.abstract_params,
+                                                          params.param_shardings)
     tx, schedule = make_optimizer(c)
-    virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
-    abstract_params = split_virtual(model_def.abstract_params(), virtual)
-    param_shardings = mesh_lib.tree_shardings(split_virtual_specs(model_def.logical_specs(), virtual), mesh, rules)
     if c.sharding.zero1:
         dp_axes = mesh_lib.data_parallel_axes(rules)
         zero1 = jax.tree.map(lambda s, a: layout_lib.zero1_layout(s.spec, a.shape, mesh, dp_axes), param_shardings,
