@@ -187,7 +187,7 @@ def base_config() -> ml_collections.ConfigDict:
         shutdown_timeout_s=60,
     ))
 
-    # Checkpoints in <workdir>/checkpoints (jaxfrontier/training/checkpoint.py, docs/checkpoints.md).
+    # Checkpoints in <workdir>/checkpoints (jaxfrontier/checkpoint/, docs/checkpoints.md).
     c.checkpoint = ml_collections.ConfigDict(dict(
         enabled=True,  # False: never save or restore
         every_steps=1000,  # save every N steps (0: only at the end and on preemption)

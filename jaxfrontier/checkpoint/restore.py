@@ -62,7 +62,7 @@ class Restoring:
             meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
         except Exception as e:  # noqa: BLE001
             raise format_lib.corrupted_error(self.directory, step, e) from e
-        if not isinstance(meta, dict) or meta.get('format') != FORMAT:
+        if not isinstance(meta, dict) or meta.get('format') != format_lib.FORMAT:
             raise format_lib.CheckpointError(
                 f'checkpoint {self.directory}/{step} has no jaxfrontier metadata. '
                 'Fix: move it away, or use a new --workdir.')

@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import errors
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier.training import metrics
@@ -170,7 +171,7 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize('bad', [math.nan, math.inf, -math.inf])
 def test_check_finite_raises_with_hints(bad):
-    with pytest.raises(metrics.NonFiniteLossError) as info:
+    with pytest.raises(errors.NonFiniteLossError) as info:
         metrics.check_finite(17, jax.numpy.float32(bad))
     message = str(info.value)
     assert 'step 17' in message and str(bad) in message

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.training import metrics as metrics_lib
+from jaxfrontier import errors
 from jaxfrontier.training import loop as train
 from ml_collections import config_flags
 
@@ -49,7 +49,7 @@ def test_tiny_config_learns_below_unigram_entropy(tmp_path):
 def test_nan_loss_stops_with_a_clear_message(tmp_path):
     c = tiny(30)
     c.optim.update(lr=1e6, min_lr=0.0, warmup_steps=0, clip_norm=1e12)
-    with pytest.raises(metrics_lib.NonFiniteLossError, match='at step'):
+    with pytest.raises(errors.NonFiniteLossError, match='at step'):
         train.train_and_evaluate(c, str(tmp_path))
 
 
