@@ -7,7 +7,7 @@ The train state (parameters + two Adam moments, fp32) of a GPT of 6 layers x 102
 are zeros at init, which zstd would shrink to nothing): 1.22 GiB over 8 simulated CPU devices with fsdp 8 (every device
 holds 1/8; nothing replicated). `--quick` uses 2 layers x 512 (0.26 GiB) to check the script.
 
-Measured through jaxfrontier.training.checkpoint.Checkpointer, the code the training loop runs, after
+Measured through jaxfrontier.checkpoint.manager.Checkpointer, the code the training loop runs, after
 one warm-up of each operation (first-call costs excluded), median of 3:
 
   blocked_s   time `save()` holds the loop: with async_save, until the arrays are copied off
@@ -22,7 +22,7 @@ one warm-up of each operation (first-call costs excluded), median of 3:
               metrics=...)` does before committing (a non-finite state is never saved)
 
 Two formats, measured in alternating rounds (ABBA, so a change in the machine's load hits both):
-  crc32c      what the checkpointer writes: zarr3 with a CRC32C per chunk (training/integrity.py)
+  crc32c      what the checkpointer writes: zarr3 with a CRC32C per chunk (checkpoint/integrity.py)
   before      the format before checksums: Orbax's default zarr2, no checksum on the data
   zarr3_no_crc  (--formats=crc32c,before,zarr3_no_crc) zarr3 + zstd 1 without the CRC32C: the
               format change alone
@@ -50,8 +50,10 @@ import jax.numpy as jnp  # noqa: E402
 from orbax.checkpoint._src.serialization import tensorstore_utils  # noqa: E402
 
 import harness  # noqa: E402
-from jaxfrontier.training import checkpoint as ckpt_lib  # noqa: E402
-from jaxfrontier.training import integrity as ckpt_integrity  # noqa: E402
+from jaxfrontier.checkpoint import format as format_lib  # noqa: E402
+from jaxfrontier.checkpoint import integrity as ckpt_integrity  # noqa: E402
+from jaxfrontier.checkpoint import manager as ckpt_lib  # noqa: E402
+from jaxfrontier.checkpoint import target as target_lib  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier.training import state as ts  # noqa: E402
@@ -153,7 +155,7 @@ def time_saves(c, state, directory, gib, with_metrics=False):
         if step:
             times.append((blocked, total, check))
     checkpointer.close()
-    newest = os.path.join(checkpointer.directory, str(ckpt_lib.committed_steps(checkpointer.directory)[-1]))
+    newest = os.path.join(checkpointer.directory, str(format_lib.committed_steps(checkpointer.directory)[-1]))
     disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(newest) for f in fs)
     blocked_s, total_s, check_s = (statistics.median(t[i] for t in times) for i in range(3))
     return {'blocked_s': blocked_s, 'total_s': total_s, 'check_s': check_s, 'gib_per_s': gib / total_s,
@@ -166,7 +168,8 @@ def time_restores(c, directory, gib):
     times = []
     for i in range(REPEATS + 1):
         start = time.perf_counter()
-        restored = jax.block_until_ready(checkpointer.restore(layout))
+        restored = jax.block_until_ready(checkpointer.restore(
+            target_lib.abstract_target(layout.abstract_state, layout.state_shardings)))
         if i:
             times.append(time.perf_counter() - start)
         del restored

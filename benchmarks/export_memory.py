@@ -4,8 +4,8 @@
 
 For each depth: a checkpoint of a GPT of that depth (random fp32 parameters, vocabulary 256,
 seq_len 128) is written with the trainer's Checkpointer (params only: the export reads nothing
-else); then, each in a fresh process, `training.hf.export_hf` (one layer's slice at a time) and
-the older `training.export.export_params` (one whole stacked [L, ...] tensor at a time) run on
+else); then, each in a fresh process, `checkpoint.hf.export_hf` (one layer's slice at a time) and
+the older `checkpoint.safetensors.export_params` (one whole stacked [L, ...] tensor at a time) run on
 it. Reported: the process's peak RSS (VmHWM) at the end minus the same after imports, in MiB, and the
 size of the largest stacked tensor for scale. JSON lines to benchmarks/results/export_memory.jsonl.
 """
@@ -20,7 +20,7 @@ import sys
 CHILD = r'''
 import json, os, sys
 os.environ['JAX_PLATFORMS'] = 'cpu'
-from jaxfrontier.training import export, hf
+from jaxfrontier.checkpoint import hf, safetensors
 def status_mib(key):  # VmHWM is this process's own peak (ru_maxrss would carry the parent's over exec)
     with open('/proc/self/status') as f:
         return next(int(l.split()[1]) for l in f if l.startswith(key)) / 1024
@@ -29,7 +29,7 @@ kind, source, out = sys.argv[1:4]
 if kind == 'hf':
     hf.export_hf(source, out)
 else:
-    export.export_params(source, out)
+    safetensors.export_params(source, out)
 peak = status_mib('VmHWM')
 print(json.dumps({'base_mib': base, 'peak_mib': peak, 'export_mib': peak - base}))
 '''
@@ -42,7 +42,7 @@ def write_checkpoint(workdir: str, layers: int, width: int) -> int:
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     from jaxfrontier import config as config_lib  # pylint: disable=g-import-not-at-top
     from jaxfrontier.model.params import init_params  # pylint: disable=g-import-not-at-top
-    from jaxfrontier.training import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.checkpoint import manager as ckpt_lib  # pylint: disable=g-import-not-at-top
 
     c = config_lib.base_config()
     c.model.update(num_layers=layers, d_model=width, num_heads=width // 64, seq_len=128, vocab_size=256,

@@ -171,7 +171,7 @@ def part_checkpoint(spec, quick):
     import checkpoint as bench  # pylint: disable=g-import-not-at-top  (benchmarks/checkpoint.py)
     if platforms is None:  # benchmarks/checkpoint.py defaults JAX_PLATFORMS to cpu for its own runs
         os.environ.pop('JAX_PLATFORMS', None)
-    from jaxfrontier.training import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.checkpoint import manager as ckpt_lib  # pylint: disable=g-import-not-at-top
     from jaxfrontier.training import state as ts  # pylint: disable=g-import-not-at-top
     c = bench.bench_config(quick, data=1, fsdp=jax.device_count())
     if quick:  # 2 layers x 128, vocabulary 4096: a few MiB, the same code path

@@ -19,10 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from jaxfrontier.errors import ConfigError, UserError  # noqa: F401  (UserError: see below)
-
-# UserError above is imported only for training/checkpoint.py (CheckpointError(config_lib.UserError)), which
-# another change is moving; remove it from this import once CheckpointError lives in errors.py.
+from jaxfrontier.errors import ConfigError
 
 # Logical axis name -> mesh axes. Parameters and activations are annotated with the logical
 # names on the left (see jaxfrontier/model/); this table decides the layout.
@@ -188,7 +185,7 @@ def base_config() -> ml_collections.ConfigDict:
         shutdown_timeout_s=60,
     ))
 
-    # Checkpoints in <workdir>/checkpoints (jaxfrontier/training/checkpoint.py, docs/checkpoints.md).
+    # Checkpoints in <workdir>/checkpoints (jaxfrontier/checkpoint/, docs/checkpoints.md).
     c.checkpoint = ml_collections.ConfigDict(dict(
         enabled=True,  # False: never save or restore
         every_steps=1000,  # save every N steps (0: only at the end and on preemption)

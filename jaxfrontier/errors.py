@@ -16,8 +16,8 @@ traceback, exit 1. A malformed flag or `--config.*` override is `cli.fail`: one 
 | FlagError          | UserError             |    2 | a command-line value breaks a rule (prepare: data/corpus.py, data/encode.py) |
 | SpaceError         | UserError             |    2 | a sweep's search space cannot be run (sweep/space.py)               |
 | DiskFullError      | UserError             |    2 | a write failed for lack of space; the process ends without joining Orbax's writer threads (`abandon_threads`, training/disk.py) |
-| CheckpointError    | UserError             |    2 | a checkpoint cannot be used (still defined in training/checkpoint.py) |
-| NonFiniteLossError | RuntimeError          |    3 | the training loss became NaN or Inf (training/metrics.py)           |
+| CheckpointError    | UserError             |    2 | a checkpoint cannot be used: corrupted, incomplete or from another model (checkpoint/) |
+| NonFiniteLossError | RuntimeError          |    3 | the training loss became NaN or Inf (training/metrics.py, checkpoint/restore.py) |
 | DistributedError   | RuntimeError          |    4 | the processes of a job could not start together, or lost one another (distributed.py) |
 """
 
@@ -61,6 +61,10 @@ class DiskFullError(UserError):
     (`cli.exit_code`'s `abandon_threads`); what was committed before is on disk already."""
 
     abandon_threads = True
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be used (corrupted, incomplete or from another model)."""
 
 
 class NonFiniteLossError(RuntimeError):

@@ -111,9 +111,9 @@ def main(argv: list[str]) -> int:
         elif _MODE.value in ('sample', 'eval') or (_MODE.value == 'export' and _EXPORT_FORMAT.value == 'hf'):
             print(_run_inference(config))
         elif _MODE.value == 'export':
-            from jaxfrontier.training import export  # pylint: disable=g-import-not-at-top
+            from jaxfrontier.checkpoint import safetensors as safetensors_lib  # pylint: disable=g-import-not-at-top
             out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
-            names = export.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
+            names = safetensors_lib.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
         else:
             distributed.initialize(processes, config.distributed)
@@ -149,10 +149,10 @@ def _config_name() -> str:
 
 
 def _run_inference(config) -> str:
-    """mode=sample, mode=eval and the Hugging Face export (jaxfrontier/inference/, training/hf.py)."""
+    """mode=sample, mode=eval and the Hugging Face export (jaxfrontier/inference/, checkpoint/hf.py)."""
     # pylint: disable=g-import-not-at-top
     if _MODE.value == 'export':
-        from jaxfrontier.training import hf
+        from jaxfrontier.checkpoint import hf
         out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'hf')
         summary = hf.export_hf(_WORKDIR.value, out)
         return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face GPT-2 directory {out} ' \

@@ -1,4 +1,4 @@
-"""Shared by the checkpoint tests (tests/test_checkpoint_*.py): a tiny model, helpers, fixtures.
+"""Shared by the checkpoint tests (tests/checkpoint/test_checkpoint_*.py): a tiny model, helpers, fixtures.
 
 The model is tiny (2 layers, d_model 32, synthetic data) and the learning-rate schedule is
 fixed (optim.decay_steps), so runs of different lengths compute the same steps. "Bit for bit"
@@ -18,9 +18,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxfrontier.training import checkpoint as ckpt_lib
+from jaxfrontier.checkpoint import format as format_lib
+from jaxfrontier.checkpoint import manager as ckpt_lib
+from jaxfrontier.checkpoint import readers
+from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier import config as config_lib
-from jaxfrontier.training import export
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import loop
 from jaxfrontier.training import state as ts
@@ -68,6 +70,11 @@ def layout_for(c):
     return ts.make_layout(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:n]))
 
 
+def target_of(layout):
+    """The layout's train state as the abstract target (ShapeDtypeStructs with shardings) a restore fills."""
+    return target_lib.abstract_target(layout.abstract_state, layout.state_shardings)
+
+
 def random_state(layout, seed=0):
     """A train state of random values in the layout's shardings, without compiling anything."""
     rng = np.random.default_rng(seed)
@@ -88,17 +95,17 @@ def losses(workdir):
 
 def read_numpy(step_dir, part=None):
     """A saved train state (or one part of it) as numpy, flattened to {name: array}."""
-    tree = export.saved_tree(step_dir)
+    tree = readers.saved_tree(step_dir)
     with ocp.PyTreeCheckpointer() as checkpointer:
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
                             is_leaf=lambda x: hasattr(x, 'shape'))
         state = checkpointer.restore(os.path.join(step_dir, 'state'),
                                      args=ocp.args.PyTreeRestore(restore_args=args))
-    return export.flatten_names(state if part is None else state[part])
+    return readers.flatten_names(state if part is None else state[part])
 
 
 def flat_numpy(tree):
-    return {k: np.asarray(v) for k, v in export.flatten_names(tree).items()}
+    return {k: np.asarray(v) for k, v in readers.flatten_names(tree).items()}
 
 
 def assert_trees_equal(a, b):
@@ -212,7 +219,7 @@ def _wait_for(predicate, proc, timeout_s=120):
 
 
 def _steps(workdir):
-    return ckpt_lib.committed_steps(os.path.join(workdir, 'checkpoints'))
+    return format_lib.committed_steps(os.path.join(workdir, 'checkpoints'))
 
 
 def _saving(workdir):

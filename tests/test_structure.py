@@ -17,12 +17,13 @@ MAX_LINES = 600
 # Bottom to top. A module may import its own layer or lower ones (and no cycle: test below).
 LAYERS = (
     ('errors',),
-    ('config', 'hardware', 'cli'),  # no JAX at import: read before JAX starts
+    ('config', 'hardware', 'cli', 'logs'),  # no JAX at import: read before JAX starts
     ('flops', 'mesh', 'distributed', 'layout'),
     ('model', 'data'),
+    ('checkpoint',),  # Orbax manager, restore, integrity, readers, safetensors, Hugging Face: no training
     ('pipeline',),
     ('training',),
-    ('inference',),  # sample, eval, Hugging Face interop: runs what training wrote
+    ('inference',),  # sample, eval: runs what training wrote, through checkpoint/
     ('plan',),
     ('sweep',),
     ('main', 'scaling', 'prepare', 'calibrate'),  # entry points
@@ -74,6 +75,34 @@ def test_imports_only_go_down(module):
         other = LAYER_OF[unit_of(target)]
         assert other <= own, f'{module} (layer {own}) imports {target} (layer {other}): only its own layer or lower'
 
+
+
+def reachable(module: str) -> set[str]:
+    """Every jaxfrontier module `module` imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        for n in GRAPH[todo.pop()] - seen:
+            seen.add(n)
+            todo.append(n)
+    return seen
+
+
+@pytest.mark.parametrize('module', sorted(m for m in GRAPH if m.startswith('jaxfrontier.inference')))
+def test_inference_needs_no_training(module):
+    """Sampling and evaluation read checkpoints through checkpoint/, never the trainer."""
+    training = sorted(m for m in reachable(module) if m.startswith('jaxfrontier.training'))
+    assert not training, f'{module} imports {training} (transitively): read checkpoints through jaxfrontier.checkpoint'
+
+
+# What the planner must never pull in: the training loop and a run's workdir, signal and Ctrl-C handling.
+RUN_CONTROL = ('jaxfrontier.training.loop', 'jaxfrontier.training.workdir_lock', 'jaxfrontier.training.preemption',
+               'jaxfrontier.training.interrupt')
+
+
+@pytest.mark.parametrize('module', sorted(m for m in GRAPH if m.startswith('jaxfrontier.plan')))
+def test_plan_needs_no_training_loop(module):
+    found = sorted(reachable(module) & set(RUN_CONTROL))
+    assert not found, f'{module} imports {found} (transitively): the planner needs the step, not the loop'
 
 
 def test_no_import_cycles():

@@ -4,7 +4,7 @@ Source: the newest checkpoint of --workdir, else config.checkpoint.init_params_f
 a checkpoint step, a .safetensors file or a Hugging Face GPT-2 directory). The model's shape
 comes from the source (the checkpoint's saved config, or config.json), so `--config` needs only
 the mesh. A pipelined checkpoint is regathered: the pipeline axis folds into `data`, and block
-arrays saved [V, L / V, ...] are read back as [L, ...] (restore onto any mesh, checkpoint.py).
+arrays saved [V, L / V, ...] are read back as [L, ...] (restore onto any mesh, checkpoint/reshard.py).
 """
 
 from __future__ import annotations
@@ -19,20 +19,21 @@ import ml_collections
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import ConfigError, UserError
-from jaxfrontier.training import checkpoint as ckpt_lib
-from jaxfrontier.training import export
-from jaxfrontier.training import hf
-from jaxfrontier.training import state as ts
+from jaxfrontier.checkpoint import format as format_lib
+from jaxfrontier.checkpoint import hf
+from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint import readers
+from jaxfrontier.checkpoint import target as target_lib
 
-ADOPTED_FIELDS = ckpt_lib.MODEL_SHAPE_FIELDS + ('vocab_multiple', 'init_std')
+ADOPTED_FIELDS = format_lib.MODEL_SHAPE_FIELDS + ('vocab_multiple', 'init_std')
 
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    """A model ready to run: config (pipeline folded away), layout, parameters and where they came from."""
+    """A model ready to run: config (pipeline folded away), parameter layout, parameters and their source."""
 
     config: ml_collections.ConfigDict
-    layout: ts.StateLayout
+    layout: target_lib.ParamLayout
     params: Any
     source: str
     step: int | None
@@ -42,7 +43,7 @@ class Loaded:
 
 def resolve_source(c: ml_collections.ConfigDict, workdir: str) -> str:
     """The newest checkpoint of `workdir`, else checkpoint.init_params_from; one-line error without either."""
-    if ckpt_lib.committed_steps(ckpt_lib.checkpoint_dir(workdir)):
+    if format_lib.committed_steps(format_lib.checkpoint_dir(workdir)):
         return os.path.abspath(workdir)
     if c.checkpoint.init_params_from:
         return c.checkpoint.init_params_from
@@ -77,12 +78,12 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
     elif os.path.isfile(source):
         model = {}  # a .safetensors file: its metadata is checked against the config on load
     else:
-        meta = hf.read_meta(hf.step_dir_of(source))
+        meta = readers.read_meta(readers.step_dir_of(source))
         step, run_config, model = meta['step'], meta['config'], meta['config']['model']
     c = decode_config(c, model)
     mesh = mesh_lib.mesh_from_config(c)
     if config_lib.num_devices(c) != jax.device_count():
         raise ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
                                      f'devices but {jax.device_count()} are present', 'change the mesh sizes')
-    layout = ts.make_layout(c, mesh)
-    return Loaded(c, layout, export.load_params(source, c, layout), source, step, run_config, hf_dir)
+    layout = target_lib.param_layout(c, mesh)  # the parameters alone: no optimizer state
+    return Loaded(c, layout, init_from.load_params(source, c, layout.target()), source, step, run_config, hf_dir)

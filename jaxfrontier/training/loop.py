@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxfrontier.training import checkpoint as checkpoint_lib
+from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint import manager as checkpoint_lib
+from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
-from jaxfrontier.training import export
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
+from jaxfrontier import logs
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import NonFiniteLossError
 from jaxfrontier import flops as flops_lib
@@ -38,7 +40,7 @@ from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
-_log = checkpoint_lib.log  # process 0 only
+_log = logs.process0(__name__).info  # process 0 only; lines name this module
 
 
 def evaluate(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
@@ -174,8 +176,9 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
              f'M={sched.num_micro} micro-batches, {sched.num_ticks} ticks, bubble {sched.bubble:.1%}, '
              f'at most {sched.act_slots} stashed micro-batches per stage')
     checkpointer = checkpoint_lib.Checkpointer(c, workdir)
-    state, origin = checkpointer.restore_or_init(layout, lambda: ts.init_train_state(c, layout),
-                                                   export.load_params)
+    state, origin = checkpointer.restore_or_init(
+        target_lib.abstract_target(layout.abstract_state, layout.state_shardings),
+        lambda: ts.init_train_state(c, layout), init_from.load_params)
     _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
     write_resolved_config(c, workdir)  # only now: a refused resume leaves the old config.json
     if int(state['step']) >= c.train.steps:  # nothing to do: say so instead of `done: {}`

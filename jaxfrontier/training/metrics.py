@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import jax
 
-from jaxfrontier.errors import NonFiniteLossError
+from jaxfrontier import errors
 
 
 def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, model_flops: float,
@@ -145,10 +145,10 @@ class MetricsWriter:
 
 
 def check_finite(step: int, loss: Any) -> None:
-    """Raises NonFiniteLossError if `loss` (a scalar, host or device) is NaN or Inf."""
+    """Raises errors.NonFiniteLossError if `loss` (a scalar, host or device) is NaN or Inf."""
     value = float(loss)
     if not math.isfinite(value):
-        raise NonFiniteLossError(
+        raise errors.NonFiniteLossError(
             f'training loss is {value} at step {step}; stopping. Things to try: lower the learning '
             f'rate (--config.optim.lr, or more --config.optim.warmup_steps); check the data (token '
             f'ids below model.vocab_size, no corrupt or empty token file); compute in float32 '

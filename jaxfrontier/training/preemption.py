@@ -1,6 +1,6 @@
 """Preemption: signals (Slurm's SIGTERM, an early-warning SIGUSR1) become a stop that every process agrees on.
 
-The loop finishes its step, saves, waits for the commit and returns (training/checkpoint.py,
+The loop finishes its step, saves, waits for the commit and returns (checkpoint/manager.py,
 docs/checkpoints.md).
 """
 

@@ -30,8 +30,9 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import pipeline
+from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import loss_scale
-from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual, split_virtual_specs
+from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual
 
 
 def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
@@ -105,26 +106,17 @@ class StateLayout:
     abstract_state: dict[str, Any]
 
 
-def _platform(mesh) -> str | None:
-    """The mesh's device platform (None for an AbstractMesh: model.scan_unroll=0 then means rolled)."""
-    devices = getattr(mesh, 'devices', None) if isinstance(mesh, Mesh) else None
-    return None if devices is None else devices.flat[0].platform
-
-
 def make_layout(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.Layout | None = None) -> StateLayout:
     """Builds the abstract train state and its shardings for `mesh` (no arrays allocated).
 
     `layout`: the run's parallel layout (`Layout.from_config(c)` when not given).
     """
     layout = layout or layout_lib.Layout.from_config(c)
-    rules = tuple(tuple(r) for r in c.sharding.rules)
-    shape = config_lib.model_shape(c, _platform(mesh))
-    model_def = ModelDef.create(shape)
+    params = target_lib.param_layout(c, mesh)
+    shape, model_def, rules, abstract_params, param_shardings = (
+        params.shape, params.model_def, params.rules, params.abstract_params, params.param_shardings)
     tx, lr_schedule = make_optimizer(c)
-    virtual = layout.virtual
     pipeline_schedule = pipeline.build_schedule(layout) if layout.pipeline > 1 else None
-    abstract_params = split_virtual(model_def.abstract_params(), virtual)
-    param_shardings = mesh_lib.tree_shardings(split_virtual_specs(model_def.logical_specs(), virtual), mesh, rules)
     if c.sharding.zero1:
         dp_axes = mesh_lib.data_parallel_axes(rules)
         zero1 = jax.tree.map(lambda s, a: layout_lib.zero1_layout(s.spec, a.shape, mesh, dp_axes), param_shardings,
@@ -154,8 +146,8 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.Lay
     if loss_scale.enabled(c):  # float16: the dynamic loss scale travels with the state (and checkpoints)
         abstract_state['loss_scale'] = loss_scale.abstract_state()
         state_shardings['loss_scale'] = jax.tree.map(lambda _: replicated, abstract_state['loss_scale'])
-    return StateLayout(layout, shape, model_def, tx, lr_schedule, pipeline_schedule, mesh, rules, param_shardings, update_shardings,
-                       state_shardings, abstract_state)
+    return StateLayout(layout, shape, model_def, tx, lr_schedule, pipeline_schedule, mesh, rules, param_shardings,
+                       update_shardings, state_shardings, abstract_state)
 
 
 def init_train_state(c: ml_collections.ConfigDict, layout: StateLayout) -> dict[str, Any]:

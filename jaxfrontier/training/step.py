@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jaxfrontier.errors import ConfigError
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
-from jaxfrontier.training import checkpoint as checkpoint_lib
+from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import loss_scale
 from jaxfrontier.training import reduction
 from jaxfrontier.training import state as ts
@@ -168,7 +168,7 @@ def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     """The jitted train step (donated state, explicit shardings) and abstract (state, batch) to lower it with."""
     batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    state = checkpoint_lib.abstract_target(layout)
+    state = target_lib.abstract_target(layout.abstract_state, layout.state_shardings)
     train_jit = jax.jit(make_train_step(c, layout), in_shardings=(layout.state_shardings, batch_sharding),
                         out_shardings=(layout.state_shardings, None), donate_argnums=0)
     return train_jit, state, batch

@@ -119,7 +119,7 @@ def test_interleaved_pipeline_checkpoint_is_regathered_for_decoding(tmp_path):
     """A checkpoint of pipeline 2 x virtual 2 ([V, L / V, ...] blocks) loads as [L, ...] on a mesh without pipeline."""
     from jaxfrontier.inference import load as load_lib  # pylint: disable=g-import-not-at-top
     from jaxfrontier.model.params import merge_virtual  # pylint: disable=g-import-not-at-top
-    from jaxfrontier.training import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.checkpoint import manager as ckpt_lib  # pylint: disable=g-import-not-at-top
 
     c = small_config(fsdp=2, tensor=2)
     c.model.num_layers = 4

@@ -13,7 +13,8 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import loop
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
-from jaxfrontier.training.checkpoint import Checkpointer
+from jaxfrontier.checkpoint import target as target_lib
+from jaxfrontier.checkpoint.manager import Checkpointer
 
 
 def small_config(dtype, loss_scale='dynamic', **optim):
@@ -96,7 +97,7 @@ def test_loss_scale_state_is_checkpointed(tmp_path):
     ckpt = Checkpointer(c, str(tmp_path))
     ckpt.save(7, state, force=True)
     ckpt.wait()
-    restored = ckpt.restore(layout)
+    restored = ckpt.restore(target_lib.abstract_target(layout.abstract_state, layout.state_shardings))
     ckpt.close()
     assert {k: float(v) for k, v in restored['loss_scale'].items()} == {
         'scale': 256.0, 'good_steps': 5.0, 'skipped_steps': 3.0}

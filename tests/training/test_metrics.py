@@ -10,9 +10,9 @@ import jax
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import errors
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
-from jaxfrontier.errors import NonFiniteLossError
 from jaxfrontier.training import metrics
 
 # GPT-3 175B as trained by Megatron-LM: B = 1536 sequences, s = 2048, l = 96, h = 12288,
@@ -171,7 +171,7 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize('bad', [math.nan, math.inf, -math.inf])
 def test_check_finite_raises_with_hints(bad):
-    with pytest.raises(NonFiniteLossError) as info:
+    with pytest.raises(errors.NonFiniteLossError) as info:
         metrics.check_finite(17, jax.numpy.float32(bad))
     message = str(info.value)
     assert 'step 17' in message and str(bad) in message

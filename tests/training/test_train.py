@@ -6,7 +6,7 @@ import os
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.errors import ConfigError, NonFiniteLossError
+from jaxfrontier import errors
 from jaxfrontier.training import loop
 from ml_collections import config_flags
 
@@ -49,14 +49,14 @@ def test_tiny_config_learns_below_unigram_entropy(tmp_path):
 def test_nan_loss_stops_with_a_clear_message(tmp_path):
     c = tiny(30)
     c.optim.update(lr=1e6, min_lr=0.0, warmup_steps=0, clip_norm=1e12)
-    with pytest.raises(NonFiniteLossError, match='at step'):
+    with pytest.raises(errors.NonFiniteLossError, match='at step'):
         loop.train_and_evaluate(c, str(tmp_path))
 
 
 def test_accumulation_is_validated():
     c = tiny(10)
     c.train.accum_steps = 3
-    with pytest.raises(ConfigError, match='train.global_batch = 16'):
+    with pytest.raises(errors.ConfigError, match='train.global_batch = 16'):
         config_lib.validate(c, 8)
 
 

@@ -14,12 +14,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxfrontier.errors import ConfigError, NonFiniteLossError
-from jaxfrontier.training import checkpoint as ckpt_lib
+from jaxfrontier import errors
+from jaxfrontier.checkpoint import format as format_lib
+from jaxfrontier.checkpoint import manager as ckpt_lib
 from processes import read_metrics
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    make_config, layout_for, random_state, save_state, read_numpy, flat_numpy, no_init, main, error_line)
+    make_config, layout_for, target_of, random_state, save_state, read_numpy, flat_numpy, no_init, main, error_line)
 
 pytestmark = pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
 
@@ -27,7 +28,7 @@ DIVERGE = ('--config.optim.lr=1e4', '--config.checkpoint.every_steps=1', '--conf
 
 
 def steps_of(workdir):
-    return ckpt_lib.committed_steps(os.path.join(workdir, 'checkpoints'))
+    return format_lib.committed_steps(os.path.join(workdir, 'checkpoints'))
 
 
 def params_finite(step_dir):
@@ -49,7 +50,7 @@ def test_save_refuses_a_nonfinite_step(tmp_path):
     good = {'train/loss': np.float32(2.0), 'train/grad_norm': np.float32(1.0), 'train/param_norm': np.float32(5.0)}
     assert checkpointer.save(1, state, metrics=good)
     for key in good:
-        with pytest.raises(NonFiniteLossError, match=r'step 2 .*newest finite checkpoint is step 1 '
+        with pytest.raises(errors.NonFiniteLossError, match=r'step 2 .*newest finite checkpoint is step 1 '
                                                                  r'.*--config\.optim\.lr='):
             checkpointer.save(2, state, metrics={**good, key: np.float32(np.nan)})
     checkpointer.close()
@@ -65,7 +66,7 @@ def test_restore_skips_nonfinite_checkpoints_of_older_versions(tmp_path):
     good = random_state(layout)
     save_state(c, str(tmp_path), good, step=3)
     save_state(c, str(tmp_path), nan_state(layout), step=4)
-    state, origin = ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(layout, no_init)
+    state, origin = ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(target_of(layout), no_init)
     assert 'restored step 3' in origin
     np.testing.assert_array_equal(flat_numpy(state)['params/wte'], flat_numpy(good)['params/wte'])
     assert steps_of(str(tmp_path)) == [3]
@@ -78,17 +79,17 @@ def test_restore_step_picks_a_step_and_lists_the_available_ones(tmp_path):
     for step in (2, 4, 6):
         save_state(c, str(tmp_path), random_state(layout, seed=step), step=step)
     c.checkpoint.restore_step = 5
-    with pytest.raises(ConfigError, match=r'checkpoint.restore_step = 5: .* no checkpoint of step 5 '
+    with pytest.raises(errors.ConfigError, match=r'checkpoint.restore_step = 5: .* no checkpoint of step 5 '
                                                       r'\(available: 2, 4, 6\)'):
-        ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(layout, no_init)
+        ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(target_of(layout), no_init)
     c.checkpoint.restore_step = 4
     checkpointer = ckpt_lib.Checkpointer(c, str(tmp_path))
-    state, origin = checkpointer.restore_or_init(layout, no_init)
+    state, origin = checkpointer.restore_or_init(target_of(layout), no_init)
     assert 'restored step 4' in origin and steps_of(str(tmp_path)) == [2, 4]
     checkpointer.save(5, state, force=True)  # the rolled-back run goes on
     checkpointer.close()
     # A rerun of the same command (a requeue) resumes the newer step instead of rolling back again.
-    _, origin = ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(layout, no_init)
+    _, origin = ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(target_of(layout), no_init)
     assert 'restored step 5' in origin and steps_of(str(tmp_path)) == [2, 4, 5]
 
 

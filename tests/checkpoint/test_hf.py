@@ -22,11 +22,12 @@ transformers = pytest.importorskip('transformers')
 tokenizers = pytest.importorskip('tokenizers')
 
 from configs import tiny  # noqa: E402
+from jaxfrontier import errors
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier.data import token_files  # noqa: E402
-from jaxfrontier.errors import ConfigError
 from jaxfrontier.inference import load as load_lib  # noqa: E402
-from jaxfrontier.training import hf  # noqa: E402
+from jaxfrontier.checkpoint import hf  # noqa: E402
+from jaxfrontier.checkpoint import readers  # noqa: E402
 from tests import processes  # noqa: E402
 
 EOT = '<|endoftext|>'
@@ -110,7 +111,8 @@ def test_corpus_to_transformers_through_the_clis(tmp_path):
     assert f'parameters from {out}' in tuned
 
     # the checkpoint stores block arrays in one-layer chunks: the export reads one layer at a time
-    reader = hf.ParamReader(hf.step_dir_of(workdir), hf.read_meta(hf.step_dir_of(workdir))['config'])
+    step_dir = readers.step_dir_of(workdir)
+    reader = readers.ParamReader(step_dir, readers.read_meta(step_dir)['config'])
     assert reader.open('blocks/mlp/w_in').chunk_layout.read_chunk.shape[0] == 1
 
 
@@ -135,6 +137,6 @@ def test_transformers_gpt2_imports_with_equal_logits(tmp_path, tied):
 
 
 def test_non_gpt2_config_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match='activation_function'):
+    with pytest.raises(errors.ConfigError, match='activation_function'):
         hf.model_fields({'model_type': 'gpt2', 'activation_function': 'relu', 'n_embd': 8, 'n_layer': 1,
                          'n_head': 2, 'vocab_size': 10, 'n_positions': 8}, str(tmp_path))

@@ -1,4 +1,4 @@
-"""Parameters in and out of checkpoints: safetensors export, and initial parameters for fine-tuning.
+"""Safetensors: the writer, a checkpoint's parameters exported to one file, and that file read back.
 
 `export_params(source, out_path)` writes the parameters of a checkpoint to one safetensors
 file that any framework can read: one tensor per parameter, named by its '/'-joined path in
@@ -6,9 +6,9 @@ the params tree (`blocks/attn/w_qkv`), block parameters stacked with a leading [
 dimension in model order (also for checkpoints of interleaved pipelines), fp32. The name map and shapes are in docs/checkpoints.md. The file is written one
 tensor at a time, so the host holds at most one (stacked) parameter at once.
 
-`load_params(source, config, layout)` reads parameters for `config.checkpoint.init_params_from`
-from a safetensors file or from another run's checkpoint, directly into the layout's
-shardings: every process reads only the slices its devices hold.
+`load_safetensors(path, config, target)` reads such a file for `config.checkpoint.init_params_from`
+(init_from.py) directly into the target's shardings: every process reads only the slices its
+devices hold.
 
 Export runs in one process: `python -m jaxfrontier.main --mode=export --workdir=RUN
 --export_path=params.safetensors`.
@@ -25,55 +25,48 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxfrontier.errors import ConfigError, UserError
-from jaxfrontier.training import checkpoint as ckpt_lib
-from jaxfrontier.training import hf
+from jaxfrontier.errors import CheckpointError, UserError
 from jaxfrontier import config as config_lib
-from jaxfrontier.training import state as ts
+from jaxfrontier.checkpoint import format as format_lib
+from jaxfrontier.checkpoint import readers
+from jaxfrontier.checkpoint import reshard
 
 FORMAT = 'jaxfrontier-params'
 
 
-def flatten_names(tree: Any) -> dict[str, Any]:
-    """{'/'-joined path: leaf} of a nested dict, in sorted path order."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, 'shape'))[0]
-    return {ckpt_lib.path_name(path): leaf for path, leaf in flat}
+_SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'int32': 'I32'}
 
 
-def _unflatten(names: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, leaf in names.items():
-        node = out
-        *parents, last = name.split('/')
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = leaf
-    return out
+def _safetensors_header(shapes: dict[str, tuple[tuple[int, ...], np.dtype]], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {'__metadata__': metadata}
+    offset = 0
+    for name, (shape, dtype) in shapes.items():
+        size = int(np.prod(shape)) * dtype.itemsize
+        header[name] = {'dtype': _SAFETENSORS_DTYPES[dtype.name], 'shape': list(shape),
+                        'data_offsets': [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(',', ':')).encode()
+    raw += b' ' * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return len(raw).to_bytes(8, 'little') + raw
 
 
-def resolve_step_dir(source: str) -> str:
-    """The step directory a source names: a workdir, its checkpoints/ directory, or a step directory.
+def write_safetensors(path: str, shapes: dict[str, tuple[tuple[int, ...], np.dtype]], metadata: dict[str, str],
+                      arrays) -> None:
+    """Writes a safetensors file through `<path>.tmp<pid>`, replacing `path` atomically.
 
-    Raises:
-      CheckpointError: when there is no committed checkpoint there.
+    `arrays` yields one array per entry of `shapes` ({name: (shape, dtype)}), in the same order;
+    each is written as soon as it comes, so the host holds one tensor at a time.
     """
-    return hf.step_dir_of(source, fix='name a training workdir, its checkpoints/ directory, one step directory '
-                                      'in it, or a .safetensors file.')
-
-
-def _read_meta(step_dir: str) -> dict[str, Any]:
-    return hf.read_meta(step_dir, fix='name a jaxfrontier checkpoint.')
-
-
-def saved_tree(step_dir: str) -> dict[str, Any]:
-    """The saved train state's tree of array metadata (shape, dtype), read without the arrays."""
-    return hf.read_item(step_dir, 'state', ocp.PyTreeCheckpointHandler(), lambda h, path: h.metadata(path).tree)
-
-
-def _restore_params(step_dir: str, item: dict[str, Any], restore_args: dict[str, Any]) -> dict[str, Any]:
-    args = ocp.args.PyTreeRestore(item={'params': item}, restore_args={'params': restore_args}, partial_restore=True)
-    handler = ocp.PyTreeCheckpointHandler()
-    return hf.read_item(step_dir, 'state', handler, lambda h, path: h.restore(path, args=args))['params']
+    tmp = f'{path}.tmp{os.getpid()}'
+    try:
+        with open(tmp, 'wb') as f:
+            f.write(_safetensors_header(shapes, metadata))
+            for (shape, dtype), value in zip(shapes.values(), arrays):
+                f.write(np.ascontiguousarray(value.reshape(shape), dtype=dtype.newbyteorder('<')).tobytes())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 # --------------------------------------------------------------------------- export
@@ -94,11 +87,11 @@ def _check_out_path(out_path: str) -> None:
                                    'Fix: choose a path in a directory you can write to.') from None
 
 
-def _nonfinite_error(step_dir: str, name: str, count: int, size: int) -> ckpt_lib.CheckpointError:
-    older = ckpt_lib.committed_steps(os.path.dirname(step_dir))
+def _nonfinite_error(step_dir: str, name: str, count: int, size: int) -> CheckpointError:
+    older = format_lib.committed_steps(os.path.dirname(step_dir))
     older = [s for s in older if str(s) != os.path.basename(step_dir)]
     pick = f' (e.g. --workdir={os.path.dirname(step_dir)}/{older[-1]})' if older else ''
-    return ckpt_lib.CheckpointError(
+    return CheckpointError(
         f'{step_dir}: parameter {name!r} has {count} of {size} values NaN or Inf; refusing to export them. '
         f'Fix: export an older step directory{pick}, or pass --export_allow_nonfinite to write them anyway.')
 
@@ -120,10 +113,10 @@ def export_params(source: str, out_path: str, allow_nonfinite: bool = False) -> 
       CheckpointError: no checkpoint, a corrupted one, or NaN/Inf parameters (unless allowed).
     """
     _check_out_path(out_path)
-    step_dir = resolve_step_dir(source)
-    meta = _read_meta(step_dir)
+    step_dir = readers.resolve_step_dir(source)
+    meta = readers.read_checkpoint_meta(step_dir)
     saved = {name: (tuple(m.shape), np.dtype(m.dtype))  # {name: (shape, dtype)} of the saved parameters
-             for name, m in flatten_names(saved_tree(step_dir)['params']).items()}
+             for name, m in readers.flatten_names(readers.saved_tree(step_dir)['params']).items()}
     # Interleaved pipelines store block arrays [V, L / V, ...]; the file has them [L, ...].
     merge = meta['config']['mesh']['pipeline'] > 1 and meta['config']['pipeline']['virtual_stages'] > 1
     shapes = {name: ((shape[0] * shape[1], *shape[2:]) if merge and name.startswith('blocks/') else shape, dtype)
@@ -135,14 +128,14 @@ def export_params(source: str, out_path: str, allow_nonfinite: bool = False) -> 
     def arrays():
         for name, (_, dtype) in shapes.items():
             names = {name: jax.ShapeDtypeStruct(saved[name][0], dtype)}
-            value = flatten_names(_restore_params(step_dir, _unflatten(names), _unflatten(
+            value = readers.flatten_names(readers.restore_params(step_dir, readers.unflatten(names), readers.unflatten(
                 {name: ocp.RestoreArgs(restore_type=np.ndarray)})))[name]
             bad = int(value.size - np.count_nonzero(np.isfinite(value)))
             if bad and not allow_nonfinite:
                 raise _nonfinite_error(step_dir, name, bad, int(value.size))
             yield value
 
-    hf.write_safetensors(out_path, shapes, metadata, arrays())
+    write_safetensors(out_path, shapes, metadata, arrays())
     return {name: shape for name, (shape, _) in shapes.items()}
 
 
@@ -181,61 +174,39 @@ def _reader(f, name: str, saved: tuple[int, ...], leaf: Any, vocab: tuple[int, i
     target = tuple(leaf.shape)
     if saved == target:
         return read
-    if ckpt_lib.layer_split(name, saved, target) == (1, 2):
+    if reshard.layer_split(name, saved, target) == (1, 2):
         return _split_reader(read, target)
     if len(saved) == len(target) and all(a == b or (a, b) == vocab for a, b in zip(saved, target)):
         return _padded_reader(read, saved, target, leaf.dtype)
-    raise ckpt_lib.CheckpointError(f'{where}: parameter {name!r} has shape {saved}, the config needs {target}. '
-                                   'Fix: use the config the parameters were trained with.')
+    raise CheckpointError(
+        f'{where}: parameter {name!r} has shape {saved}, the config needs {target}. '
+        'Fix: use the config the parameters were trained with.')
 
 
-def load_safetensors(path: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -> dict[str, Any]:
-    """Reads a safetensors file (export_params' name map) into the layout's shardings."""
+def load_safetensors(path: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:
+    """Reads a safetensors file (export_params' name map) into the shardings of `target` (abstract params)."""
     from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 
-    target = flatten_names(ckpt_lib.abstract_target(layout)['params'])
+    target = readers.flatten_names(target)
     try:
         f = safe_open(path, framework='numpy')
     except Exception as e:  # noqa: BLE001
-        raise ckpt_lib.CheckpointError(f'cannot read {path} as safetensors ({type(e).__name__}: {e}). '
-                                       'Fix: name a file written by --mode=export (docs/checkpoints.md).') from e
+        raise CheckpointError(
+            f'cannot read {path} as safetensors ({type(e).__name__}: {e}). '
+            'Fix: name a file written by --mode=export (docs/checkpoints.md).') from e
     metadata = f.metadata() or {}
     saved_vocab = target_vocab = config_lib.padded_vocab(c)
     if 'config' in metadata:
         saved_config = json.loads(metadata['config'])
-        ckpt_lib.check_model_matches(saved_config, c, path, 'choose a file of the same model')
-        saved_vocab = ckpt_lib.padded_vocab_of(saved_config)
+        format_lib.check_model_matches(saved_config, c, path, 'choose a file of the same model')
+        saved_vocab = format_lib.padded_vocab_of(saved_config)
     missing = sorted(set(target) - set(f.keys()))
     if missing:
-        raise ckpt_lib.CheckpointError(f'{path} has no parameter {missing[0]!r}. Fix: use parameters '
-                                       'of a model with the same structure (docs/checkpoints.md).')
-    readers = {name: _reader(f, name, tuple(f.get_slice(name).get_shape()), leaf, (saved_vocab, target_vocab), path)
-               for name, leaf in target.items()}
-    return _unflatten({name: jax.make_array_from_callback(leaf.shape, leaf.sharding, readers[name], dtype=leaf.dtype)
-                       for name, leaf in target.items()})
-
-
-def load_checkpoint_params(source: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -> dict[str, Any]:
-    """Reads only the parameters of another run's checkpoint into the layout's shardings."""
-    step_dir = resolve_step_dir(source)
-    meta = _read_meta(step_dir)
-    ckpt_lib.check_model_matches(meta['config'], c, step_dir, 'choose a checkpoint of the same model')
-    target = {'params': ckpt_lib.abstract_target(layout)['params']}
-    vocab = (ckpt_lib.padded_vocab_of(meta['config']), config_lib.padded_vocab(c))
-    item, restore_args, reshaped = ckpt_lib.plan_restore(
-        target, ckpt_lib.saved_shapes_of(saved_tree(step_dir)), vocab, step_dir)
-    return ckpt_lib.finish_restore({'params': _restore_params(step_dir, item['params'], restore_args['params'])},
-                                   reshaped)['params']
-
-
-def load_params(source: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -> dict[str, Any]:
-    """Initial parameters for config.checkpoint.init_params_from: a .safetensors file, a Hugging Face
-    GPT-2 directory or a checkpoint."""
-    if not os.path.exists(source):
-        raise ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
-                                     'name a training workdir, a checkpoint directory or a .safetensors file')
-    if os.path.isfile(source):
-        return load_safetensors(source, c, layout)
-    if hf.is_hf_dir(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
-        return hf.load_hf(source, c, layout)
-    return load_checkpoint_params(source, c, layout)
+        raise CheckpointError(
+            f'{path} has no parameter {missing[0]!r}. Fix: use parameters '
+            'of a model with the same structure (docs/checkpoints.md).')
+    callbacks = {name: _reader(f, name, tuple(f.get_slice(name).get_shape()), leaf, (saved_vocab, target_vocab), path)
+                 for name, leaf in target.items()}
+    return readers.unflatten({name: jax.make_array_from_callback(leaf.shape, leaf.sharding, callbacks[name],
+                                                                 dtype=leaf.dtype)
+                              for name, leaf in target.items()})

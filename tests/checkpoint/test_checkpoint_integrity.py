@@ -6,13 +6,13 @@ import shutil
 
 import pytest
 
-from jaxfrontier.errors import ConfigError, UserError
-from jaxfrontier.training import checkpoint as ckpt_lib
+from jaxfrontier import errors
+from jaxfrontier.checkpoint import manager as ckpt_lib
 from jaxfrontier import config as config_lib
 from jaxfrontier.training import loop
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    REPO, make_config, layout_for, no_init, _largest_file, vocab300, main, error_line)
+    REPO, make_config, layout_for, target_of, no_init, _largest_file, vocab300, main, error_line)
 
 # A failed Orbax read (the corruption tests) leaves TensorStore callbacks aimed at the asyncio
 # loop it has closed; Python reports them as unraisable at some later test. Nothing leaks.
@@ -38,9 +38,9 @@ def test_corrupted_checkpoint_fails_clearly(vocab300, tmp_path, kind):
     workdir, c = vocab300
     shutil.copytree(f'{workdir}/checkpoints', tmp_path / 'checkpoints')
     CORRUPTIONS[kind](str(tmp_path / 'checkpoints' / '0'))
-    with pytest.raises(UserError, match=r'checkpoints/0.*Fix:'):
+    with pytest.raises(errors.UserError, match=r'checkpoints/0.*Fix:'):
         checkpointer = ckpt_lib.Checkpointer(c, str(tmp_path))
-        checkpointer.restore_or_init(layout_for(c), no_init)
+        checkpointer.restore_or_init(target_of(layout_for(c)), no_init)
 
 
 def test_incomplete_checkpoint_is_never_restored(vocab300, tmp_path):
@@ -51,7 +51,7 @@ def test_incomplete_checkpoint_is_never_restored(vocab300, tmp_path):
     shutil.copytree(f'{workdir}/checkpoints/0', partial)
     os.remove(_largest_file(partial / 'state'))
     checkpointer = ckpt_lib.Checkpointer(c, str(tmp_path))
-    state, origin = checkpointer.restore_or_init(layout_for(c), no_init)
+    state, origin = checkpointer.restore_or_init(target_of(layout_for(c)), no_init)
     assert int(state['step']) == 0 and 'restored step 0' in origin
     assert not partial.exists()
 
@@ -59,11 +59,11 @@ def test_incomplete_checkpoint_is_never_restored(vocab300, tmp_path):
 def test_unwritable_workdir_fails_before_training(tmp_path):
     blocker = tmp_path / 'file'
     blocker.write_text('x')
-    with pytest.raises(UserError, match='cannot be written'):
+    with pytest.raises(errors.UserError, match='cannot be written'):
         loop.train_and_evaluate(make_config(), str(blocker / 'run'))
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'checkpoints').write_text('not a directory')
-    with pytest.raises(UserError, match='checkpoint directory .* cannot be written'):
+    with pytest.raises(errors.UserError, match='checkpoint directory .* cannot be written'):
         loop.train_and_evaluate(make_config(), str(tmp_path / 'run'))
     assert not (tmp_path / 'run' / 'metrics.jsonl').exists()
 
@@ -75,7 +75,7 @@ def test_config_validation():
                          ('preemption_signals', ('SIGTERM', 'SIGNOPE')), ('preemption_signals', ('SIGKILL',))]:
         bad = make_config()
         bad.checkpoint[field] = value
-        with pytest.raises(ConfigError, match=f'checkpoint.{field}'):
+        with pytest.raises(errors.ConfigError, match=f'checkpoint.{field}'):
             config_lib.validate(bad, 8)
 
 
@@ -96,16 +96,16 @@ def test_flipped_bytes_fail_the_checksum(vocab300, tmp_path):
     workdir, c = vocab300
     shutil.copytree(f'{workdir}/checkpoints', tmp_path / 'checkpoints')
     flip_bytes(_largest_file(tmp_path / 'checkpoints' / '0' / 'state'))
-    with pytest.raises(ckpt_lib.CheckpointError, match=r'checkpoints/0 fails its checksum .*Fix: move '):
-        ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(layout_for(c), no_init)
+    with pytest.raises(errors.CheckpointError, match=r'checkpoints/0 fails its checksum .*Fix: move '):
+        ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(target_of(layout_for(c)), no_init)
 
 
 def test_missing_state_metadata_is_corruption(vocab300, tmp_path):
     workdir, c = vocab300
     shutil.copytree(f'{workdir}/checkpoints', tmp_path / 'checkpoints')
     os.remove(tmp_path / 'checkpoints' / '0' / 'state' / '_METADATA')
-    with pytest.raises(ckpt_lib.CheckpointError, match=r'checkpoints/0 is corrupted: state/_METADATA') as error:
-        ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(layout_for(c), no_init)
+    with pytest.raises(errors.CheckpointError, match=r'checkpoints/0 is corrupted: state/_METADATA') as error:
+        ckpt_lib.Checkpointer(c, str(tmp_path)).restore_or_init(target_of(layout_for(c)), no_init)
     assert 'different model' not in str(error.value)
 
 

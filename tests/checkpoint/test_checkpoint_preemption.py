@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jaxfrontier.training import checkpoint as ckpt_lib
+from jaxfrontier.checkpoint import manager as ckpt_lib
 from jaxfrontier.training import loop
 from jaxfrontier.training import preemption
 

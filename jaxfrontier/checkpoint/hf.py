@@ -21,7 +21,7 @@ Names (HF Conv1D weights are [in, out], which is our layout after a reshape):
   head [d, Vp] (untied)        lm_head.weight [V, d]
 
 Export reads the checkpoint with TensorStore one layer's slice at a time (checkpoints store
-block arrays in one-layer chunks, training/checkpoint.py), so host memory stays near one
+block arrays in one-layer chunks, checkpoint/manager.py; readers.ParamReader), so host memory stays near one
 layer's tensors whatever the depth.
 """
 
@@ -35,14 +35,12 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
-import tensorstore as tstore
-from etils import epath
 
+from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.data import token_files as data_lib
-from jaxfrontier.errors import ConfigError
-from jaxfrontier.training import checkpoint as ckpt_lib
-from jaxfrontier.training import state as ts
+from jaxfrontier.checkpoint import format as format_lib
+from jaxfrontier.checkpoint import readers
+from jaxfrontier.checkpoint import safetensors as safetensors_lib
 
 HF_ACTIVATIONS = ('gelu_new', 'gelu_pytorch_tanh')
 LAYER_NORM_EPS = 1e-5
@@ -70,83 +68,13 @@ def _hf_2d(name: str, a: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- the checkpoint side
 
 
-def step_dir_of(source: str, fix: str = 'train first, or name a training workdir, its checkpoints/ directory '
-                'or one step directory.') -> str:
-    """The newest committed step directory of a workdir, its checkpoints/ directory, or a step directory.
-
-    Raises:
-      CheckpointError: when there is no committed checkpoint there; its message ends in `fix`.
-    """
-    source = os.path.abspath(source)
-    if os.path.isdir(os.path.join(source, 'state')):
-        return source
-    for directory in (ckpt_lib.checkpoint_dir(source), source):
-        steps = ckpt_lib.committed_steps(directory)
-        if steps:
-            return os.path.join(directory, str(steps[-1]))
-    raise ckpt_lib.CheckpointError(f'no committed checkpoint under {source}. Fix: {fix}')
-
-
-def read_item(step_dir: str, item: str, handler: Any, call) -> Any:
-    """`call(handler, <step_dir>/<item>)`, with any failure reported as a corrupted checkpoint."""
-    try:
-        return call(handler, epath.Path(step_dir) / item)
-    except Exception as e:  # noqa: BLE001 -- whatever Orbax or TensorStore raise
-        raise ckpt_lib.corrupted_error(os.path.dirname(step_dir), os.path.basename(step_dir), e) from e
-    finally:
-        handler.close()
-
-
-def read_meta(step_dir: str, fix: str = 'name one.') -> dict[str, Any]:
-    """The JSON saved with a checkpoint step (format, step, config)."""
-    meta = read_item(step_dir, 'meta', ocp.JsonCheckpointHandler(), lambda h, path: h.restore(path))
-    if not isinstance(meta, dict) or meta.get('format') != ckpt_lib.FORMAT:
-        raise ckpt_lib.CheckpointError(f'{step_dir} is not a jaxfrontier checkpoint. Fix: {fix}')
-    return meta
-
-
-class ParamReader:
-    """Reads slices of a checkpoint's parameters straight from TensorStore, never a whole stacked array."""
-
-    def __init__(self, step_dir: str, config: dict[str, Any]):
-        self.state_dir = os.path.join(step_dir, 'state')
-        with open(os.path.join(self.state_dir, '_METADATA')) as f:
-            meta = json.load(f)
-        self.zarr = 'zarr3' if meta.get('use_zarr3') else 'zarr'
-        self.ocdbt = bool(meta.get('use_ocdbt', True))
-        self.layers = config['model']['num_layers']
-        self.virtual = config['pipeline']['virtual_stages'] if config['mesh']['pipeline'] > 1 else 1
-        self.context = tstore.Context({'cache_pool': {'total_bytes_limit': 0}})
-
-    def open(self, name: str):
-        key = 'params.' + name.replace('/', '.')
-        if self.ocdbt:
-            kvstore = {'driver': 'ocdbt', 'base': f'file://{self.state_dir}/', 'path': key}
-        else:
-            kvstore = {'driver': 'file', 'path': os.path.join(self.state_dir, key)}
-        try:
-            return tstore.open({'driver': self.zarr, 'kvstore': kvstore}, read=True, context=self.context).result()
-        except Exception as e:  # noqa: BLE001
-            raise ckpt_lib.corrupted_error(os.path.dirname(os.path.dirname(self.state_dir)),
-                                           os.path.basename(os.path.dirname(self.state_dir)), e) from e
-
-    def read(self, name: str, index: tuple = ()) -> np.ndarray:
-        return np.asarray(self.open(name)[index].read().result())
-
-    def layer(self, name: str, layer: int) -> np.ndarray:
-        """Layer `layer` (model order) of block parameter `blocks/<name>`, also from [V, L / V, ...] arrays."""
-        if self.virtual > 1:
-            per = self.layers // self.virtual
-            return self.read(f'blocks/{name}', (layer // per, layer % per))
-        return self.read(f'blocks/{name}', (layer,))
-
-
 def check_gpt2(config: dict[str, Any], where: str) -> None:
     """Refuses, with one line, a model that GPT-2 cannot represent (none today: kept for new options)."""
     m = config['model']
     if m['d_model'] % m['num_heads']:
-        raise ckpt_lib.CheckpointError(f'{where}: d_model {m["d_model"]} is not divisible by num_heads '
-                                       f'{m["num_heads"]}, GPT-2 cannot hold it. Fix: none; export safetensors.')
+        raise CheckpointError(
+            f'{where}: d_model {m["d_model"]} is not divisible by num_heads '
+            f'{m["num_heads"]}, GPT-2 cannot hold it. Fix: none; export safetensors.')
 
 
 def hf_config(config: dict[str, Any], eot_id: int | None) -> dict[str, Any]:
@@ -174,42 +102,7 @@ def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     return data_lib.tokenizer_path(token_file), token_file.header
 
 
-_SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16', 'float16': 'F16', 'int32': 'I32'}
-
-
-def _safetensors_header(shapes: dict[str, tuple[tuple[int, ...], np.dtype]], metadata: dict[str, str]) -> bytes:
-    header: dict[str, Any] = {'__metadata__': metadata}
-    offset = 0
-    for name, (shape, dtype) in shapes.items():
-        size = int(np.prod(shape)) * dtype.itemsize
-        header[name] = {'dtype': _SAFETENSORS_DTYPES[dtype.name], 'shape': list(shape),
-                        'data_offsets': [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(',', ':')).encode()
-    raw += b' ' * (-len(raw) % 8)  # the data starts 8-byte aligned
-    return len(raw).to_bytes(8, 'little') + raw
-
-
-def write_safetensors(path: str, shapes: dict[str, tuple[tuple[int, ...], np.dtype]], metadata: dict[str, str],
-                      arrays) -> None:
-    """Writes a safetensors file through `<path>.tmp<pid>`, replacing `path` atomically.
-
-    `arrays` yields one array per entry of `shapes` ({name: (shape, dtype)}), in the same order;
-    each is written as soon as it comes, so the host holds one tensor at a time.
-    """
-    tmp = f'{path}.tmp{os.getpid()}'
-    try:
-        with open(tmp, 'wb') as f:
-            f.write(_safetensors_header(shapes, metadata))
-            for (shape, dtype), value in zip(shapes.values(), arrays):
-                f.write(np.ascontiguousarray(value.reshape(shape), dtype=dtype.newbyteorder('<')).tobytes())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _tensors(reader: ParamReader, m: dict[str, Any]):
+def _tensors(reader: readers.ParamReader, m: dict[str, Any]):
     """(HF name, shape, read()) in file order: embeddings, layer by layer, final LayerNorm, head."""
     v, d, s, f = m['vocab_size'], m['d_model'], m['seq_len'], m['mlp_ratio'] * m['d_model']
     shapes = {'ln1/scale': (d,), 'ln1/bias': (d,), 'attn/w_qkv': (d, 3 * d), 'attn/b_qkv': (3 * d,),
@@ -237,11 +130,11 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
     Returns:
       A summary: step, tensors written, whether a tokenizer was copied.
     """
-    step_dir = step_dir_of(source)
-    meta = read_meta(step_dir)
+    step_dir = readers.step_dir_of(source)
+    meta = readers.read_meta(step_dir)
     config = meta['config']
     check_gpt2(config, step_dir)
-    reader = ParamReader(step_dir, config)
+    reader = readers.ParamReader(step_dir, config)
     tokenizer, header = _tokenizer_of(config)
     os.makedirs(out_dir, exist_ok=True)
     tensors = list(_tensors(reader, config['model']))
@@ -252,8 +145,8 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
             assert value.shape == shape, (name, value.shape, shape)
             yield value
 
-    write_safetensors(os.path.join(out_dir, 'model.safetensors'),
-                      {name: (shape, np.dtype('float32')) for name, shape, _ in tensors}, {'format': 'pt'}, arrays())
+    shapes = {name: (shape, np.dtype('float32')) for name, shape, _ in tensors}
+    safetensors_lib.write_safetensors(os.path.join(out_dir, 'model.safetensors'), shapes, {'format': 'pt'}, arrays())
     eot_id = header.get('eot_id')
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump(hf_config(config, eot_id), f, indent=2)
@@ -315,8 +208,9 @@ def _hf_reader(f, keys: set[str]):
     def get(name: str, index: tuple = ()):
         key = name if name in keys else name.removeprefix('transformer.')
         if key not in keys:
-            raise ckpt_lib.CheckpointError(f'the Hugging Face model has no tensor {name!r}. Fix: save a '
-                                           'GPT2LMHeadModel with save_pretrained.')
+            raise CheckpointError(
+                f'the Hugging Face model has no tensor {name!r}. Fix: save a '
+                'GPT2LMHeadModel with save_pretrained.')
         return f.get_slice(key)[index] if index else f.get_tensor(key)
     return get
 
@@ -348,14 +242,14 @@ def _callback(name: str, target: tuple[int, ...], get, c: ml_collections.ConfigD
     return lambda index: get(dict(TOP_NAMES)[name])[index]
 
 
-def load_hf(hf_dir: str, c: ml_collections.ConfigDict, layout: ts.StateLayout) -> dict[str, Any]:
-    """Reads a `transformers` GPT-2 directory into the layout's shardings (checkpoint.init_params_from)."""
+def load_hf(hf_dir: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:
+    """Reads a `transformers` GPT-2 directory into the shardings of `target`, the abstract parameters
+    (checkpoint.init_params_from)."""
     from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 
     _check_matches(model_fields(read_hf_config(hf_dir), hf_dir), c, hf_dir)
-    target = ckpt_lib.abstract_target(layout)['params']
     with safe_open(os.path.join(hf_dir, 'model.safetensors'), framework='numpy') as f:
         get = _hf_reader(f, set(f.keys()))
         return jax.tree_util.tree_map_with_path(lambda path, leaf: jax.make_array_from_callback(
-            leaf.shape, leaf.sharding, _callback(ckpt_lib.path_name(path), tuple(leaf.shape), get, c),
+            leaf.shape, leaf.sharding, _callback(format_lib.path_name(path), tuple(leaf.shape), get, c),
             dtype=leaf.dtype), target)

@@ -11,7 +11,7 @@ each array's `zarr.json`, so a reader needs nothing but TensorStore.
 
 Finiteness: the train step already computes the loss, the gradient norm and the norm of the
 updated parameters; `health` fetches those three scalars (one host sync, at save steps only),
-and a state whose values are not all finite is never committed (training/checkpoint.py).
+and a state whose values are not all finite is never committed (checkpoint/manager.py).
 """
 
 from __future__ import annotations

@@ -8,16 +8,17 @@ import jax
 import numpy as np
 import pytest
 
-from jaxfrontier.errors import ConfigError
-from jaxfrontier.training import checkpoint as ckpt_lib
-from jaxfrontier.data import loader
-from jaxfrontier.training import export
+from jaxfrontier import errors
+from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint import manager as ckpt_lib
+from jaxfrontier.checkpoint import safetensors as safetensors_lib
+from jaxfrontier.data import loader as data_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import loop
 from jaxfrontier.training import step as step_lib
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    compile_cache, LOSS_RTOL, make_config, layout_for, random_state, save_state, losses, read_numpy, flat_numpy, assert_trees_equal, no_init, runs, vocab300, cli)
+    compile_cache, LOSS_RTOL, make_config, layout_for, target_of, random_state, save_state, losses, read_numpy, flat_numpy, assert_trees_equal, no_init, runs, vocab300, cli)
 
 # A failed Orbax read (the corruption tests) leaves TensorStore callbacks aimed at the asyncio
 # loop it has closed; Python reports them as unraisable at some later test. Nothing leaks.
@@ -63,7 +64,7 @@ TARGETS = {
 def restore_on(runs, name):
     c = make_config(**TARGETS[name])
     layout = layout_for(c)
-    state = ckpt_lib.Checkpointer(c, runs['straight']).restore(layout, step=3)
+    state = ckpt_lib.Checkpointer(c, runs['straight']).restore(target_of(layout), step=3)
     assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding == s, state, layout.state_shardings))
     assert_trees_equal(flat_numpy(state), read_numpy(f'{runs["straight"]}/checkpoints/3'))
     return c, layout, state
@@ -81,8 +82,8 @@ def test_training_continues_on_other_mesh(runs, name):
     """After the restore, step 4 has the loss it had on the original layout, to fp32 rounding."""
     c, layout, state = restore_on(runs, name)
     train_step, _, batch_sharding = step_lib.compile_steps(c, layout)
-    source, _ = loader.make_datasets(c, '')
-    batch = loader.make_global_batch(source, 3, batch_sharding, c.train.global_batch)
+    source, _ = data_lib.make_datasets(c, '')
+    batch = data_lib.make_global_batch(source, 3, batch_sharding, c.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         _, metrics = train_step(state, batch)
     np.testing.assert_allclose(float(metrics['train/loss']), losses(runs['straight'])[4], rtol=LOSS_RTOL)
@@ -93,7 +94,7 @@ def test_restore_with_other_vocab_padding(vocab300):
     workdir, _ = vocab300
     saved = read_numpy(f'{workdir}/checkpoints/0')
     c = make_config(data=1, fsdp=1, tensor=4, vocab_size=300)
-    state = flat_numpy(ckpt_lib.Checkpointer(c, workdir).restore(layout_for(c)))
+    state = flat_numpy(ckpt_lib.Checkpointer(c, workdir).restore(target_of(layout_for(c))))
     for name, value in state.items():
         if name.endswith('wte'):
             assert value.shape == (384, 32)
@@ -125,7 +126,7 @@ def test_padded_zero1_state_restores_and_continues(tmp_path):
 
     single = config(1, steps=4)
     layout = layout_for(single)
-    state = ckpt_lib.Checkpointer(single, workdir).restore(layout, step=3)
+    state = ckpt_lib.Checkpointer(single, workdir).restore(target_of(layout), step=3)
     restored = flat_numpy(state['opt_state'])
     padded_names = [n for n in saved if saved[n].shape != restored[n].shape]
     assert padded_names
@@ -135,8 +136,8 @@ def test_padded_zero1_state_restores_and_continues(tmp_path):
         assert np.count_nonzero(saved[name]) == np.count_nonzero(cut), name  # the padding was zero
 
     train_step, _, batch_sharding = step_lib.compile_steps(single, layout)
-    source, _ = loader.make_datasets(single, '')
-    batch = loader.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
+    source, _ = data_lib.make_datasets(single, '')
+    batch = data_lib.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         _, metrics = train_step(state, batch)
     np.testing.assert_allclose(float(metrics['train/loss']), losses(workdir)[4], rtol=LOSS_RTOL)
@@ -156,21 +157,21 @@ def test_interleaved_pipeline_layer_split(tmp_path):
     plain_state = flat_numpy(random_state(layout_for(plain), seed=1))
     save_state(plain, str(tmp_path / 'plain'), random_state(layout_for(plain), seed=1))
     layout = layout_for(interleaved)
-    restored = ckpt_lib.Checkpointer(interleaved, str(tmp_path / 'plain')).restore(layout)
+    restored = ckpt_lib.Checkpointer(interleaved, str(tmp_path / 'plain')).restore(target_of(layout))
     assert restored['params']['blocks']['mlp']['w_in'].shape == (2, 2, 32, 128)
     assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding == s, restored, layout.state_shardings))
     assert_trees_equal(in_model_order(flat_numpy(restored)), plain_state)
 
     save_state(interleaved, str(tmp_path / 'interleaved'), restored)
     for target in (plain, make_config(num_layers=4, pipeline=2, data=1)):  # [V, L/V] -> [L] on 8 and on 2 stages
-        back = ckpt_lib.Checkpointer(target, str(tmp_path / 'interleaved')).restore(layout_for(target))
+        back = ckpt_lib.Checkpointer(target, str(tmp_path / 'interleaved')).restore(target_of(layout_for(target)))
         assert_trees_equal(flat_numpy(back), plain_state)
 
     out = str(tmp_path / 'params.safetensors')
-    shapes = export.export_params(str(tmp_path / 'interleaved'), out)
+    shapes = safetensors_lib.export_params(str(tmp_path / 'interleaved'), out)
     assert shapes['blocks/mlp/w_in'] == (4, 32, 128)
     interleaved.checkpoint.init_params_from = out
-    params = export.load_params(out, interleaved, layout)
+    params = init_from.load_params(out, interleaved, target_of(layout)['params'])
     assert_trees_equal(in_model_order(flat_numpy({'params': params})),
                        {k: v for k, v in plain_state.items() if k.startswith('params/')})
 
@@ -179,8 +180,8 @@ def test_interleaved_pipeline_layer_split(tmp_path):
 def test_model_mismatch_names_field(vocab300, field, value):
     workdir, _ = vocab300
     c = make_config(data=1, fsdp=1, tensor=2, **{'vocab_size': 300, field: value})
-    with pytest.raises(ConfigError, match=f'model.{field}'):
-        ckpt_lib.Checkpointer(c, workdir).restore_or_init(layout_for(c), no_init)
+    with pytest.raises(errors.ConfigError, match=f'model.{field}'):
+        ckpt_lib.Checkpointer(c, workdir).restore_or_init(target_of(layout_for(c)), no_init)
 
 
 # --------------------------------------------------------------------------- export and fine-tuning
@@ -198,7 +199,7 @@ def test_export_and_fine_tune_from_it(runs, tmp_path):
     from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
 
     out = str(tmp_path / 'params.safetensors')
-    shapes = export.export_params(runs['straight'], out)
+    shapes = safetensors_lib.export_params(runs['straight'], out)
     assert shapes == EXPECTED_NAMES  # the name map of docs/checkpoints.md
     saved = read_numpy(f'{runs["straight"]}/checkpoints/6', 'params')
     assert_trees_equal(load_file(out), saved)
@@ -209,7 +210,7 @@ def test_export_and_fine_tune_from_it(runs, tmp_path):
     for source in (out, runs['straight']):
         c.checkpoint.init_params_from = source
         checkpointer = ckpt_lib.Checkpointer(c, str(tmp_path / 'finetune'))
-        state, origin = checkpointer.restore_or_init(layout, lambda: dict(fresh), export.load_params)
+        state, origin = checkpointer.restore_or_init(target_of(layout), lambda: dict(fresh), init_from.load_params)
         assert 'init_params_from' in origin
         assert_trees_equal(flat_numpy(state['params']), saved)
         assert_trees_equal(flat_numpy(state['opt_state']), flat_numpy(fresh['opt_state']))
@@ -218,16 +219,16 @@ def test_export_and_fine_tune_from_it(runs, tmp_path):
 
 def test_fine_tune_source_mismatch_names_field(runs, tmp_path):
     out = str(tmp_path / 'params.safetensors')
-    export.export_params(runs['straight'], out)
+    safetensors_lib.export_params(runs['straight'], out)
     for source in (out, runs['straight']):
         c = make_config(d_model=64)
         c.checkpoint.init_params_from = source
-        with pytest.raises(ConfigError, match='model.d_model'):
-            ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None, export.load_params)
+        with pytest.raises(errors.ConfigError, match='model.d_model'):
+            ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(target_of(layout_for(c)), lambda: None, init_from.load_params)
     c = make_config()
     c.checkpoint.init_params_from = str(tmp_path / 'nothing_here')
-    with pytest.raises(ConfigError, match='checkpoint.init_params_from'):
-        ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(layout_for(c), lambda: None, export.load_params)
+    with pytest.raises(errors.ConfigError, match='checkpoint.init_params_from'):
+        ckpt_lib.Checkpointer(c, str(tmp_path / 'ft')).restore_or_init(target_of(layout_for(c)), lambda: None, init_from.load_params)
 
 
 @pytest.mark.slow

@@ -1,0 +1,78 @@
+"""What a checkpoint is on disk: its directories, format, model fields and the errors naming it.
+
+A run's checkpoints live in `<workdir>/checkpoints/<step>/` (the package docstring,
+jaxfrontier/checkpoint/__init__.py). Every reader and writer of them (manager, restore,
+readers, safetensors, hf) starts from here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_collections
+
+from jaxfrontier.errors import CheckpointError, ConfigError
+from jaxfrontier.checkpoint import integrity
+
+FORMAT = 'jaxfrontier-checkpoint'
+VERSION = 1
+CHECKPOINT_SUBDIR = 'checkpoints'
+SUPERSEDED_SUBDIR = 'checkpoints.superseded'  # steps newer than the one a run rolled back to
+# The config fields that fix the shapes of the train state; a checkpoint restores only into
+# a config that agrees on all of them.
+MODEL_SHAPE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio',
+                      'tied_embeddings')
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), CHECKPOINT_SUBDIR)
+
+
+def committed_steps(directory: str) -> list[int]:
+    """Steps with a committed-looking directory `<step>/` (temporary directories excluded)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+def padded_vocab_of(config_dict: dict[str, Any]) -> int:
+    """Padded vocabulary of a saved (JSON) config; see config_lib.padded_vocab."""
+    m = config_dict['model']['vocab_multiple'] * config_dict['mesh']['tensor']
+    return -(-config_dict['model']['vocab_size'] // m) * m
+
+
+def check_model_matches(saved: dict[str, Any], c: ml_collections.ConfigDict, where: str, fix: str) -> None:
+    """Raises ConfigError naming the first model field in which `c` differs from `saved`.
+
+    Args:
+      saved: the resolved config saved with the checkpoint (JSON dict).
+      c: the config being run.
+      where: the checkpoint, for the message.
+      fix: what to do instead of changing the field, for the message.
+    """
+    for field in MODEL_SHAPE_FIELDS:
+        theirs, ours = saved.get('model', {}).get(field), c.model[field]
+        if theirs is not None and theirs != ours:
+            raise ConfigError(
+                f'model.{field}', ours, f'the checkpoint {where} was saved with model.{field} = {theirs!r}',
+                f'set --config.model.{field}={theirs} to match it, or {fix}')
+
+
+def path_name(path) -> str:
+    """'/'-joined keys of a pytree path: ('params', 'blocks', 'attn', 'w_qkv') -> params/blocks/attn/w_qkv."""
+    return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
+
+
+def corrupted_error(directory: str, step: int | str, error: Exception, fix: str = '') -> CheckpointError:
+    """The error for a checkpoint that Orbax or TensorStore could not read (`fix`: what to do instead)."""
+    detail = ' '.join(str(error).split())[:300]
+    if integrity.is_checksum_error(error):
+        return CheckpointError(
+            f'checkpoint {directory}/{step} fails its checksum ({detail}): its files were changed on disk. '
+            f'Fix: {fix or "move that step directory away to resume from the previous checkpoint"}. '
+            'Nothing was trained.')
+    return CheckpointError(
+        f'checkpoint {directory}/{step} cannot be read ({type(error).__name__}: {detail}); it is '
+        'truncated or corrupted. Fix: move that step directory away to resume from the previous '
+        'checkpoint, or use a new --workdir. Nothing was trained.')

@@ -1,0 +1,32 @@
+"""`config.checkpoint.init_params_from`: initial parameters from a file, a Hugging Face directory or a run.
+
+The one dispatch over the three sources, on top of the readers of each (safetensors.py, hf.py,
+readers.py); the training loop passes `load_params` to `Checkpointer.restore_or_init`, and
+inference reads the parameters it runs with through it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_collections
+
+from jaxfrontier.errors import ConfigError
+from jaxfrontier.checkpoint import hf
+from jaxfrontier.checkpoint import readers
+from jaxfrontier.checkpoint import safetensors as safetensors_lib
+
+
+def load_params(source: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:
+    """Initial parameters for config.checkpoint.init_params_from: a .safetensors file, a Hugging Face
+    GPT-2 directory or a checkpoint, read into the shardings of `target` (the abstract parameters
+    with shardings, target.abstract_target)."""
+    if not os.path.exists(source):
+        raise ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
+                                     'name a training workdir, a checkpoint directory or a .safetensors file')
+    if os.path.isfile(source):
+        return safetensors_lib.load_safetensors(source, c, target)
+    if hf.is_hf_dir(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
+        return hf.load_hf(source, c, target)
+    return readers.load_checkpoint_params(source, c, target)
