@@ -21,6 +21,7 @@ from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError
 from jaxfrontier.plan import shrink  # no JAX import either
 from jaxfrontier.training import validation  # no JAX import: config and data checks only
 
+VERIFY_XLA_TIMEOUTS = ('xla_cpu_collective_call_terminate_timeout_seconds', 'xla_cpu_collective_timeout_seconds')
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
 
 # No default here: config_flags would load a default config, and apply the --config.* overrides,
@@ -84,8 +85,11 @@ def main(argv: list[str]) -> int:
             data_lib.resolve_vocab(config)
             verify_devices = shrink.device_count(config, _VERIFY_MAX_DEVICES.value)
             os.environ['JAX_PLATFORMS'] = 'cpu'
-            os.environ['XLA_FLAGS'] = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
-                                               if 'xla_force_host_platform_device_count' not in f)
+            # Hundreds of simulated devices share this machine's cores: a collective may wait minutes for
+            # its last participant, past XLA:CPU's 40 s abort.
+            os.environ['XLA_FLAGS'] = ' '.join(
+                [f for f in os.environ.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
+                + [f'--{flag}=3600' for flag in VERIFY_XLA_TIMEOUTS])
             config_lib.set_cpu_device_count(verify_devices)
         else:
             per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
