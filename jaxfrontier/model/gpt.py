@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import ModelShape
-from jaxfrontier.model.attention import Attention
+from jaxfrontier.model.attention import Attention, KVCache
 from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
 
 EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes
@@ -40,16 +40,31 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(s.d_model, rngs=rngs)
         self.mlp = MLP(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x_nd: jax.Array, seq_len: int, key: jax.Array | None) -> jax.Array:
+    def __call__(self, x_nd: jax.Array, seq_len: int, key: jax.Array | None, cache: KVCache | None = None,
+                 positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+        """The block on `x_nd` [B*T, d]; decoding passes this layer's KV cache and the tokens'
+        positions [B, T] and gets the extended cache back too (`Attention.__call__`)."""
         k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
-        x_nd = x_nd + dropout(self.attn(self.ln1(x_nd), seq_len), self.dropout_rate, k_attn)
+        if cache is None:
+            y_nd = self.attn(self.ln1(x_nd), seq_len)
+        else:
+            y_nd, cache = self.attn(self.ln1(x_nd), seq_len, cache, positions_bt)
+        x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
         x_nd = x_nd + dropout(self.mlp(self.ln2(x_nd)), self.dropout_rate, k_mlp)
-        return mesh_lib.constrain(x_nd, ACT_ND)
+        x_nd = mesh_lib.constrain(x_nd, ACT_ND)
+        return x_nd if cache is None else (x_nd, cache)
 
 
 def layer_key(dropout_key: jax.Array | None, index: int | jax.Array) -> jax.Array | None:
     """Layer `index`'s dropout key (its global index, so every layout draws the same masks)."""
     return None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+
+
+def apply_layer(graphdef: nnx.GraphDef, layer_state: nnx.State, x_nd: jax.Array, seq_len: int,
+                key: jax.Array | None) -> jax.Array:
+    """One layer of a stack (its state without the layers axis) on `x_nd`: the per-layer function
+    the layer runner (`apply_stack`) and the pipeline's per-layer recomputation both call."""
+    return nnx.merge(graphdef, layer_state)(x_nd, seq_len, key)
 
 
 def recompute_after_cotangent(layer_fn):
@@ -100,7 +115,7 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
     late_full = remat == 'full' and fully_unrolled  # see recompute_after_cotangent
 
     def run_layer(x, layer_state, key):
-        return nnx.merge(graphdef, layer_state)(x, seq_len, key)
+        return apply_layer(graphdef, layer_state, x, seq_len, key)
 
     run = recompute_after_cotangent(run_layer) if late_full else run_layer
 
@@ -124,6 +139,31 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
         return (x_nd, jnp.stack(inputs)) if keep_inputs else x_nd
     x_nd, inputs = jax.lax.scan(body, x_nd, (stacked, indices), unroll=max(unroll, 1))
     return (x_nd, inputs) if keep_inputs else x_nd
+
+
+def recompute_stack_vjp(graphdef: nnx.GraphDef, stacked: nnx.State, inputs_lnd: jax.Array, g_nd: jax.Array, *,
+                        seq_len: int, dropout_key: jax.Array | None, first_layer: int | jax.Array = 0,
+                        fetch_input=lambda x: x) -> tuple[nnx.State, jax.Array]:
+    """The backward of `apply_stack` from each layer's stashed input (its `keep_inputs` output).
+
+    Megatron's per-layer full recomputation: a reverse scan that recomputes one layer at a
+    time under `jax.vjp` (`apply_layer`, the runner's own per-layer function) and pulls the
+    cotangent through it, so one layer's residuals are live at a time. `fetch_input` brings a
+    stashed input back just before its recomputation (the pipeline's all-gather over tensor).
+    Not `jax.vjp(apply_stack)`: the stash comes from an earlier, separate forward unit, so
+    that would run the forward a second time. Returns (gradients of `stacked`, of the input).
+    """
+
+    def body(g_out, xs):
+        layer_state, x, index = xs
+        key = layer_key(dropout_key, index)
+        _, pull = jax.vjp(lambda ly, h: apply_layer(graphdef, ly, h, seq_len, key), layer_state, fetch_input(x))
+        g_layer, g_in = pull(g_out)
+        return g_in, g_layer
+
+    indices = first_layer + jnp.arange(inputs_lnd.shape[0])
+    g_in, g_stacked = jax.lax.scan(body, g_nd, (stacked, inputs_lnd, indices), reverse=True)
+    return g_stacked, g_in
 
 
 def cross_entropy(logits_nv: jax.Array, targets_n: jax.Array, real_vocab: int) -> jax.Array:
@@ -163,10 +203,15 @@ class GPT(nnx.Module):
     def dtype(self) -> jnp.dtype:
         return jnp.dtype(self.shape.dtype)
 
-    def embed(self, tokens_bt: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Token + position embeddings, flattened to [B*T, d] in the compute dtype."""
+    def embed(self, tokens_bt: jax.Array, dropout_key: jax.Array | None = None,
+              positions_bt: jax.Array | None = None) -> jax.Array:
+        """Token + position embeddings, flattened to [B*T, d] in the compute dtype.
+
+        Positions are 0..T-1 unless given (decoding: each row's own positions [B, T]).
+        """
         b, t = tokens_bt.shape
-        x_btd = embedding_lookup(self.wte[...], tokens_bt) + self.wpe[...][None, :t]
+        wpe = self.wpe[...][None, :t] if positions_bt is None else jnp.take(self.wpe[...], positions_bt, axis=0)
+        x_btd = embedding_lookup(self.wte[...], tokens_bt) + wpe
         x_nd = x_btd.reshape(b * t, -1).astype(self.dtype)  # [B*T, d]
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)

@@ -92,19 +92,10 @@ class ChunkOps:
     def backward(self, chunk, shared, stash_lx, g, m, c, stashed=True):
         """Reverse pass over the layers from their inputs (split, when `stashed`); (g_chunk, g_input)."""
         graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
-        key = self.dropout_key_fn(m)
-        gather = self.tokens.gather if stashed else (lambda x: x)
-
-        def body(g_out, xs):
-            layer, x, index = xs
-            x = gather(x)  # one all-gather per layer, just before its recomputation
-            layer_fn = lambda ly, h: nnx.merge(graphdef, ly)(h, self.seq_len, gpt.layer_key(key, index))  # noqa: E731
-            _, pull = jax.vjp(layer_fn, layer, x)
-            g_layer, g_in = pull(g_out)
-            return g_in, g_layer
-
-        indices = c * self.lc + jnp.arange(self.lc)
-        g_in, g_stacked = jax.lax.scan(body, g, (stacked, stash_lx, indices), reverse=True)
+        # one all-gather per layer, just before its recomputation
+        g_stacked, g_in = gpt.recompute_stack_vjp(graphdef, stacked, stash_lx, g, seq_len=self.seq_len,
+                                                  dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc,
+                                                  fetch_input=self.tokens.gather if stashed else (lambda x: x))
         return nnx.to_pure_dict(g_stacked), g_in
 
     def embed_vjp(self, chunk, shared, tokens, m):
