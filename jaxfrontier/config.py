@@ -308,8 +308,9 @@ def resolve_scan_unroll(scan_unroll: int, num_layers: int, platform: str | None)
 def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> ModelShape:
     """The model's static shape; `platform` (a JAX platform name) resolves model.scan_unroll=0."""
     m = c.model
-    same = ('family', 'num_layers', 'd_model', 'num_heads', 'seq_len', 'tied_embeddings', 'dropout_rate', 'init_std', 'dtype',
-            'attention', 'remat', 'attention_block_q', 'attention_block_kv')  # model.* fields taken as they are
+    same = ('family', 'num_layers', 'd_model', 'num_heads', 'seq_len', 'tied_embeddings', 'dropout_rate',
+            'init_std', 'dtype', 'attention', 'remat', 'attention_block_q',
+            'attention_block_kv')  # model.* fields taken as they are
     return ModelShape(**{k: m[k] for k in same}, vocab_size=padded_vocab(c), real_vocab_size=m.vocab_size,
                       mlp_dim=m.mlp_ratio * m.d_model,
                       scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform))

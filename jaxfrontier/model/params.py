@@ -2,8 +2,8 @@
 
 `params` is a nested dict of fp32 arrays (the model's `nnx.State` as a pure dict): easy to
 checkpoint, export and reshard. `ModelDef` binds such a dict back into the configured family's
-module (model/registry.py) inside traced code; `split_virtual` / `merge_virtual` reshape the stacked blocks for interleaved
-pipelines.
+module (model/registry.py) inside traced code; `split_virtual` / `merge_virtual` reshape the
+stacked blocks for interleaved pipelines.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Which arrays autodiff saves between the forward and the backward pass depends on the model
 code, the remat policy, the compute dtype and dropout. Rather than a hand-written table that
-drifts from `model/`, the planner traces a tiny proxy of the family's model once per (policy, dtype, ...) with
-`saved_residuals` and reads each residual's shape in symbols: the proxy's sizes are distinct
+drifts from `model/`, the planner traces a tiny proxy of the family's model once per (policy,
+dtype, ...) with `saved_residuals` and reads each residual's shape in symbols: the proxy's sizes are distinct
 numbers, so every dimension names itself (batch rows, tokens, heads, ...). `Residual.local_bytes`
 then evaluates a residual for any model size and layout, per device.
 
