@@ -75,8 +75,9 @@ class GPT(nnx.Module):
         Positions are 0..T-1 unless given (decoding: each row's own positions [B, T]).
         """
         b, t = tokens_bt.shape
-        wpe = self.wpe[...][None, :t] if positions_bt is None else jnp.take(self.wpe[...], positions_bt, axis=0)
-        x_btd = embedding_lookup(self.wte[...], tokens_bt) + wpe
+        x_btd = embedding_lookup(self.wte[...], tokens_bt)
+        x_btd = x_btd + (self.wpe[...][None, :t] if positions_bt is None else
+                         jnp.take(self.wpe[...], positions_bt, axis=0))
         x_nd = x_btd.reshape(b * t, -1).astype(self.dtype)  # [B*T, d]
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
