@@ -36,6 +36,7 @@ DEFAULT_RULES = (
     ('act_embed', None),  # activations' model dimension stays whole
 )
 
+MODEL_FAMILIES = ('gpt',)  # model/registry.py declares each (a test holds the two equal)
 ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn', 'blockwise')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
 # Staggered 1F1B (pipeline/staggered.py): model.remat -> what the recomputation keeps for the
@@ -69,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.model = ml_collections.ConfigDict(dict(
+        family='gpt',  # gpt (model/registry.py: MODEL_FAMILIES)
         num_layers=2,
         d_model=128,
         num_heads=4,
@@ -302,6 +304,7 @@ class ModelShape:
     scan_unroll: int = 1
     attention_block_q: int = 64
     attention_block_kv: int = 64
+    family: str = 'gpt'  # model/registry.py: the family that builds and describes the model
 
     @property
     def head_dim(self) -> int:
@@ -319,8 +322,9 @@ def resolve_scan_unroll(scan_unroll: int, num_layers: int, platform: str | None)
 def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> ModelShape:
     """The model's static shape; `platform` (a JAX platform name) resolves model.scan_unroll=0."""
     m = c.model
-    same = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'tied_embeddings', 'dropout_rate', 'init_std', 'dtype',
-            'attention', 'remat', 'attention_block_q', 'attention_block_kv')  # model.* fields taken as they are
+    same = ('family', 'num_layers', 'd_model', 'num_heads', 'seq_len', 'tied_embeddings', 'dropout_rate',
+            'init_std', 'dtype', 'attention', 'remat', 'attention_block_q',
+            'attention_block_kv')  # model.* fields taken as they are
     return ModelShape(**{k: m[k] for k in same}, vocab_size=padded_vocab(c), real_vocab_size=m.vocab_size,
                       mlp_dim=m.mlp_ratio * m.d_model,
                       scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform))
@@ -374,6 +378,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
                   'attention_block_q', 'attention_block_kv'):
         _require(isinstance(m[field], int) and m[field] >= 1, f'model.{field}', m[field],
                  'must be a positive integer', f'set model.{field} to a positive integer')
+    _require(m.family in MODEL_FAMILIES, 'model.family', m.family, 'unknown model family',
+             f'use one of {MODEL_FAMILIES}')
     _require(m.dtype in DTYPES, 'model.dtype', m.dtype, 'unknown dtype', f'use one of {DTYPES}')
     _require(m.attention in ATTENTION_IMPLS, 'model.attention', m.attention,
              'unknown attention implementation', f'use one of {ATTENTION_IMPLS}')

@@ -13,13 +13,13 @@ FLOP convention (used for every number this module reports):
     user gets, and it is the basis of MFU. Megatron's hardware FLOPs use f = 4 when
     activations are recomputed (one extra forward), f = 3 otherwise; this is the figure the
     paper reported as TFLOP/s per GCD and is reported here under a `megatron_hw` name.
+
+The formula is GPT's (a 4h-wide MLP). A model family counts its own FLOPs in this convention
+(`Family.megatron_flops`; GPT's calls the formula here), and
+`model.registry.flops_per_step_from_config` gives the configured family's numbers per step.
 """
 
 from __future__ import annotations
-
-import ml_collections
-
-from jaxfrontier import config as config_lib
 
 
 def megatron_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int,
@@ -56,15 +56,3 @@ def model_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_mod
     counted: this is the useful work of forward + backward, independent of the remat policy.
     """
     return megatron_flops_per_step(global_batch, seq_len, num_layers, d_model, vocab_size, recompute=False)
-
-
-def flops_per_step_from_config(config: ml_collections.ConfigDict) -> tuple[float, float]:
-    """Returns (model_flops, megatron_hw_flops) per optimizer step for a jaxfrontier config.
-
-    Uses the padded vocabulary and counts recomputation (f = 4) in the hardware figure when
-    `config.model.remat != 'none'`. See the module docstring for the convention.
-    """
-    m = config.model
-    shape = dict(global_batch=config.train.global_batch, seq_len=m.seq_len, num_layers=m.num_layers,
-                 d_model=m.d_model, vocab_size=config_lib.padded_vocab(config))
-    return model_flops_per_step(**shape), megatron_flops_per_step(**shape, recompute=m.remat != 'none')

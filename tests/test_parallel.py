@@ -49,7 +49,7 @@ def test_layout_matches_single_device_slow(name, accum, reference):
 @pytest.mark.slow
 def test_gpu_default_unrolled_remat_full_matches_single_device(reference):
     """The GPUs' default stack (every layer unrolled) with remat=full, whose layers are custom VJPs
-    (gpt.recompute_after_cotangent), on data 2 x fsdp 2 x tensor 2 with accumulation: the data-local
+    (stack.recompute_after_cotangent), on data 2 x fsdp 2 x tensor 2 with accumulation: the data-local
     map, FSDP's gathers and the tensor split inside the recomputation."""
     c = make_config(accum=2, remat='full', **LAYOUTS['d2f2t2'])
     c.model.scan_unroll = c.model.num_layers

@@ -2,7 +2,7 @@
 
 `generate` prefills the prompts into a key/value cache (model/decode.py), then produces one
 token per step in a `lax.fori_loop`. `generate_recompute` is the reference without a cache
-(each step re-runs the whole padded sequence through `GPT.__call__`): the benchmark's
+(each step re-runs the whole padded sequence through the model's `__call__`): the benchmark's
 baseline, and a test that the cache changes nothing.
 """
 
@@ -12,9 +12,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxfrontier.model import decode
-from jaxfrontier.model.gpt import GPT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ def next_token(logits_bv: jax.Array, key: jax.Array, rule: Sampling, real_vocab:
     return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
 
 
-def generate(model: GPT, prompt_bp: jax.Array, lengths_b: jax.Array, key: jax.Array, *, max_new: int,
+def generate(model: nnx.Module, prompt_bp: jax.Array, lengths_b: jax.Array, key: jax.Array, *, max_new: int,
              rule: Sampling) -> jax.Array:
     """`max_new` tokens [B, max_new] after each row's prompt (right-padded to P), with a KV cache."""
     s = model.shape
@@ -63,7 +63,7 @@ def generate(model: GPT, prompt_bp: jax.Array, lengths_b: jax.Array, key: jax.Ar
     return out_bn
 
 
-def generate_recompute(model: GPT, prompt_bp: jax.Array, lengths_b: jax.Array, key: jax.Array, *, max_new: int,
+def generate_recompute(model: nnx.Module, prompt_bp: jax.Array, lengths_b: jax.Array, key: jax.Array, *, max_new: int,
                        rule: Sampling) -> jax.Array:
     """As `generate`, without a cache: every step runs the whole [B, seq_len] sequence again."""
     s = model.shape

@@ -1,5 +1,8 @@
 """Causal self-attention: the projections, and the kernels behind one dispatch function.
 
+With a KV cache (decoding, model/decode.py) the same projections run and the queries attend
+to the cached keys (`cached_attention`, fp32 scores as in `reference_attention`).
+
 Kernels (config.model.attention):
   reference  einsum + causal mask + fp32 softmax, written out here; runs everywhere.
   xla        jax.nn.dot_product_attention(implementation='xla').
@@ -25,7 +28,8 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.blockwise import blockwise_attention
 from jaxfrontier.model.layers import ACT_ND, param
 
-ACT_BTHK = ('batch', None, 'heads', None)
+ACT_BTHK = ('batch', None, 'heads', None)  # also one layer's KV cache [B, S, H, K]
+KVCache = dict[str, jax.Array]  # one layer's {'k', 'v'} [B, S, H, K] (model/decode.py)
 
 
 def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str:
@@ -48,6 +52,24 @@ def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array)
     s_bhts = jnp.where(causal_ts, s_bhts, jnp.finfo(jnp.float32).min)
     p_bhts = jax.nn.softmax(s_bhts, axis=-1).astype(v_bshk.dtype)
     return jnp.einsum('bhts,bshk->bthk', p_bhts, v_bshk)
+
+
+def cached_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, pos_bt: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(K)) v over a KV cache; the query at position p sees keys 0..p (fp32 scores)."""
+    scale = q_bthk.shape[-1] ** -0.5
+    s_bhts = jnp.einsum('bthk,bshk->bhts', q_bthk, k_bshk, preferred_element_type=jnp.float32) * scale
+    visible_bts = jnp.arange(k_bshk.shape[1])[None, None, :] <= pos_bt[:, :, None]
+    s_bhts = jnp.where(visible_bts[:, None], s_bhts, jnp.finfo(jnp.float32).min)
+    p_bhts = jax.nn.softmax(s_bhts, axis=-1).astype(v_bshk.dtype)
+    return jnp.einsum('bhts,bshk->bthk', p_bhts, v_bshk)
+
+
+def write_cache(cache_bshk: jax.Array, new_bthk: jax.Array, pos_bt: jax.Array) -> jax.Array:
+    """Writes new keys or values at their positions: a prefill (T > 1) starts at 0, a step (T = 1) at pos."""
+    if new_bthk.shape[1] > 1:
+        return jax.lax.dynamic_update_slice(cache_bshk, new_bthk, (0, 0, 0, 0))
+    at_bs = jnp.arange(cache_bshk.shape[1])[None, :] == pos_bt  # [B, S]: one position per row
+    return jnp.where(at_bs[:, :, None, None], new_bthk, cache_bshk)
 
 
 def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str, block_q: int = 64, block_kv: int = 64) -> jax.Array:
@@ -80,13 +102,27 @@ class Attention(nnx.Module):
         self.w_out = param(rngs.params(), (num_heads, head_dim, d_model), ('heads', 'head_dim', 'embed'), out_std)
         self.b_out = param(None, (d_model,), ('embed',), 0.0)
 
-    def __call__(self, x_nd: jax.Array, seq_len: int) -> jax.Array:
+    def __call__(self, x_nd: jax.Array, seq_len: int, cache: KVCache | None = None,
+                 positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Attention of `x_nd` ([B*T, d], T = seq_len); with `cache`, also the extended cache.
+
+        Training passes no cache: causal attention among the T tokens, with the configured
+        kernel. Decoding passes this layer's cache {'k', 'v'} [B, S, H, K] and the tokens'
+        positions [B, T]: their keys and values are written there, and each query attends
+        to the cached keys up to its own position.
+        """
         dtype = x_nd.dtype
         qkv_n3hk = jnp.einsum('nd,dahk->nahk', x_nd, self.w_qkv[...].astype(dtype)) + self.b_qkv[...].astype(dtype)
         n, _, h, k = qkv_n3hk.shape
         qkv_bt3hk = qkv_n3hk.reshape(n // seq_len, seq_len, 3, h, k)  # [B, T, 3, H, K]
         q, kk, v = (mesh_lib.constrain(qkv_bt3hk[:, :, i], ACT_BTHK) for i in range(3))
-        o_bthk = dot_product_attention(q, kk, v, self.impl, *self.blocks)
+        if cache is None:
+            o_bthk = dot_product_attention(q, kk, v, self.impl, *self.blocks)
+        else:
+            cache = {name: mesh_lib.constrain(write_cache(cache[name], new, positions_bt), ACT_BTHK)
+                     for name, new in (('k', kk), ('v', v))}
+            o_bthk = cached_attention(q, cache['k'], cache['v'], positions_bt)
         o_nhk = mesh_lib.constrain(o_bthk, ACT_BTHK).reshape(n, h, k)  # [B*T, H, K]
         y_nd = jnp.einsum('nhk,hkd->nd', o_nhk, self.w_out[...].astype(dtype)) + self.b_out[...].astype(dtype)
-        return mesh_lib.constrain(y_nd, ACT_ND)
+        y_nd = mesh_lib.constrain(y_nd, ACT_ND)
+        return y_nd if cache is None else (y_nd, cache)

@@ -1,31 +1,28 @@
-"""The GPT: token and position embeddings, a scanned stack of pre-LN blocks, the LM head.
+"""The GPT family: token and position embeddings, a stack of pre-LN blocks, the LM head.
 
 The blocks are created once with `nnx.vmap` (every parameter gets a leading `layers` axis)
-and applied with `jax.lax.scan`, so compile time does not grow with depth. Per-layer
-activation checkpointing wraps the scanned body. The loss is computed from vocabulary-
-sharded logits without gathering them: logsumexp and the target logit are reductions over
-the vocabulary, which XLA splits into per-shard partial reductions and one all-reduce.
+and run by the layer runner (model/stack.py). One block serves training and KV-cached
+decoding (model/decode.py). The loss is computed from vocabulary-sharded logits without
+gathering them: logsumexp and the target logit are reductions over the vocabulary, which XLA
+splits into per-shard partial reductions and one all-reduce. The module ends with the
+family's declaration (`FAMILY`: parameter table, FLOPs, Hugging Face names; model/family.py).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from jaxfrontier import flops as flops_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import ModelShape
-from jaxfrontier.model.attention import Attention
-from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
+from jaxfrontier.model.attention import Attention, KVCache
+from jaxfrontier.model.family import Family, HFNames, ParamSpec
+from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, cross_entropy, dropout, embedding_lookup, param
+from jaxfrontier.model import stack
 
 EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes
-
-REMAT_POLICIES = {
-    'full': None,  # save only each layer's input, recompute everything inside it
-    'save_dots': jax.checkpoint_policies.checkpoint_dots,
-    'save_dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 class Block(nnx.Module):
@@ -40,105 +37,19 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(s.d_model, rngs=rngs)
         self.mlp = MLP(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x_nd: jax.Array, seq_len: int, key: jax.Array | None) -> jax.Array:
+    def __call__(self, x_nd: jax.Array, seq_len: int, key: jax.Array | None, cache: KVCache | None = None,
+                 positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+        """The block on `x_nd` [B*T, d]; decoding passes this layer's KV cache and the tokens'
+        positions [B, T] and gets the extended cache back too (`Attention.__call__`)."""
         k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
-        x_nd = x_nd + dropout(self.attn(self.ln1(x_nd), seq_len), self.dropout_rate, k_attn)
+        if cache is None:
+            y_nd = self.attn(self.ln1(x_nd), seq_len)
+        else:
+            y_nd, cache = self.attn(self.ln1(x_nd), seq_len, cache, positions_bt)
+        x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
         x_nd = x_nd + dropout(self.mlp(self.ln2(x_nd)), self.dropout_rate, k_mlp)
-        return mesh_lib.constrain(x_nd, ACT_ND)
-
-
-def layer_key(dropout_key: jax.Array | None, index: int | jax.Array) -> jax.Array | None:
-    """Layer `index`'s dropout key (its global index, so every layout draws the same masks)."""
-    return None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-
-
-def recompute_after_cotangent(layer_fn):
-    """`layer_fn(x, state, key)` with remat=full for a plain (unrolled) loop of layers.
-
-    Saves the layer's input and recomputes the layer in the backward pass, like
-    `jax.checkpoint(policy=None)`, and makes the recomputation's input depend on the incoming
-    cotangent: `where(isnan(g), nan, x)`, with g and x of one shape and sharding, is x wherever
-    the gradient is finite and needs no communication. So no scheduler can run the recomputation
-    before the backward reaches the layer. Outside a scan, `jax.checkpoint` relies on
-    optimization barriers (prevent_cse); XLA:CPU removes those before scheduling and runs every
-    recomputation early, in the forward pass, so remat=full saved no memory there (issue 14).
-    A data dependency survives every backend's passes.
-    """
-
-    @jax.custom_vjp
-    def run(x, state, key):
-        return layer_fn(x, state, key)
-
-    def fwd(x, state, key):
-        return layer_fn(x, state, key), (x, state, key)
-
-    def bwd(res, g):
-        x, state, key = res
-        x = jnp.where(jnp.isnan(g), jnp.array(jnp.nan, x.dtype), x)  # elementwise: no collective
-        _, vjp = jax.vjp(lambda x, state: layer_fn(x, state, key), x, state)
-        g_x, g_state = vjp(g)
-        return g_x, g_state, None if key is None else np.zeros(key.shape, jax.dtypes.float0)  # keys: no tangent
-
-    run.defvjp(fwd, bwd)
-    return run
-
-
-def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, seq_len: int, remat: str,
-                dropout_key: jax.Array | None, first_layer: int | jax.Array = 0, unroll: int = 1,
-                keep_inputs: bool = False):
-    """Applies the layers of `stacked` (leading axis = layers) in order: the one layer runner.
-
-    A pure function of the stacked block state: the model, and every pipeline executor on its
-    chunk of layers (`first_layer` keeps dropout keys tied to the global layer index), call it.
-    Returns the output, or (output, each layer's input [layers, N, d]) with `keep_inputs`
-    (the lockstep pipeline's stash). `unroll` >= the layer count runs a plain loop; 0 always
-    scans (the pipeline's chunks, whatever their length).
-    """
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
-
-    fully_unrolled = 0 < unroll and num_layers <= unroll
-    late_full = remat == 'full' and fully_unrolled  # see recompute_after_cotangent
-
-    def run_layer(x, layer_state, key):
-        return nnx.merge(graphdef, layer_state)(x, seq_len, key)
-
-    run = recompute_after_cotangent(run_layer) if late_full else run_layer
-
-    def body(x, xs):
-        layer_state, index = xs
-        return run(x, layer_state, layer_key(dropout_key, index)), (x if keep_inputs else None)
-
-    if remat != 'none' and not late_full:
-        # prevent_cse=False is safe only inside a scan, whose loop keeps XLA from merging the
-        # recomputation into the forward pass; the unrolled plain loop needs the optimization
-        # barrier, or the policy compiles to the same program as remat=none (issue 14, 6b).
-        # XLA:CPU removes the barriers before scheduling and runs the recomputation early, so
-        # there these policies save no memory unrolled; remat=full avoids it (late_full).
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=fully_unrolled)
-    indices = first_layer + jnp.arange(num_layers)
-    if fully_unrolled:  # a plain loop, no while loop around the layers
-        inputs = []
-        for i in range(num_layers):
-            x_nd, x_in = body(x_nd, (jax.tree.map(lambda a, i=i: a[i], stacked), indices[i]))
-            inputs.append(x_in)
-        return (x_nd, jnp.stack(inputs)) if keep_inputs else x_nd
-    x_nd, inputs = jax.lax.scan(body, x_nd, (stacked, indices), unroll=max(unroll, 1))
-    return (x_nd, inputs) if keep_inputs else x_nd
-
-
-def cross_entropy(logits_nv: jax.Array, targets_n: jax.Array, real_vocab: int) -> jax.Array:
-    """Mean token cross-entropy in fp32 from (possibly vocabulary-sharded) logits.
-
-    Padding entries of the vocabulary (index >= real_vocab) are excluded from the softmax,
-    so the loss does not depend on how far the vocabulary was padded.
-    """
-    logits_nv = logits_nv.astype(jnp.float32)
-    vocab_v = jnp.arange(logits_nv.shape[-1])
-    if real_vocab < logits_nv.shape[-1]:
-        logits_nv = jnp.where(vocab_v < real_vocab, logits_nv, jnp.finfo(jnp.float32).min)
-    lse_n = jax.nn.logsumexp(logits_nv, axis=-1)
-    target_n = jnp.sum(jnp.where(vocab_v == targets_n[:, None], logits_nv, 0.0), axis=-1)
-    return jnp.mean(lse_n - target_n)
+        x_nd = mesh_lib.constrain(x_nd, ACT_ND)
+        return x_nd if cache is None else (x_nd, cache)
 
 
 class GPT(nnx.Module):
@@ -148,13 +59,7 @@ class GPT(nnx.Module):
         self.shape = s
         self.wte = param(rngs.params(), (s.vocab_size, s.d_model), ('vocab', 'embed'), s.init_std)
         self.wpe = param(rngs.params(), (s.seq_len, s.d_model), ('positions', 'embed'), s.init_std)
-
-        @nnx.split_rngs(splits=s.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(s, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stack.create(lambda r: Block(s, rngs=r), s.num_layers, rngs)
         self.ln_f = LayerNorm(s.d_model, rngs=rngs)
         if not s.tied_embeddings:
             self.head = param(rngs.params(), (s.d_model, s.vocab_size), ('embed', 'vocab'), s.init_std)
@@ -163,10 +68,16 @@ class GPT(nnx.Module):
     def dtype(self) -> jnp.dtype:
         return jnp.dtype(self.shape.dtype)
 
-    def embed(self, tokens_bt: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Token + position embeddings, flattened to [B*T, d] in the compute dtype."""
+    def embed(self, tokens_bt: jax.Array, dropout_key: jax.Array | None = None,
+              positions_bt: jax.Array | None = None) -> jax.Array:
+        """Token + position embeddings, flattened to [B*T, d] in the compute dtype.
+
+        Positions are 0..T-1 unless given (decoding: each row's own positions [B, T]).
+        """
         b, t = tokens_bt.shape
-        x_btd = embedding_lookup(self.wte[...], tokens_bt) + self.wpe[...][None, :t]
+        x_btd = embedding_lookup(self.wte[...], tokens_bt)
+        x_btd = x_btd + (self.wpe[...][None, :t] if positions_bt is None else
+                         jnp.take(self.wpe[...], positions_bt, axis=0))
         x_nd = x_btd.reshape(b * t, -1).astype(self.dtype)  # [B*T, d]
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
@@ -174,8 +85,8 @@ class GPT(nnx.Module):
     def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None) -> jax.Array:
         """Applies the blocks this module holds with the model's remat policy and unroll."""
         graphdef, stacked = nnx.split(self.blocks)
-        return apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
-                           dropout_key=dropout_key, unroll=self.shape.scan_unroll)
+        return stack.apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
+                                 dropout_key=dropout_key, unroll=self.shape.scan_unroll)
 
     def logits(self, x_nd: jax.Array) -> jax.Array:
         """Final LayerNorm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""
@@ -197,3 +108,72 @@ class GPT(nnx.Module):
         b, t = tokens_bt.shape
         logits_nv = self.logits(self.apply_blocks(self.embed(tokens_bt), t))
         return logits_nv.reshape(b, t, -1)
+
+
+# --------------------------------------------------------------------------- the family's declaration
+
+
+def param_specs(s: ModelShape) -> tuple[ParamSpec, ...]:
+    """Every parameter of `GPT(s)` in params-dict order (the planner's table; tested against eval_shape)."""
+    L, d, h, k, f, v = s.num_layers, s.d_model, s.num_heads, s.head_dim, s.mlp_dim, s.vocab_size
+    block = [
+        ('attn/b_out', (d,), ('embed',)),
+        ('attn/b_qkv', (3, h, k), ('qkv', 'heads', 'head_dim')),
+        ('attn/w_out', (h, k, d), ('heads', 'head_dim', 'embed')),
+        ('attn/w_qkv', (d, 3, h, k), ('embed', 'qkv', 'heads', 'head_dim')),
+        ('ln1/bias', (d,), ('embed',)),
+        ('ln1/scale', (d,), ('embed',)),
+        ('ln2/bias', (d,), ('embed',)),
+        ('ln2/scale', (d,), ('embed',)),
+        ('mlp/b_in', (f,), ('mlp',)),
+        ('mlp/b_out', (d,), ('embed',)),
+        ('mlp/w_in', (d, f), ('embed', 'mlp')),
+        ('mlp/w_out', (f, d), ('mlp', 'embed')),
+    ]
+    specs = [ParamSpec('blocks/' + p, (L, *shape), ('layers', *names)) for p, shape, names in block]
+    specs += [
+        ParamSpec('ln_f/bias', (d,), ('embed',)),
+        ParamSpec('ln_f/scale', (d,), ('embed',)),
+        ParamSpec('wpe', (s.seq_len, d), ('positions', 'embed')),
+        ParamSpec('wte', (v, d), ('vocab', 'embed')),
+    ]
+    if not s.tied_embeddings:
+        specs.append(ParamSpec('head', (d, v), ('embed', 'vocab')))
+    return tuple(specs)
+
+
+def forward_flops(s: ModelShape) -> tuple[float, float]:
+    """Forward matmul FLOPs of one layer and of the head, per sequence (2 per multiply-add).
+
+    Attention is counted as computed: all s x s scores, although half are masked.
+    """
+    t, d, f, v = s.seq_len, s.d_model, s.mlp_dim, s.vocab_size
+    layer = 2 * t * (3 * d * d + d * d + 2 * d * f) + 2 * 2 * t * t * d
+    return float(layer), float(2 * t * d * v)
+
+
+def megatron_flops(global_batch: int, s: ModelShape, recompute: bool) -> float:
+    """Megatron's published formula (flops.py; it assumes GPT's 4h-wide MLP), padded vocabulary."""
+    return flops_lib.megatron_flops_per_step(global_batch, s.seq_len, s.num_layers, s.d_model, s.vocab_size,
+                                             recompute)
+
+
+# GPT-2 in `transformers` (GPT2LMHeadModel): every parameter maps exactly (checkpoint/hf.py).
+# HF Conv1D weights are [in, out], our layout after a reshape; wte, wpe and an untied head
+# are named by the exporter, which also trims the padded vocabulary.
+HF_NAMES = HFNames(
+    architecture='GPT2LMHeadModel',
+    model_type='gpt2',
+    activations=('gelu_new', 'gelu_pytorch_tanh'),  # jax.nn.gelu: the tanh approximation
+    layer_prefix='transformer.h.{layer}.',
+    block_names=(('ln1/scale', 'ln_1.weight'), ('ln1/bias', 'ln_1.bias'),
+                 ('attn/w_qkv', 'attn.c_attn.weight'), ('attn/b_qkv', 'attn.c_attn.bias'),
+                 ('attn/w_out', 'attn.c_proj.weight'), ('attn/b_out', 'attn.c_proj.bias'),
+                 ('ln2/scale', 'ln_2.weight'), ('ln2/bias', 'ln_2.bias'),
+                 ('mlp/w_in', 'mlp.c_fc.weight'), ('mlp/b_in', 'mlp.c_fc.bias'),
+                 ('mlp/w_out', 'mlp.c_proj.weight'), ('mlp/b_out', 'mlp.c_proj.bias')),
+    top_names=(('ln_f/scale', 'transformer.ln_f.weight'), ('ln_f/bias', 'transformer.ln_f.bias')),
+)
+
+FAMILY = Family(name='gpt', module=GPT, param_specs=param_specs, forward_flops=forward_flops,
+                megatron_flops=megatron_flops, hf=HF_NAMES)

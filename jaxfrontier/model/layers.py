@@ -1,4 +1,4 @@
-"""Building blocks of the GPT: parameters with logical axis names, LayerNorm, MLP, dropout.
+"""Building blocks of the models: parameters with logical axis names, LayerNorm, MLP, dropout, the loss.
 
 Activations inside a block are kept flat, `x_nd` with n = batch x sequence tokens: XLA:CPU
 runs 2-D matmuls about twice as fast as [B, T, d] ones, and GPUs do not mind.
@@ -100,3 +100,18 @@ class MLP(nnx.Module):
         h_nf = mesh_lib.constrain(jax.nn.gelu(h_nf), ('batch', 'mlp'))
         y_nd = h_nf @ self.w_out[...].astype(dtype) + self.b_out[...].astype(dtype)
         return mesh_lib.constrain(y_nd, ACT_ND)
+
+
+def cross_entropy(logits_nv: jax.Array, targets_n: jax.Array, real_vocab: int) -> jax.Array:
+    """Mean token cross-entropy in fp32 from (possibly vocabulary-sharded) logits.
+
+    Padding entries of the vocabulary (index >= real_vocab) are excluded from the softmax,
+    so the loss does not depend on how far the vocabulary was padded.
+    """
+    logits_nv = logits_nv.astype(jnp.float32)
+    vocab_v = jnp.arange(logits_nv.shape[-1])
+    if real_vocab < logits_nv.shape[-1]:
+        logits_nv = jnp.where(vocab_v < real_vocab, logits_nv, jnp.finfo(jnp.float32).min)
+    lse_n = jax.nn.logsumexp(logits_nv, axis=-1)
+    target_n = jnp.sum(jnp.where(vocab_v == targets_n[:, None], logits_nv, 0.0), axis=-1)
+    return jnp.mean(lse_n - target_n)

@@ -1,9 +1,9 @@
-"""The model's parameters as a plain pytree: bind them to the NNX GPT, build them, reshape them.
+"""The model's parameters as a plain pytree: bind them to the NNX model, build them, reshape them.
 
 `params` is a nested dict of fp32 arrays (the model's `nnx.State` as a pure dict): easy to
-checkpoint, export and reshard. `ModelDef` binds such a dict back into a `GPT` module inside
-traced code; `split_virtual` / `merge_virtual` reshape the stacked blocks for interleaved
-pipelines.
+checkpoint, export and reshard. `ModelDef` binds such a dict back into the configured family's
+module (model/registry.py) inside traced code; `split_virtual` / `merge_virtual` reshape the
+stacked blocks for interleaved pipelines.
 """
 
 from __future__ import annotations
@@ -16,24 +16,25 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.model.gpt import GPT
+from jaxfrontier.model import registry
 
 Params = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelDef:
-    """The model's structure without values: binds a params dict back into a GPT module."""
+    """The model's structure without values: binds a params dict back into the family's module."""
 
     graphdef: nnx.GraphDef
     abstract_state: nnx.State
 
     @classmethod
     def create(cls, shape: config_lib.ModelShape) -> 'ModelDef':
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(shape, rngs=nnx.Rngs(0))))
+        module = registry.get(shape.family).module
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: module(shape, rngs=nnx.Rngs(0))))
         return cls(graphdef, state)
 
-    def bind(self, params: Params) -> GPT:
+    def bind(self, params: Params) -> nnx.Module:
         state = jax.tree.map(lambda x: x, self.abstract_state)
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
@@ -46,7 +47,9 @@ class ModelDef:
 
 
 def init_params(shape: config_lib.ModelShape, key: jax.Array) -> Params:
-    return nnx.to_pure_dict(nnx.state(GPT(shape, rngs=nnx.Rngs(params=key))))
+    """The family's freshly initialised parameters for `shape` (a params dict)."""
+    module = registry.get(shape.family).module
+    return nnx.to_pure_dict(nnx.state(module(shape, rngs=nnx.Rngs(params=key))))
 
 
 def split_virtual(params: Params, virtual: int) -> Params:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.model import gpt
+from jaxfrontier.model import stack
 from jaxfrontier.model.params import ModelDef
 
 AXIS = 'pipeline'
@@ -79,10 +79,10 @@ class ChunkOps:
         return self.model_def.bind({'blocks': chunk, **shared})
 
     def run(self, chunk, shared, x, m, c, remat: str = 'none', keep_inputs: bool = False):
-        """Chunk c's layers on x for micro-batch m (`gpt.apply_stack`, dropout keys by global layer)."""
+        """Chunk c's layers on x for micro-batch m (`stack.apply_stack`, dropout keys by global layer)."""
         graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
-        return gpt.apply_stack(graphdef, stacked, x, seq_len=self.seq_len, remat=remat,
-                               dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc, unroll=0,
+        return stack.apply_stack(graphdef, stacked, x, seq_len=self.seq_len, remat=remat,
+                                 dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc, unroll=0,
                                keep_inputs=keep_inputs)
 
     def forward(self, chunk, shared, x, m, c):
@@ -92,19 +92,10 @@ class ChunkOps:
     def backward(self, chunk, shared, stash_lx, g, m, c, stashed=True):
         """Reverse pass over the layers from their inputs (split, when `stashed`); (g_chunk, g_input)."""
         graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
-        key = self.dropout_key_fn(m)
-        gather = self.tokens.gather if stashed else (lambda x: x)
-
-        def body(g_out, xs):
-            layer, x, index = xs
-            x = gather(x)  # one all-gather per layer, just before its recomputation
-            layer_fn = lambda ly, h: nnx.merge(graphdef, ly)(h, self.seq_len, gpt.layer_key(key, index))  # noqa: E731
-            _, pull = jax.vjp(layer_fn, layer, x)
-            g_layer, g_in = pull(g_out)
-            return g_in, g_layer
-
-        indices = c * self.lc + jnp.arange(self.lc)
-        g_in, g_stacked = jax.lax.scan(body, g, (stacked, stash_lx, indices), reverse=True)
+        # one all-gather per layer, just before its recomputation
+        g_stacked, g_in = stack.recompute_stack_vjp(graphdef, stacked, stash_lx, g, seq_len=self.seq_len,
+                                                    dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc,
+                                                    fetch_input=self.tokens.gather if stashed else (lambda x: x))
         return nnx.to_pure_dict(g_stacked), g_in
 
     def embed_vjp(self, chunk, shared, tokens, m):

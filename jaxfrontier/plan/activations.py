@@ -2,8 +2,8 @@
 
 Which arrays autodiff saves between the forward and the backward pass depends on the model
 code, the remat policy, the compute dtype and dropout. Rather than a hand-written table that
-drifts from `model/`, the planner traces a tiny proxy GPT once per (policy, dtype, ...) with
-`saved_residuals` and reads each residual's shape in symbols: the proxy's sizes are distinct
+drifts from `model/`, the planner traces a tiny proxy of the family's model once per (policy,
+dtype, ...) with `saved_residuals` and reads each residual's shape in symbols: the proxy's sizes are distinct
 numbers, so every dimension names itself (batch rows, tokens, heads, ...). `Residual.local_bytes`
 then evaluates a residual for any model size and layout, per device.
 
@@ -75,7 +75,7 @@ def _symbols(mlp_dim: int) -> dict[int, str]:
 
 @functools.cache
 def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
-              tied_embeddings: bool = True, attention: str = 'xla') -> Signature:
+              tied_embeddings: bool = True, attention: str = 'xla', family: str = 'gpt') -> Signature:
     """Residuals the model saves for the backward pass under one policy (traced, cached).
 
     Args:
@@ -85,6 +85,7 @@ def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
       dropout: whether dropout is on (its masks are residuals).
       tied_embeddings: whether the head reuses the embedding.
       attention: attention kernel (an 'auto' resolves on this machine's backend).
+      family: the model family (`config.model.family`) whose module is traced.
 
     Returns:
       The per-block and the embedding + head residuals, in symbols.
@@ -94,14 +95,14 @@ def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
     kernel's fp32 softmax statistics `b h t` (what flash attention keeps).
     """
     if attention in ('cudnn', 'blockwise'):
-        xla = signature(remat, dtype, mlp_ratio, dropout, tied_embeddings, 'xla')
+        xla = signature(remat, dtype, mlp_ratio, dropout, tied_embeddings, 'xla', family)
         fused = lambda rs: tuple(r for r in rs if r.dims.count('t') < 2)
         stats = (Residual(('b', 'h', 't'), 4, f'{attention} softmax statistics'),) if remat in ('none', 'save_dots') else ()
         return Signature(fused(xla.block) + stats, fused(xla.head))
     shape = config_lib.ModelShape(
         num_layers=_L, d_model=_D, num_heads=_H, seq_len=_T, vocab_size=_V, real_vocab_size=_V,
         mlp_dim=mlp_ratio * _D, tied_embeddings=tied_embeddings, dropout_rate=0.1 if dropout else 0.0,
-        init_std=0.02, dtype=dtype, attention=attention, remat=remat)
+        init_std=0.02, dtype=dtype, attention=attention, remat=remat, family=family)
     names = _symbols(shape.mlp_dim)
     model_def = ModelDef.create(shape)
     tokens = jax.ShapeDtypeStruct((_B, _T), jnp.int32)

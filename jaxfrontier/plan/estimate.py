@@ -17,7 +17,8 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import blockwise
-from jaxfrontier import flops as flops_lib
+from jaxfrontier.model import registry
+from jaxfrontier.model.family import ParamSpec
 from jaxfrontier import layout as layout_lib
 
 # Share of device memory kept free for the runtime, the allocator's fragmentation and
@@ -32,55 +33,17 @@ RECOMPUTE_LIVE_FRACTION = 0.85
 # --------------------------------------------------------------------------- parameters
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """One parameter array: its path in the params dict, shape and logical axis names."""
-
-    path: str
-    shape: tuple[int, ...]
-    names: tuple[str | None, ...]
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_block(self) -> bool:
-        return self.path.startswith('blocks/')
-
-
 def param_specs(s: config_lib.ModelShape, virtual: int = 1) -> tuple[ParamSpec, ...]:
-    """Every parameter of `model.gpt.GPT` (mirrors the model; tested against eval_shape).
+    """Every parameter of the model: the family's table (`Family.param_specs`, tested against eval_shape).
 
     With `virtual` > 1 (interleaved pipelines) block parameters are stored [V, L / V, ...]
     (`params_lib.split_virtual`).
     """
-    L, d, h, k, f, v = s.num_layers, s.d_model, s.num_heads, s.head_dim, s.mlp_dim, s.vocab_size
-    block = [
-        ('attn/b_out', (d,), ('embed',)),
-        ('attn/b_qkv', (3, h, k), ('qkv', 'heads', 'head_dim')),
-        ('attn/w_out', (h, k, d), ('heads', 'head_dim', 'embed')),
-        ('attn/w_qkv', (d, 3, h, k), ('embed', 'qkv', 'heads', 'head_dim')),
-        ('ln1/bias', (d,), ('embed',)),
-        ('ln1/scale', (d,), ('embed',)),
-        ('ln2/bias', (d,), ('embed',)),
-        ('ln2/scale', (d,), ('embed',)),
-        ('mlp/b_in', (f,), ('mlp',)),
-        ('mlp/b_out', (d,), ('embed',)),
-        ('mlp/w_in', (d, f), ('embed', 'mlp')),
-        ('mlp/w_out', (f, d), ('mlp', 'embed')),
-    ]
-    lead, lead_names = ((virtual, L // virtual), ('virtual', 'layers')) if virtual > 1 else ((L,), ('layers',))
-    specs = [ParamSpec('blocks/' + p, lead + shape, lead_names + names) for p, shape, names in block]
-    specs += [
-        ParamSpec('ln_f/bias', (d,), ('embed',)),
-        ParamSpec('ln_f/scale', (d,), ('embed',)),
-        ParamSpec('wpe', (s.seq_len, d), ('positions', 'embed')),
-        ParamSpec('wte', (v, d), ('vocab', 'embed')),
-    ]
-    if not s.tied_embeddings:
-        specs.append(ParamSpec('head', (d, v), ('embed', 'vocab')))
-    return tuple(specs)
+    specs = registry.get(s.family).param_specs(s)
+    if virtual == 1:
+        return specs
+    return tuple(ParamSpec(p.path, (virtual, p.shape[0] // virtual, *p.shape[1:]), ('virtual', *p.names))
+                 if p.is_block else p for p in specs)
 
 
 def count_params(specs: tuple[ParamSpec, ...]) -> int:
@@ -179,7 +142,7 @@ def _act_sizes(shape, layout, weight: bool) -> dict[str, int]:
 def layer_bytes(shape, layout, remat: str, attention: str = 'xla') -> tuple[float, float]:
     """(residual bytes of one layer for one micro-batch, the same for the embedding + head)."""
     sig = activations.signature(remat, shape.dtype, shape.mlp_dim // shape.d_model, shape.dropout_rate > 0,
-                                shape.tied_embeddings, attention)
+                                shape.tied_embeddings, attention, shape.family)
     act, weight = _act_sizes(shape, layout, False), _act_sizes(shape, layout, True)
     return (activations.residual_bytes(sig.block, act, weight), activations.residual_bytes(sig.head, act, weight))
 
@@ -305,20 +268,16 @@ class Flops:
 
     model: float  # matmuls of forward + backward, no recomputation (basis of MFU)
     hardware: float  # plus what the remat policy recomputes
-    megatron_model: float  # Megatron's formula, f = 3 (flops_lib.model_flops_per_step)
+    megatron_model: float  # Megatron's formula, f = 3 (the family's megatron_flops, flops.py)
     megatron_hw: float  # Megatron's formula, f = 4 with recomputation (the paper's counter)
     layer_forward: float  # one layer's forward matmuls for one micro-batch of one replica
     head_forward: float
 
 
 def forward_flops(shape) -> tuple[float, float]:
-    """Forward matmul FLOPs of one layer and of the head, per sequence (2 per multiply-add).
-
-    Attention is counted as computed: all s x s scores, although half are masked.
-    """
-    s, d, f, v = shape.seq_len, shape.d_model, shape.mlp_dim, shape.vocab_size
-    layer = 2 * s * (3 * d * d + d * d + 2 * d * f) + 2 * 2 * s * s * d
-    return float(layer), float(2 * s * d * v)
+    """Forward matmul FLOPs of one layer and of the head, per sequence: the family's count
+    (`Family.forward_flops`; attention counted in full)."""
+    return registry.get(shape.family).forward_flops(shape)
 
 
 def staggered(layout) -> bool:
@@ -367,9 +326,9 @@ def flops(shape, layout, attention: str = 'xla') -> Flops:
         hardware = model + b * (L - L // layout.pipeline) * layer_run + b * L * recompute[effective_remat(layout)]
     if attention == 'blockwise':  # forward r A + backward 2.5 r A instead of 3 A (see above)
         hardware += b * L * (3.5 * share - 3) * attention_fwd
-    kw = dict(global_batch=b, seq_len=shape.seq_len, num_layers=L, d_model=shape.d_model, vocab_size=shape.vocab_size)
-    return Flops(model, hardware, flops_lib.model_flops_per_step(**kw),
-                 flops_lib.megatron_flops_per_step(**kw, recompute=staggered(layout) or effective_remat(layout) != 'none'),
+    megatron = registry.get(shape.family).megatron_flops
+    return Flops(model, hardware, megatron(b, shape, False),
+                 megatron(b, shape, staggered(layout) or effective_remat(layout) != 'none'),
                  layer_run * layout.micro_batch, head * layout.micro_batch)
 
 

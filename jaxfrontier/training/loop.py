@@ -27,7 +27,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import logs
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import NonFiniteLossError
-from jaxfrontier import flops as flops_lib
+from jaxfrontier.model import registry as model_registry
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import memory_check
@@ -64,7 +64,7 @@ class _Reporter:
                  pipeline_schedule=None, first_row: dict[str, float] | None = None):
         self.c, self.writer, self.n_devices = c, writer, n_devices
         self.first_row = dict(first_row or {})  # written once, with the first record: compile time, memory
-        self.model_flops, self.hw_flops = flops_lib.flops_per_step_from_config(c)
+        self.model_flops, self.hw_flops = model_registry.flops_per_step_from_config(c)
         self.peak, self.peak_source = hardware.device_peak_flops(jax.devices()[0], c.model.dtype)
         self.tokens_per_step = c.train.global_batch * c.model.seq_len
         self.constants = {'pipeline/bubble': pipeline_schedule.bubble} if pipeline_schedule is not None else {}

@@ -181,7 +181,7 @@ def test_unrolled_remat_keeps_its_cse_barrier():
     """Issue 14, 6b: outside a scan, a checkpoint policy must carry prevent_cse's optimization
     barrier (one per layer), or XLA merges the recomputation into the forward pass; the rolled
     scan needs none. remat=full unrolled needs none either: its recomputation waits on the
-    cotangent (gpt.recompute_after_cotangent; the next test)."""
+    cotangent (stack.recompute_after_cotangent; the next test)."""
     assert lowered_barriers('save_dots', scan_unroll=1) == 0
     assert lowered_barriers('save_dots', scan_unroll=2) == 2
     assert lowered_barriers('full', scan_unroll=2) == 0

@@ -21,8 +21,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.model import attention as attention_lib
-from jaxfrontier.model.gpt import cross_entropy
-from jaxfrontier.model.layers import dropout, embedding_lookup
+from jaxfrontier.model.layers import cross_entropy, dropout, embedding_lookup
 from jaxfrontier.model import params as params_lib
 
 RTOL, ATOL = 1e-5, 1e-6
