@@ -162,6 +162,14 @@ class Layout:
                            pipeline=self.pipeline, data_is_batch_axis=self.data_in_batch,
                            params_over_data=self.params_over_data)
 
+    def as_dict(self) -> dict:
+        """The layout as JSON-ready fields; the rules' data placement only where it is not the default rules'."""
+        fields = dataclasses.asdict(self)
+        for name in ('data_in_batch', 'params_over_data'):
+            if fields[name] == Layout.__dataclass_fields__[name].default:
+                del fields[name]
+        return fields
+
     @property
     def virtual(self) -> int:
         """Chunks per pipeline stage (1 without a pipeline, whatever pipeline.virtual_stages says)."""

@@ -41,17 +41,10 @@ from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import safetensors as safetensors_lib
+from jaxfrontier.model import registry
 
-HF_ACTIVATIONS = ('gelu_new', 'gelu_pytorch_tanh')
+GPT2 = registry.get('gpt').hf  # the names GPT declares (model/gpt.py FAMILY); this module converts GPT-2
 LAYER_NORM_EPS = 1e-5
-# (our block parameter, HF name inside transformer.h.<l>.)
-BLOCK_NAMES = (('ln1/scale', 'ln_1.weight'), ('ln1/bias', 'ln_1.bias'),
-               ('attn/w_qkv', 'attn.c_attn.weight'), ('attn/b_qkv', 'attn.c_attn.bias'),
-               ('attn/w_out', 'attn.c_proj.weight'), ('attn/b_out', 'attn.c_proj.bias'),
-               ('ln2/scale', 'ln_2.weight'), ('ln2/bias', 'ln_2.bias'),
-               ('mlp/w_in', 'mlp.c_fc.weight'), ('mlp/b_in', 'mlp.c_fc.bias'),
-               ('mlp/w_out', 'mlp.c_proj.weight'), ('mlp/b_out', 'mlp.c_proj.bias'))
-TOP_NAMES = (('ln_f/scale', 'transformer.ln_f.weight'), ('ln_f/bias', 'transformer.ln_f.bias'))
 
 
 def is_hf_dir(path: str) -> bool:
@@ -80,7 +73,7 @@ def check_gpt2(config: dict[str, Any], where: str) -> None:
 def hf_config(config: dict[str, Any], eot_id: int | None) -> dict[str, Any]:
     """transformers' GPT2Config fields for a saved config."""
     m = config['model']
-    return {'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'vocab_size': m['vocab_size'],
+    return {'architectures': [GPT2.architecture], 'model_type': GPT2.model_type, 'vocab_size': m['vocab_size'],
             'n_positions': m['seq_len'], 'n_ctx': m['seq_len'], 'n_embd': m['d_model'], 'n_layer': m['num_layers'],
             'n_head': m['num_heads'], 'n_inner': m['mlp_ratio'] * m['d_model'], 'activation_function': 'gelu_new',
             'layer_norm_epsilon': LAYER_NORM_EPS, 'initializer_range': m['init_std'], 'resid_pdrop': 0.0,
@@ -111,10 +104,10 @@ def _tensors(reader: readers.ParamReader, m: dict[str, Any]):
     yield 'transformer.wte.weight', (v, d), lambda: reader.read('wte', (slice(0, v),))
     yield 'transformer.wpe.weight', (s, d), lambda: reader.read('wpe')
     for layer in range(m['num_layers']):
-        for ours, theirs in BLOCK_NAMES:
-            yield (f'transformer.h.{layer}.{theirs}', shapes[ours],
+        for ours, theirs in GPT2.block_names:
+            yield (GPT2.layer_prefix.format(layer=layer) + theirs, shapes[ours],
                    lambda ours=ours, layer=layer: _hf_2d(ours, reader.layer(ours, layer)))
-    for ours, theirs in TOP_NAMES:
+    for ours, theirs in GPT2.top_names:
         yield theirs, (d,), lambda ours=ours: reader.read(ours)
     if not m['tied_embeddings']:
         yield 'lm_head.weight', (v, d), lambda: reader.read('head', (slice(None), slice(0, v))).T
@@ -173,10 +166,10 @@ def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError('checkpoint.init_params_from', where,
                                      f'its config.json has {key} = {value!r}, which jaxfrontier cannot compute', fix)
 
-    if hf.get('model_type') != 'gpt2':
+    if hf.get('model_type') != GPT2.model_type:
         refuse('model_type', hf.get('model_type'), 'use a GPT-2 model directory')
-    if hf.get('activation_function', 'gelu_new') not in HF_ACTIVATIONS:
-        refuse('activation_function', hf.get('activation_function'), f'use one with {HF_ACTIVATIONS}')
+    if hf.get('activation_function', 'gelu_new') not in GPT2.activations:
+        refuse('activation_function', hf.get('activation_function'), f'use one with {GPT2.activations}')
     if abs(hf.get('layer_norm_epsilon', LAYER_NORM_EPS) - LAYER_NORM_EPS) > 1e-12:
         refuse('layer_norm_epsilon', hf.get('layer_norm_epsilon'), f'use one with {LAYER_NORM_EPS}')
     for key in ('scale_attn_by_inverse_layer_idx', 'reorder_and_upcast_attn'):
@@ -219,13 +212,13 @@ def _callback(name: str, target: tuple[int, ...], get, c: ml_collections.ConfigD
     """make_array_from_callback's callback filling shards of our parameter `name` from HF tensors."""
     v, d = c.model.vocab_size, c.model.d_model
     if name.startswith('blocks/'):
-        theirs = dict(BLOCK_NAMES)[name.removeprefix('blocks/')]
+        theirs = dict(GPT2.block_names)[name.removeprefix('blocks/')]
         lead = 2 if c.mesh.pipeline > 1 and c.pipeline.virtual_stages > 1 else 1  # [V, L / V, ...] or [L, ...]
         per_layer = target[lead:]
 
         def block(index):  # reads only the layers of this shard, one at a time
             layers_ = np.arange(int(np.prod(target[:lead]))).reshape(target[:lead])[index[:lead]]
-            rows = [get(f'transformer.h.{l}.{theirs}').reshape(per_layer)[index[lead:]] for l in layers_.ravel()]
+            rows = [get(GPT2.layer_prefix.format(layer=l) + theirs).reshape(per_layer)[index[lead:]] for l in layers_.ravel()]
             return np.stack(rows).reshape(*layers_.shape, *rows[0].shape)
         return block
     if name in ('wte', 'head'):
@@ -239,7 +232,7 @@ def _callback(name: str, target: tuple[int, ...], get, c: ml_collections.ConfigD
         return vocab
     if name == 'wpe':
         return lambda index: get('transformer.wpe.weight')[:target[0]][index]
-    return lambda index: get(dict(TOP_NAMES)[name])[index]
+    return lambda index: get(dict(GPT2.top_names)[name])[index]
 
 
 def load_hf(hf_dir: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:

@@ -260,7 +260,7 @@ def plan_to_json(p: Plan) -> dict[str, Any]:
     return {
         'name': p.name, 'hardware': p.hardware.name, 'num_params': p.num_params,
         **({'hardware_calibration': p.hardware.calibration} if p.hardware.calibration else {}),
-        'layout': dataclasses.asdict(p.layout), 'num_devices': p.layout.num_devices,
+        'layout': p.layout.as_dict(), 'num_devices': p.layout.num_devices,
         'global_batch': p.layout.global_batch,
         'memory_gib': {k: v / GIB for k, v in p.memory.items()} | {'total': p.memory.total_bytes / GIB},
         'memory_stage': p.memory.stage, 'fits': p.fits, 'headroom_gib': p.headroom_bytes / GIB,
