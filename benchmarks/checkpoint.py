@@ -75,7 +75,7 @@ def bench_config(quick: bool, data=1, fsdp=8, tensor=1, async_save=True):
 
 
 def layout_for(c):
-    return ts.make_layout(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()))
+    return ts.make_placement(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()))
 
 
 _STATE_HANDLER = ckpt_lib._state_handler  # pylint: disable=protected-access

@@ -31,7 +31,7 @@ def time_train_step(c: ml_collections.ConfigDict, steps: int = 5, warmup: int = 
     n = config_lib.num_devices(c)
     config_lib.validate(c, n if n <= jax.device_count() else jax.device_count())
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:n])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     state = ts.init_train_state(c, layout)
     t0 = time.perf_counter()
     train_step, _, batch_sharding = step_lib.compile_steps(c, layout)

@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     c = compare_baseline.jaxfrontier_config(baseline_jax_gpt.Config())
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:1])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     state = ts.init_train_state(c, layout)
     train_step, _, _ = step_lib.compile_steps(c, layout)
     rng = np.random.default_rng(0)

@@ -43,7 +43,7 @@ def bench_config(schedule, p, m, remat='full'):
 
 def step_flops(c):
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout.abstract_state)
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
     weights = pipeline.build_schedule(layout_lib.Layout.from_config(c)).flop_weights if c.mesh.pipeline > 1 else None

@@ -67,7 +67,7 @@ def make_config(data=2, fsdp=2, tensor=2, pipeline=1, virtual=1, steps=6, every=
 
 def layout_for(c):
     n = config_lib.num_devices(c)
-    return ts.make_layout(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:n]))
+    return ts.make_placement(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:n]))
 
 
 def target_of(layout):

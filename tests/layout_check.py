@@ -62,7 +62,7 @@ def run_layout(c, steps=True):
     steps=False: only (loss, grads) of step 0, without compiling the train step (params None).
     """
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     state = ts.init_train_state(c, layout)
     sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
     data = [jax.device_put(b, sharding) for b in batches(c.train.global_batch)]

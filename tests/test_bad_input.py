@@ -46,7 +46,7 @@ def no_compile(monkeypatch):
         raise AssertionError('train_and_evaluate went past validation with a bad input')
 
     monkeypatch.setattr(loop.mesh_lib, 'mesh_from_config', reached)
-    monkeypatch.setattr(loop.ts, 'make_layout', reached)
+    monkeypatch.setattr(loop.ts, 'make_placement', reached)
     monkeypatch.setattr(loop.step_lib, 'compile_steps', reached)
     monkeypatch.setattr(loop.data_lib, 'make_datasets', reached)
 
@@ -281,7 +281,7 @@ def test_pipeline_with_dropout_over_data_and_fsdp_is_refused_on_jax_0_11(monkeyp
         c.train.update(micro_batch=1, accum_steps=2)
         c.model.dropout_rate = dropout_rate
         mesh = mesh or mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices())
-        return c, ts.make_layout(c, mesh)
+        return c, ts.make_placement(c, mesh)
 
     monkeypatch.setattr(jax, '__version__', '0.11.2')
     with pytest.raises(ConfigError, match=r'dropout_rate = 0.1: jax 0.11.2 aborts .* Fix: set model.dropout_rate=0.0'):

@@ -21,7 +21,7 @@ def test_auto_scan_unroll_per_platform(platform, expected):
 
 def test_trainer_resolves_auto_from_the_mesh_devices():
     c = config_lib.base_config()
-    layout = ts.make_layout(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:1]))
+    layout = ts.make_placement(c, mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:1]))
     assert layout.model_def.bind(layout.model_def.abstract_params()).shape.scan_unroll == (c.model.num_layers if jax.default_backend() == 'gpu' else 1)
 
 

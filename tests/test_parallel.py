@@ -59,7 +59,7 @@ def test_gpu_default_unrolled_remat_full_matches_single_device(reference):
 def test_zero1_shards_optimizer_state_not_params():
     c = make_config(data=4, tensor=2, zero1=True)
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices())
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     w_in = layout.param_shardings['blocks']['mlp']['w_in'].spec
     mu = layout.state_shardings['opt_state'][1][0].mu['blocks']['mlp']['w_in'].spec
     assert 'data' not in str(w_in) and 'tensor' in str(w_in)

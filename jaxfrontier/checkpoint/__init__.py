@@ -24,7 +24,7 @@ Modules, bottom to top (each imports only those above it in this list; nothing f
 
   integrity   CRC32C per chunk, finiteness of a step's health and of a state
   format      directories, format, model fields, CheckpointError
-  target      abstract trees with shardings; the parameters alone on a mesh (ParamLayout)
+  target      abstract trees with shardings; the parameters alone on a mesh (ParamPlacement)
   reshard     how saved arrays are read onto another mesh or layer split
   restore     the checkpoint a run resumes from (roll-back, superseded steps), resume messages
   manager     Checkpointer: the Orbax manager, saves and their health, wait, close

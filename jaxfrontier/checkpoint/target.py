@@ -2,7 +2,7 @@
 
 Restoring builds every array directly in its target sharding, so the reader needs only the
 abstract tree (shapes, dtypes) and where each leaf goes: `abstract_target` joins the two.
-`param_layout` is the parameters alone on a mesh (no optimizer): what sampling, evaluation and
+`param_placement` is the parameters alone on a mesh (no optimizer): what sampling, evaluation and
 `checkpoint.init_params_from` read into; the train state's layout (training/state.py) builds
 on it.
 """
@@ -27,7 +27,7 @@ def abstract_target(abstract: Any, shardings: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamLayout:
+class ParamPlacement:
     """The model's parameters on one mesh: structure, abstract values and shardings (no optimizer)."""
 
     shape: config_lib.ModelShape
@@ -48,7 +48,7 @@ def _platform(mesh) -> str | None:
     return None if devices is None else devices.flat[0].platform
 
 
-def param_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> ParamLayout:
+def param_placement(c: ml_collections.ConfigDict, mesh: Mesh) -> ParamPlacement:
     """The parameters of `c` on `mesh` from the model definition and the sharding rules alone."""
     rules = tuple(tuple(r) for r in c.sharding.rules)
     shape = config_lib.model_shape(c, _platform(mesh))
@@ -56,4 +56,4 @@ def param_layout(c: ml_collections.ConfigDict, mesh: Mesh) -> ParamLayout:
     virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
     abstract_params = split_virtual(model_def.abstract_params(), virtual)
     param_shardings = mesh_lib.tree_shardings(split_virtual_specs(model_def.logical_specs(), virtual), mesh, rules)
-    return ParamLayout(shape, model_def, mesh, rules, abstract_params, param_shardings)
+    return ParamPlacement(shape, model_def, mesh, rules, abstract_params, param_shardings)

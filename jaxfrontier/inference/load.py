@@ -33,7 +33,7 @@ class Loaded:
     """A model ready to run: config (pipeline folded away), parameter layout, parameters and their source."""
 
     config: ml_collections.ConfigDict
-    layout: target_lib.ParamLayout
+    layout: target_lib.ParamPlacement
     params: Any
     source: str
     step: int | None
@@ -85,5 +85,5 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
     if config_lib.num_devices(c) != jax.device_count():
         raise ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
                                      f'devices but {jax.device_count()} are present', 'change the mesh sizes')
-    layout = target_lib.param_layout(c, mesh)  # the parameters alone: no optimizer state
+    layout = target_lib.param_placement(c, mesh)  # the parameters alone: no optimizer state
     return Loaded(c, layout, init_from.load_params(source, c, layout.target()), source, step, run_config, hf_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.model import gpt
 from jaxfrontier.model.family import Family
 
@@ -19,7 +20,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY,)}
 def get(name: str) -> Family:
     """The declaration of family `name` (config.validate has already checked the name)."""
     if name not in FAMILIES:
-        raise config_lib.ConfigError('model.family', name, 'unknown model family',
+        raise ConfigError('model.family', name, 'unknown model family',
                                      f'use one of {tuple(FAMILIES)}')
     return FAMILIES[name]
 

@@ -52,7 +52,7 @@ def lower_abstract(c: ml_collections.ConfigDict, platform: str = 'cpu'):
     """
     shape = config_lib.mesh_shape(c)
     mesh = AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     step, state, batch = step_lib.jit_train_step(c, layout)
     with jax.sharding.use_abstract_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return step.trace(state, batch).lower(lowering_platforms=(platform,))
@@ -66,7 +66,7 @@ def compile_on_cpu(c: ml_collections.ConfigDict):
         raise RuntimeError(f'the mesh needs {n} CPU devices, this process has {len(devices)}: '
                            'use run_in_subprocess or set --xla_force_host_platform_device_count')
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), devices[:n])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     step, state, batch = step_lib.jit_train_step(c, layout)
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         return step.lower(state, batch).compile()

@@ -57,7 +57,7 @@ def local_size(shape: tuple[int, ...], spec: Any, mesh_shape: dict[str, int]) ->
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamLayout:
+class PlannedParam:
     """Per-device elements of one parameter in its own layout and in the update layout."""
 
     spec: ParamSpec
@@ -67,7 +67,7 @@ class ParamLayout:
     update_local: int
 
 
-def param_layouts(specs: tuple[ParamSpec, ...], layout, rules) -> tuple[ParamLayout, ...]:
+def planned_params(specs: tuple[ParamSpec, ...], layout, rules) -> tuple[PlannedParam, ...]:
     """Shardings of every parameter under `rules` on `layout`'s mesh, as `train_state` builds them."""
     mesh = types.SimpleNamespace(shape=layout.mesh_shape)
     dp_axes = mesh_lib.data_parallel_axes(rules)
@@ -75,7 +75,7 @@ def param_layouts(specs: tuple[ParamSpec, ...], layout, rules) -> tuple[ParamLay
     for p in specs:
         spec = mesh_lib.logical_to_spec(p.names, rules)
         update = layout_lib.zero1_spec(spec, p.shape, mesh, dp_axes) if layout.zero1 else spec
-        out.append(ParamLayout(p, spec, update, local_size(p.shape, spec, layout.mesh_shape),
+        out.append(PlannedParam(p, spec, update, local_size(p.shape, spec, layout.mesh_shape),
                                local_size(p.shape, update, layout.mesh_shape)))
     return tuple(out)
 
@@ -244,7 +244,7 @@ def _pipeline_memory(shape, layout, states: dict[str, float], attention: str) ->
 
 def memory(shape, layout, rules, specs, attention: str = 'xla') -> Memory:
     """Per-device memory of one training step at its peak (see `Memory` and docs/planner.md)."""
-    pls = param_layouts(specs, layout, rules)
+    pls = planned_params(specs, layout, rules)
     states = {'params': PARAM_BYTES * sum(p.local for p in pls),
               'block_params': PARAM_BYTES * sum(p.local for p in pls if p.spec.is_block),
               'update': PARAM_BYTES * sum(p.update_local for p in pls)}

@@ -70,7 +70,7 @@ def run(c: ml_collections.ConfigDict, devices) -> tuple[float, Any, Any]:
     Gradients and updates come back in model order ([L, ...] blocks) as NumPy.
     """
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), devices)
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     state = ts.init_train_state(c, layout)
     initial = params_lib.merge_virtual(jax.device_get(state['params']))
     sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))

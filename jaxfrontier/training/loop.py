@@ -169,7 +169,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     _log(f'data: train {train_source.describe()}; validation {val_source.describe()}')
 
     # 4. state, built abstractly, then restored from the newest checkpoint or materialised sharded
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     sched = layout.pipeline_schedule
     if sched is not None:
         _log(f'pipeline: {sched.name}, P={sched.num_stages} stages x V={sched.virtual} chunks, '

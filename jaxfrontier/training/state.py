@@ -89,7 +89,7 @@ def padded_optimizer(tx: optax.GradientTransformation, padded_shapes: Params,
 
 
 @dataclasses.dataclass(frozen=True)
-class StateLayout:
+class StatePlacement:
     """Everything needed to build, place and update the train state on one mesh."""
 
     layout: layout_lib.Layout  # the parallel layout, made once from the config (layout.py)
@@ -106,13 +106,13 @@ class StateLayout:
     abstract_state: dict[str, Any]
 
 
-def make_layout(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.Layout | None = None) -> StateLayout:
+def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.Layout | None = None) -> StatePlacement:
     """Builds the abstract train state and its shardings for `mesh` (no arrays allocated).
 
     `layout`: the run's parallel layout (`Layout.from_config(c)` when not given).
     """
     layout = layout or layout_lib.Layout.from_config(c)
-    params = target_lib.param_layout(c, mesh)
+    params = target_lib.param_placement(c, mesh)
     shape, model_def, rules, abstract_params, param_shardings = (
         params.shape, params.model_def, params.rules, params.abstract_params, params.param_shardings)
     tx, lr_schedule = make_optimizer(c)
@@ -146,11 +146,11 @@ def make_layout(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.Lay
     if loss_scale.enabled(c):  # float16: the dynamic loss scale travels with the state (and checkpoints)
         abstract_state['loss_scale'] = loss_scale.abstract_state()
         state_shardings['loss_scale'] = jax.tree.map(lambda _: replicated, abstract_state['loss_scale'])
-    return StateLayout(layout, shape, model_def, tx, lr_schedule, pipeline_schedule, mesh, rules, param_shardings,
+    return StatePlacement(layout, shape, model_def, tx, lr_schedule, pipeline_schedule, mesh, rules, param_shardings,
                        update_shardings, state_shardings, abstract_state)
 
 
-def init_train_state(c: ml_collections.ConfigDict, layout: StateLayout) -> dict[str, Any]:
+def init_train_state(c: ml_collections.ConfigDict, layout: StatePlacement) -> dict[str, Any]:
     """Materialises the train state directly in its shardings with one jitted init."""
     def init(key):
         params = split_virtual(init_params(layout.shape, key), layout.layout.virtual)

@@ -52,7 +52,7 @@ def dropout_keys(c: ml_collections.ConfigDict):
     return key
 
 
-def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs):
+def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_specs):
     """`(params, micro_abt, step[, scale]) -> (mean loss, mean grads)` over the micro-batches (no pipeline).
 
     The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
@@ -91,7 +91,7 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StateLayout, grad_specs
     return accumulate
 
 
-def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     """Returns `loss_and_grads(params, tokens, step, scale=None) -> (loss, grads)` over the accumulation steps.
 
     The loss is the mean over all tokens of the global batch; gradients are averaged over the
@@ -120,7 +120,7 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     return loss_and_grads
 
 
-def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     """Returns the pure `train_step(state, tokens) -> (state, metrics)` for this layout."""
     tx, lr_schedule = layout.tx, layout.lr_schedule
     loss_and_grads = make_loss_and_grads(c, layout)
@@ -146,7 +146,7 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     return train_step
 
 
-def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
     del c  # evaluation needs only the layout
     lay = layout.layout
@@ -164,7 +164,7 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     return eval_step
 
 
-def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     """The jitted train step (donated state, explicit shardings) and abstract (state, batch) to lower it with."""
     batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
@@ -174,7 +174,7 @@ def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StateLayout):
     return train_jit, state, batch
 
 
-def check_compiles(c: ml_collections.ConfigDict, layout: ts.StateLayout) -> None:
+def check_compiles(c: ml_collections.ConfigDict, layout: ts.StatePlacement) -> None:
     """One clear error, not an XLA abort, for a layout this jax is known not to compile.
 
     jax 0.11.2 aborts the process (spmd_partitioner_util.cc:498) on a pipeline map with both
@@ -194,7 +194,7 @@ def check_compiles(c: ml_collections.ConfigDict, layout: ts.StateLayout) -> None
             'set model.dropout_rate=0.0, or mesh.fsdp=1 (sharding.zero1=True shards the optimizer state), or jax 0.10')
 
 
-def compile_steps(c: ml_collections.ConfigDict, layout: ts.StateLayout):
+def compile_steps(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     """Jits and compiles the train and eval steps ahead of time for this layout."""
     check_compiles(c, layout)
     train_jit, state, batch = jit_train_step(c, layout)

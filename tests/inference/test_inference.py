@@ -85,7 +85,7 @@ def test_greedy_tokens_on_the_tiny_mesh_equal_one_device():
     expected = gen.make_generate(model_def, max_new=10, rule=rule)(params, prompt_bp, lengths_b, key)
 
     c = small_config(data=2, fsdp=2, tensor=2)  # vocabulary padded to 512 here, 384 above
-    layout = ts.make_layout(c, mesh_lib.mesh_from_config(c))
+    layout = ts.make_placement(c, mesh_lib.mesh_from_config(c))
     vp = config_lib.padded_vocab(c)
     padded = {**params, 'wte': jnp.zeros((vp, 32)).at[:params['wte'].shape[0]].set(params['wte'])}
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
@@ -124,7 +124,7 @@ def test_interleaved_pipeline_checkpoint_is_regathered_for_decoding(tmp_path):
     c = small_config(fsdp=2, tensor=2)
     c.model.num_layers = 4
     c.mesh.pipeline, c.pipeline.virtual_stages, c.pipeline.schedule = 2, 2, 'interleaved'
-    layout = ts.make_layout(c, mesh_lib.mesh_from_config(c))
+    layout = ts.make_placement(c, mesh_lib.mesh_from_config(c))
     state = ts.init_train_state(c, layout)
     c.checkpoint.async_save = False
     ckpt = ckpt_lib.Checkpointer(c, str(tmp_path / 'run'))

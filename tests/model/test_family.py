@@ -5,6 +5,7 @@ import jax
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier import flops as flops_lib
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.model import registry
@@ -27,9 +28,9 @@ def test_registry_lists_the_config_families():
 def test_unknown_family_is_a_config_error():
     c = config_lib.base_config()
     c.model.family = 'llama9'
-    with pytest.raises(config_lib.ConfigError, match=r"model.family = 'llama9'.*unknown model family.*gpt"):
+    with pytest.raises(ConfigError, match=r"model.family = 'llama9'.*unknown model family.*gpt"):
         config_lib.validate(c)
-    with pytest.raises(config_lib.ConfigError, match='model.family'):
+    with pytest.raises(ConfigError, match='model.family'):
         registry.get('llama9')
 
 

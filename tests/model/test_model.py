@@ -301,7 +301,7 @@ def test_vocab_parallel_loss_never_gathers_logits():
     v, n = config_lib.padded_vocab(c), 4 * 24
     assert v == 512
     mesh = mesh_lib.mesh_from_config(c)
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     batch_sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           layout.abstract_state['params'], layout.param_shardings)

@@ -161,7 +161,7 @@ def compiled_step(c):
 def lowered_op_counts(c) -> collections.Counter:
     """{op name: count} of the train step's lowered StableHLO (no compile): the program's size."""
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     batch_sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -240,7 +240,7 @@ def test_stash_and_sends_are_split_over_tensor(schedule):
 def traced_step_flops(c):
     """Executed matmul FLOPs of one train step of `c`, summed over all devices."""
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout.abstract_state)
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jax.numpy.int32)
     weights = pipeline.build_schedule(layout_lib.Layout.from_config(c)).flop_weights if c.mesh.pipeline > 1 else None
@@ -297,7 +297,7 @@ def _initial_params(c):
 def _eval(c, tokens, params):
     """(eval loss, executed matmul FLOPs of the eval step) of config `c` on `tokens` with `params`."""
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
     params = jax.device_put(params_lib.split_virtual(params, virtual), layout.param_shardings)
     eval_step = step_lib.make_eval_step(c, layout)

@@ -32,7 +32,7 @@ def block_grads(c, tokens, scales=None):
     """The blocks' gradients of the first step, unscaled, as a list of vectors: one per loss scale
     in `scales`, all from one compiled program (default: the state's initial scale, if any)."""
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:c.mesh.pipeline])
-    layout = ts.make_layout(c, mesh)
+    layout = ts.make_placement(c, mesh)
     out = []
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         state = ts.init_train_state(c, layout)
@@ -90,8 +90,8 @@ def test_loss_scale_state_is_checkpointed(tmp_path):
     c = small_config('float16', loss_scale_init=1024.0)
     c.checkpoint.update(enabled=True, async_save=False)
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:1])
-    layout = ts.make_layout(c, mesh)
-    assert set(ts.make_layout(small_config('bfloat16'), mesh).abstract_state) == {'step', 'params', 'opt_state'}
+    layout = ts.make_placement(c, mesh)
+    assert set(ts.make_placement(small_config('bfloat16'), mesh).abstract_state) == {'step', 'params', 'opt_state'}
     state = ts.init_train_state(c, layout)
     state['loss_scale'] = {'scale': jnp.float32(256.0), 'good_steps': jnp.int32(5), 'skipped_steps': jnp.int32(3)}
     ckpt = Checkpointer(c, str(tmp_path))

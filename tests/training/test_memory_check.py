@@ -42,7 +42,7 @@ class FakeDevice:
 @pytest.fixture(scope='module')
 def layout():
     c = good_config()
-    return c, ts.make_layout(c, mesh_lib.mesh_from_config(c))
+    return c, ts.make_placement(c, mesh_lib.mesh_from_config(c))
 
 
 def test_step_that_does_not_fit_is_refused(layout):
@@ -82,7 +82,7 @@ def test_allocation_failure_is_one_line(tmp_path, monkeypatch):
         raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.50GiB.\n'
                                          'BufferAssignment OOM Debugging ...')
 
-    monkeypatch.setattr(loop.ts, 'make_layout', out_of_memory)  # raised where a real one would, earlier: cheap
+    monkeypatch.setattr(loop.ts, 'make_placement', out_of_memory)  # raised where a real one would, earlier: cheap
     with pytest.raises(UserError) as info:
         loop.train_and_evaluate(good_config(), str(tmp_path / 'wd'))
     message = str(info.value)

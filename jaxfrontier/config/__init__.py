@@ -1,0 +1,38 @@
+"""Config: the schema (`schema.py`) and its validation (`checks.py`); this module is the front door.
+
+Every `configs/*.py` file starts from `base_config()` and changes only what differs. All
+rules a config must satisfy are checked by `validate` before JAX compiles anything; a broken
+rule raises `ConfigError`, whose message names the field, its value and the fix.
+
+No module here imports JAX: `main` reads the config before JAX starts, so that it can set
+the simulated CPU device count.
+"""
+
+from jaxfrontier.config.checks import check_device_count, validate  # noqa: F401
+from jaxfrontier.config.schema import (  # noqa: F401
+    ATTENTION_IMPLS,
+    DATA_KINDS,
+    DEFAULT_RULES,
+    DISTRIBUTED_MODES,
+    DTYPES,
+    GPU_PLATFORMS,
+    LOSS_SCALES,
+    MESH_AXES,
+    MODEL_FAMILIES,
+    MODEL_SIZES,
+    ModelShape,
+    PIPELINE_SCHEDULES,
+    REMAT_POLICIES,
+    STAGGERED_RESIDUALS,
+    base_config,
+    compile_cache_dir,
+    data_parallel_size,
+    mesh_shape,
+    model_shape,
+    model_size_config,
+    num_devices,
+    padded_vocab,
+    parse_arg,
+    resolve_scan_unroll,
+    set_cpu_device_count,
+)

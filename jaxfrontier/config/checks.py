@@ -1,0 +1,188 @@
+"""Config validation: every rule a config must satisfy, checked before JAX compiles anything.
+
+A broken rule raises `ConfigError`, whose message names the field, its value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from typing import Any
+
+import ml_collections
+
+from jaxfrontier.config.schema import (ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, MESH_AXES, MODEL_FAMILIES, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, num_devices)
+from jaxfrontier.errors import ConfigError
+
+
+
+def _require(ok: bool, field: str, value: Any, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, problem, fix)
+
+
+def _divides(divisor_field: str, divisor: int, field: str, value: int, what: str) -> None:
+    _require(divisor > 0 and value % divisor == 0, field, value, f'{what} must be divisible by {divisor_field} = '
+             f'{divisor}', f'choose {field} as a multiple of {divisor}, or change {divisor_field}')
+
+
+def check_device_count(c: ml_collections.ConfigDict, n_devices: int) -> None:
+    """The one rule `validate` cannot check before JAX starts: the mesh uses every device present."""
+    if num_devices(c) != n_devices:
+        shape = ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
+        raise ConfigError('mesh', shape, f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
+                          'run on a machine or allocation with that many devices, change config.mesh.* so the '
+                          'product equals the devices present, or get a plan without devices: '
+                          'python -m jaxfrontier.main --config=... --mode=plan')
+
+
+def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
+    """Checks every rule of `c`; raises ConfigError naming the first broken one.
+
+    Args:
+      c: the config.
+      n_devices: devices present; None skips the device-count rule (e.g. for planning).
+    """
+    m, t = c.model, c.train
+    for axis in MESH_AXES:
+        _require(isinstance(c.mesh[axis], int) and c.mesh[axis] >= 1, f'mesh.{axis}', c.mesh[axis],
+                 'mesh sizes must be integers >= 1', f'set mesh.{axis} to a positive integer')
+    _require(isinstance(c.mesh.cpu_devices, int) and c.mesh.cpu_devices >= 0, 'mesh.cpu_devices',
+             c.mesh.cpu_devices, 'must be an integer >= 0', 'set 0 (use the devices present) or the number '
+             'of simulated CPU devices')
+    _require(c.train.workdir_lease_s > 0, 'train.workdir_lease_s', c.train.workdir_lease_s, 'must be > 0',
+             'set the lease in seconds, e.g. 600')
+    if n_devices is not None:
+        check_device_count(c, n_devices)
+
+    _require(isinstance(m.scan_unroll, int) and m.scan_unroll >= 0, 'model.scan_unroll', m.scan_unroll,
+             'must be an integer >= 0', 'set 0 (auto), 1 (rolled) or the layers per scan iteration')
+    for field in ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple',
+                  'attention_block_q', 'attention_block_kv'):
+        _require(isinstance(m[field], int) and m[field] >= 1, f'model.{field}', m[field],
+                 'must be a positive integer', f'set model.{field} to a positive integer')
+    _require(m.family in MODEL_FAMILIES, 'model.family', m.family, 'unknown model family',
+             f'use one of {MODEL_FAMILIES}')
+    _require(m.dtype in DTYPES, 'model.dtype', m.dtype, 'unknown dtype', f'use one of {DTYPES}')
+    _require(m.attention in ATTENTION_IMPLS, 'model.attention', m.attention,
+             'unknown attention implementation', f'use one of {ATTENTION_IMPLS}')
+    _require(m.remat in REMAT_POLICIES, 'model.remat', m.remat, 'unknown remat policy',
+             f'use one of {REMAT_POLICIES}')
+    _require(0.0 <= m.dropout_rate < 1.0, 'model.dropout_rate', m.dropout_rate,
+             'must be in [0, 1)', 'set model.dropout_rate to e.g. 0.0 or 0.1')
+    _divides('model.num_heads', m.num_heads, 'model.d_model', m.d_model, 'the hidden size')
+    _divides('mesh.tensor', c.mesh.tensor, 'model.num_heads', m.num_heads,
+             'the number of heads (split over the tensor axis)')
+    _divides('mesh.tensor', c.mesh.tensor, 'model.mlp_ratio * model.d_model', m.mlp_ratio * m.d_model,
+             'the MLP width (split over the tensor axis)')
+    _divides('mesh.fsdp', c.mesh.fsdp, 'model.d_model', m.d_model,
+             'the hidden size (parameters are split over the fsdp axis)')
+    _divides('mesh.pipeline * pipeline.virtual_stages', c.mesh.pipeline * c.pipeline.virtual_stages,
+             'model.num_layers', m.num_layers, 'the number of layers (split over pipeline stages)')
+    if m.attention == 'cudnn':
+        _require(m.dtype in ('bfloat16', 'float16'), 'model.dtype', m.dtype,
+                 'cuDNN attention needs a 16-bit compute dtype', "set model.dtype='bfloat16' or model.attention='auto'")
+
+    for field in ('steps', 'global_batch', 'micro_batch', 'accum_steps', 'log_every', 'eval_batches'):
+        _require(isinstance(t[field], int) and t[field] >= 1, f'train.{field}', t[field],
+                 'must be a positive integer', f'set train.{field} to a positive integer')
+    for field in ('profile_start', 'profile_steps'):
+        _require(isinstance(t[field], int) and t[field] >= 0, f'train.{field}', t[field],
+                 'must be an integer >= 0', f'set train.{field} to 0 or a number of steps')
+    _require(t.profile_steps == 0 or t.profile_start < t.steps, 'train.profile_start', t.profile_start,
+             f'no step of the run (train.steps = {t.steps}) would be traced',
+             'set train.profile_start below train.steps')
+    _require(isinstance(t.eval_every, int) and t.eval_every >= 0, 'train.eval_every', t.eval_every,
+             'must be an integer >= 0', 'set train.eval_every to 0 (only at the end) or a step interval')
+    _require(isinstance(t.compile_cache, str), 'train.compile_cache', t.compile_cache, 'must be a string',
+             "set 'auto', 'off' or a directory")
+    _require(isinstance(t.compile_cache_min_s, (int, float)) and t.compile_cache_min_s >= 0,
+             'train.compile_cache_min_s', t.compile_cache_min_s, 'must be a number >= 0',
+             'set the seconds a compile must take to be cached, e.g. 1.0')
+    dp = data_parallel_size(c)
+    _require(t.global_batch == t.micro_batch * t.accum_steps * dp, 'train.global_batch', t.global_batch,
+             f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '
+             f'data-parallel size (mesh.data x mesh.fsdp = {dp}) = {t.micro_batch * t.accum_steps * dp}',
+             'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds')
+
+    _validate_pipeline(c)
+
+    o = c.optim
+    _require(math.isfinite(o.lr) and o.lr > 0, 'optim.lr', o.lr, 'must be a finite number > 0',
+             'set a positive learning rate, e.g. 3e-4')
+    _require(0 <= o.min_lr <= o.lr, 'optim.min_lr', o.min_lr, 'must be in [0, optim.lr]', 'lower optim.min_lr')
+    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, 'optim.b1/b2', (o.b1, o.b2), 'must be in [0, 1)',
+             'use e.g. b1=0.9, b2=0.95')
+    _require(o.loss_scale in LOSS_SCALES, 'optim.loss_scale', o.loss_scale, 'unknown loss scaling',
+             f'use one of {LOSS_SCALES}')
+    _require(o.loss_scale_init >= 1 and o.loss_scale_period >= 1, 'optim.loss_scale_init/period',
+             (o.loss_scale_init, o.loss_scale_period), 'must be >= 1', 'use e.g. 2.0**15 and 2000')
+    _require(o.warmup_steps >= 0 and o.decay_steps >= 0, 'optim.warmup_steps', o.warmup_steps,
+             'warm-up and decay steps must be >= 0', 'set them to non-negative integers')
+
+    _require(c.data.kind in DATA_KINDS, 'data.kind', c.data.kind, 'unknown dataset kind',
+             f'use one of {DATA_KINDS}')
+    blend = c.data.get('blend', '')
+    _require(c.data.kind != 'tokens' or bool(c.data.path) or bool(blend), 'data.path', c.data.path,
+             'data.kind=tokens needs a token file', 'set data.path to a .bin token file (docs/data.md)')
+    _require(not (blend and c.data.path), 'data.blend', blend, 'data.blend and data.path are both set',
+             "keep one: data.path='' with a blend, or data.blend='' for one file")
+    _require(not blend or c.data.kind == 'tokens', 'data.blend', blend, f'a blend mixes token files, but '
+             f'data.kind={c.data.kind!r}', 'set data.kind=tokens')
+    dist = c.distributed
+    _require(dist.mode in DISTRIBUTED_MODES, 'distributed.mode', dist.mode, 'unknown mode',
+             f'use one of {DISTRIBUTED_MODES}')
+    for field in ('initialization_timeout_s', 'heartbeat_timeout_s', 'shutdown_timeout_s'):
+        _require(dist[field] >= 1, f'distributed.{field}', dist[field], 'must be >= 1 second',
+                 f'set distributed.{field} to a positive number of seconds')
+    _require(dist.devices_per_process >= 0, 'distributed.devices_per_process', dist.devices_per_process,
+             'must be >= 0', 'use 1 (process per GPU), the GPUs per process, or 0 (all visible)')
+    _require(0.0 < c.data.val_fraction < 0.5, 'data.val_fraction', c.data.val_fraction,
+             'must be in (0, 0.5)', 'use e.g. 0.02')
+
+    axes = set(MESH_AXES) | {None}
+    for i, rule in enumerate(c.sharding.rules):
+        _require(isinstance(rule, (tuple, list)) and len(rule) == 2, f'sharding.rules[{i}]', rule,
+                 'each rule is a (logical_name, mesh_axes) pair', "write e.g. ('mlp', 'tensor')")
+        targets = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
+        _require(all(a in axes for a in targets), f'sharding.rules[{i}]', rule,
+                 'names an unknown mesh axis', f'use mesh axes from {MESH_AXES} or None')
+    _validate_checkpoint(c.checkpoint)
+
+
+def _validate_checkpoint(ck: ml_collections.ConfigDict) -> None:
+    for field, low in (('every_steps', 0), ('keep', 1), ('keep_period', 0), ('preemption_sync_every', 1),
+                       ('restore_step', -1)):
+        _require(isinstance(ck[field], int) and not isinstance(ck[field], bool) and ck[field] >= low,
+                 f'checkpoint.{field}', ck[field], f'must be an integer >= {low}',
+                 f'set checkpoint.{field} to an integer >= {low}')
+    names = ck.preemption_signals
+    _require(isinstance(names, (tuple, list)) and all(
+        isinstance(n, str) and n in signal.Signals.__members__ and n not in ('SIGKILL', 'SIGSTOP') for n in names),
+        'checkpoint.preemption_signals', names, 'must be a tuple of catchable signal names',
+        "use e.g. ('SIGTERM', 'SIGUSR1'), or () to ignore signals")
+    _require(isinstance(ck.init_params_from, str), 'checkpoint.init_params_from', ck.init_params_from,
+             'must be a path string', "set it to a workdir, checkpoint directory, .safetensors file or ''")
+
+
+def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
+    p, v, m = c.mesh.pipeline, c.pipeline.virtual_stages, c.train.accum_steps
+    _require(c.pipeline.schedule in PIPELINE_SCHEDULES, 'pipeline.schedule', c.pipeline.schedule,
+             'unknown pipeline schedule', f'use one of {PIPELINE_SCHEDULES}')
+    _require(isinstance(c.pipeline.shard_activations, bool), 'pipeline.shard_activations',
+             c.pipeline.shard_activations, 'must be True or False', 'set pipeline.shard_activations=True (the default)')
+    _require(isinstance(v, int) and v >= 1, 'pipeline.virtual_stages', v, 'must be an integer >= 1',
+             'set pipeline.virtual_stages to 1, or to 2+ with the interleaved schedule')
+    if p == 1:
+        return
+    _require(m >= p, 'train.accum_steps', m,
+             f'a pipeline of {p} stages needs at least {p} micro-batches (accumulation steps) per step',
+             f'set train.accum_steps >= {p} (more micro-batches also shrink the bubble (P-1)/(M+P-1))')
+    if c.pipeline.schedule == 'interleaved':
+        _require(m % p == 0, 'train.accum_steps', m,
+                 f'the interleaved schedule runs micro-batches in groups of mesh.pipeline = {p}',
+                 f'set train.accum_steps to a multiple of {p}')
+    else:
+        _require(v == 1, 'pipeline.virtual_stages', v,
+                 f'the {c.pipeline.schedule} schedule has one chunk per stage',
+                 "set pipeline.virtual_stages=1 or pipeline.schedule='interleaved'")
