@@ -1,6 +1,7 @@
 """The default run learns, and the training loop writes what it promises."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -29,9 +30,17 @@ def tiny(steps):
 
 
 @pytest.mark.slow  # 80 steps of configs/tiny.py: ~50 s
-def test_tiny_config_learns_below_unigram_entropy(tmp_path):
-    """A shortened configs/tiny.py (data 2 x fsdp 2 x tensor 2) beats the byte-unigram model."""
-    record = loop.train_and_evaluate(tiny(80), str(tmp_path))
+def test_tiny_config_learns_below_unigram_entropy(tmp_path, caplog):
+    """A shortened configs/tiny.py (data 2 x fsdp 2 x tensor 2) beats the byte-unigram model; every
+    stage's log line is attributed to the module that wrote it."""
+    with caplog.at_level(logging.INFO):
+        record = loop.train_and_evaluate(tiny(80), str(tmp_path))
+    by_module = {}
+    for r in caplog.records:
+        if r.name.startswith('jaxfrontier'):
+            by_module.setdefault(r.getMessage().split(':')[0], set()).add(r.name)
+    for stage in ('mesh', 'data', 'state', 'compile', 'checkpoint', 'done'):
+        assert by_module.get(stage) == {'jaxfrontier.training.loop'}, (stage, by_module)
     assert record['eval/loss'] < EVAL_LOSS_BOUND < UNIGRAM_ENTROPY_NATS, record
     lines = [json.loads(x) for x in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
     assert [r['step'] for r in lines] == [20, 40, 60, 80]
