@@ -130,7 +130,7 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
     once = layout.reduce_once and 'data' in dp_axes
     per_mb_axes = tuple(a for a in dp_axes if not (once and a == 'data'))
     m, p = layout.accum_steps, layout.pipeline
-    for pl in pm.param_layouts(specs, layout, rules):
+    for pl in pm.planned_params(specs, layout, rules):
         spec, local = pl.spec, pl.local * pm.PARAM_BYTES
         sharded = tuple(a for a in per_mb_axes if a in mesh_lib.spec_axes(pl.param_spec))
         zero1_axes = tuple(a for a in dp_axes if a in mesh_lib.spec_axes(pl.update_spec) and a not in sharded)

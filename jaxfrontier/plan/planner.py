@@ -172,7 +172,7 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
     """What the user should know about this layout beyond the numbers."""
     lay, out = p.layout, []
     if lay.zero1 and lay.dp > 1:
-        pls = estimate.param_layouts(estimate.param_specs(p.shape, lay.virtual_stages if lay.pipeline > 1 else 1),
+        pls = estimate.planned_params(estimate.param_specs(p.shape, lay.virtual_stages if lay.pipeline > 1 else 1),
                                        lay, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules))
         unsharded = sum(x.local for x in pls if x.update_local == x.local) / sum(x.local for x in pls)
         if unsharded > 0.01:
