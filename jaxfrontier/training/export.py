@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import hf
 from jaxfrontier import config as config_lib
+from jaxfrontier import finite
 from jaxfrontier.training import state as ts
 
 FORMAT = 'jaxfrontier-params'
@@ -234,7 +235,7 @@ def load_params(source: str, c: ml_collections.ConfigDict, layout: ts.StateLayou
         raise config_lib.ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
                                      'name a training workdir, a checkpoint directory or a .safetensors file')
     if os.path.isfile(source):
-        return load_safetensors(source, c, layout)
+        return finite.check(load_safetensors(source, c, layout), source)
     if hf.is_hf_dir(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
-        return hf.load_hf(source, c, layout)
-    return load_checkpoint_params(source, c, layout)
+        return finite.check(hf.load_hf(source, c, layout), source)
+    return finite.check(load_checkpoint_params(source, c, layout), source)
