@@ -97,6 +97,8 @@ def main(argv: list[str]) -> int:
             logging.info(distributed.describe_process(processes, os.environ))
             if processes.process_id != 0:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
+            from jaxfrontier.plan import preflight  # pylint: disable=g-import-not-at-top
+            preflight.check(config)  # the planner's bytes per device vs. a device's, before any allocation
             from jaxfrontier.training import loop as train  # pylint: disable=g-import-not-at-top
             train.train_and_evaluate(config, _WORKDIR.value)
     except (config_lib.UserError, metrics_lib.NonFiniteLossError, distributed.DistributedError) as e:
