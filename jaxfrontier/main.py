@@ -16,6 +16,7 @@ from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
+from jaxfrontier import run_files  # no JAX import
 from jaxfrontier.data import dataset as data_lib  # no JAX import at module level
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
@@ -97,6 +98,7 @@ def main(argv: list[str]) -> int:
             logging.info(distributed.describe_process(processes, os.environ))
             if processes.process_id != 0:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
+            run_files.check_not_hf_export(_WORKDIR.value)  # training would overwrite the export's config.json
             from jaxfrontier.plan import preflight  # pylint: disable=g-import-not-at-top
             preflight.check(config)  # the planner's bytes per device vs. a device's, before any allocation
             from jaxfrontier.training import loop as train  # pylint: disable=g-import-not-at-top

@@ -18,7 +18,7 @@ MAX_LINES = 600
 LAYERS = (
     ('errors',),
     ('config', 'hardware', 'cli'),  # no JAX at import: read before JAX starts
-    ('flops', 'mesh', 'distributed', 'layout', 'finite'),
+    ('flops', 'mesh', 'distributed', 'layout', 'finite', 'run_files'),
     ('model', 'data'),
     ('pipeline',),
     ('training',),

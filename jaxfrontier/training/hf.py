@@ -40,6 +40,7 @@ import tensorstore as tstore
 from etils import epath
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import run_files
 from jaxfrontier.data import dataset as data_lib
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import state as ts
@@ -198,6 +199,7 @@ def write_safetensors(path: str, shapes: dict[str, tuple[tuple[int, ...], np.dty
     each is written as soon as it comes, so the host holds one tensor at a time.
     """
     tmp = f'{path}.tmp{os.getpid()}'
+    run_files.remove_stale_temporaries(path)
     try:
         with open(tmp, 'wb') as f:
             f.write(_safetensors_header(shapes, metadata))
@@ -237,6 +239,7 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
     Returns:
       A summary: step, tensors written, whether a tokenizer was copied.
     """
+    run_files.check_export_dir(out_dir)
     step_dir = step_dir_of(source)
     meta = read_meta(step_dir)
     config = meta['config']
