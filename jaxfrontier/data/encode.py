@@ -34,6 +34,7 @@ import numpy as np
 from jaxfrontier import distributed
 from jaxfrontier.data import corpus
 from jaxfrontier.data import dataset as data_lib
+from jaxfrontier.data import long_words
 from jaxfrontier.data.corpus import FlagError
 
 EOT_CANDIDATES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')  # first found is used
@@ -119,7 +120,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int) -> tuple[Any, str]:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator(long_words.bounded(texts), trainer)  # a long run trains in seconds
     return tokenizer, tokenizer.to_str()
 
 
