@@ -145,8 +145,11 @@ def _jsonl_pieces(path: str, text_field: str) -> Iterator[Piece]:
             except ValueError as e:
                 raise FlagError('input', path, f'line {line_number} is not JSON ({e})',
                                 'fix the line, or convert the file to one JSON object per line') from None
-            if not isinstance(record, dict) or text_field not in record:
-                fields = sorted(record) if isinstance(record, dict) else []
+            if not isinstance(record, dict):
+                raise FlagError('input', path, f'line {line_number} is a JSON {type(record).__name__}, not an '
+                                'object', 'write one JSON object per line, e.g. {"text": "..."}')
+            if text_field not in record:
+                fields = sorted(record)
                 raise FlagError('text_field', text_field, f'line {line_number} of {path} has no field '
                                 f'{text_field!r} (its fields: {fields})',
                                 'pass --text_field=<the field holding the text>')

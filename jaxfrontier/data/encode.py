@@ -234,6 +234,9 @@ def _write_small(path: str, text: str) -> None:
 
 def _open_output(output: str) -> tuple[dict[str, str], dict[str, str], Any]:
     """(final paths, temporary paths, the open temporary .bin); checks the directory is writable."""
+    if os.path.isdir(output) or output.endswith(os.sep):  # NAME.bin would land beside the directory
+        raise FlagError('output', output, 'is a directory; --output is DIR/NAME (writes NAME.bin, NAME.json and '
+                        'NAME.tokenizer.json in DIR)', f'pass --output={os.path.join(output, "NAME")}')
     paths = output_paths(output)
     directory = os.path.dirname(os.path.abspath(paths['bin']))
     tmp = {key: f'{path}.tmp-{os.getpid()}' for key, path in paths.items()}

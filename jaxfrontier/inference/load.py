@@ -17,6 +17,7 @@ import jax
 import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import hf_dir as hf_files
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import UserError
 from jaxfrontier.training import checkpoint as ckpt_lib
@@ -71,9 +72,9 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
     """Reads the parameters to run (see the module docstring) onto this config's devices."""
     source = resolve_source(c, workdir)
     step, run_config, hf_dir = None, {}, None
-    if os.path.isdir(source) and hf.is_hf_dir(source):
+    if hf_files.looks_like_hf(source):
         hf_dir = source
-        model = hf.model_fields(hf.read_hf_config(source), source)
+        model = hf.model_fields(hf_files.check(source)[0], source)
     elif os.path.isfile(source):
         model = {}  # a .safetensors file: its metadata is checked against the config on load
     else:

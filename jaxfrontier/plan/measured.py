@@ -61,14 +61,16 @@ def _fail(path: str, line: int, what: str, fix: str) -> errors.UserError:
     return errors.UserError(f'--results={path}, line {line}: {what}. Fix: {fix}')
 
 
-def _load_config_file(spec: str, where: list[str]) -> ml_collections.ConfigDict:
-    """`get_config()` of a config file (configs/*.py[:arg]), looked up beside the results and in `where`."""
+def _load_config_file(spec: str, root: str) -> ml_collections.ConfigDict:
+    """`get_config()` of one of the project's config files (configs/*.py[:arg] under `root`).
+
+    Only those: a results file someone sent must not run code of its own choosing (a
+    `config_file` beside it, in the working directory or by absolute path once did).
+    """
     path, _, arg = spec.partition(':')
-    for base in where:
-        full = os.path.join(base, path)
-        if os.path.exists(full):
-            break
-    else:
+    configs = os.path.realpath(os.path.join(root, 'configs'))
+    full = os.path.realpath(os.path.join(root, path))
+    if os.path.dirname(full) != configs or not full.endswith('.py') or not os.path.isfile(full):
         raise FileNotFoundError(path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(full)))
     module_spec = importlib.util.spec_from_file_location(f'_jf_measured_{abs(hash(full))}', full)
@@ -115,12 +117,12 @@ def _trial_config(record: dict[str, Any], path: str, line: int) -> ml_collection
 
 
 def _published_config(record: dict[str, Any], path: str, line: int) -> ml_collections.ConfigDict:
-    where = [os.path.dirname(os.path.abspath(path)), os.getcwd(),
-             os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        c = _load_config_file(str(record['config_file']), where)
+        c = _load_config_file(str(record['config_file']), root)
     except (KeyError, FileNotFoundError):
-        raise _fail(path, line, f'published point without a readable config_file ({record.get("config_file")!r})',
+        raise _fail(path, line, f'published point whose config_file ({record.get("config_file")!r}) is not one of '
+                    'the project\'s configs/*.py (a results file runs no code of its own)',
                     'name the model\'s config, e.g. "config_file": "configs/22b.py"') from None
     unknown = sorted(set(record.get('layout', {})) - set(LAYOUT_FIELDS))
     if unknown:

@@ -29,6 +29,7 @@ from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import hf
 from jaxfrontier import config as config_lib
 from jaxfrontier import finite
+from jaxfrontier import hf_dir
 from jaxfrontier.training import state as ts
 
 FORMAT = 'jaxfrontier-params'
@@ -236,6 +237,7 @@ def load_params(source: str, c: ml_collections.ConfigDict, layout: ts.StateLayou
                                      'name a training workdir, a checkpoint directory or a .safetensors file')
     if os.path.isfile(source):
         return finite.check(load_safetensors(source, c, layout), source)
-    if hf.is_hf_dir(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
+    if hf_dir.looks_like_hf(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
+        hf_dir.check(source)  # a damaged one: one line
         return finite.check(hf.load_hf(source, c, layout), source)
     return finite.check(load_checkpoint_params(source, c, layout), source)
