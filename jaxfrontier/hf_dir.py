@@ -79,7 +79,7 @@ def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]
         raise bad('its header is not JSON') from None
     if not isinstance(header, dict):
         raise bad(f'its header is a JSON {type(header).__name__}, not an object')
-    out, end, data = {}, 0, size - 8 - n
+    out, spans, data = {}, [], size - 8 - n
     for name, entry in header.items():
         if name == '__metadata__':
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
@@ -88,7 +88,7 @@ def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]
         if not isinstance(entry, dict):
             raise bad(f'entry {name!r} is not an object')
         dtype, shape, offsets = entry.get('dtype'), _shape(entry.get('shape')), entry.get('data_offsets')
-        if dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise bad(f'tensor {name!r} has dtype {dtype!r}')
         if shape is None:
             raise bad(f'tensor {name!r} has shape {entry.get("shape")!r}')
@@ -99,8 +99,15 @@ def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]
         if not 0 <= start <= stop <= data or stop - start != math.prod(shape) * ITEMSIZE[dtype]:
             raise bad(f'tensor {name!r} ({dtype} {list(shape)}) has data_offsets {offsets} in {data:,} bytes of '
                       'data (truncated?)')
-        end = max(end, stop)
+        spans.append((start, stop, name))
         out[name] = (dtype, shape)
+    end = 0
+    for start, stop, name in sorted(spans):  # the tensors tile the data, as the library requires
+        if start != end:
+            raise bad(f'tensor {name!r} starts at byte {start:,} of the data, not at {end:,} (a gap or an overlap)')
+        end = stop
+    if end != data:
+        raise bad(f'its tensors cover {end:,} of its {data:,} bytes of data')
     return out
 
 

@@ -142,7 +142,7 @@ def _read_header(path: Any, header_path: str) -> dict[str, Any]:
     try:
         with open(header_path, 'rb') as f:
             header = json.loads(f.read())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting deeper than json's limit
         _bad(path, f'cannot read the header {header_path}: {e}', _REWRITE)
     if not isinstance(header, dict):
         _bad(path, f'the header {header_path} is not a JSON object', _REWRITE)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import statistics
 import sys
@@ -136,13 +137,19 @@ STATISTICS = {'median': 'step_time_median_s', 'mean': 'step_time_s', 'min': 'ste
 
 def _measured_s(record: dict[str, Any], work: planner.Work, path: str, line: int, statistic: str) -> float:
     devices, tokens = work.layout.num_devices, work.layout.global_batch * work.shape.seq_len
+    def positive(key: str) -> float:
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise _fail(path, line, f'{key} = {value!r} is not a positive number', f'give {key} in its unit')
+        return float(value)
+
     for key in (STATISTICS[statistic], 'step_time_s'):  # records of older sweeps have the mean only
         if record.get(key):
-            return float(record[key])
+            return positive(key)
     if record.get('tokens_per_s'):
-        return tokens / float(record['tokens_per_s'])
+        return tokens / positive('tokens_per_s')
     if record.get('hw_tflops_per_device'):
-        return work.flops.megatron_hw / (devices * float(record['hw_tflops_per_device']) * 1e12)
+        return work.flops.megatron_hw / (devices * positive('hw_tflops_per_device') * 1e12)
     raise _fail(path, line, 'no measured throughput', 'give step_time_s, tokens_per_s or hw_tflops_per_device')
 
 
@@ -152,6 +159,19 @@ def model_key(c: ml_collections.ConfigDict) -> str:
 
 
 def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware, statistic: str) -> Measurement:
+    try:
+        return _read_measurement(record, path, line, hw, statistic)
+    except (TypeError, AttributeError, KeyError, ValueError, ZeroDivisionError, OverflowError) as e:
+        if isinstance(e, errors.UserError):
+            raise
+        problem = ' '.join(f'{type(e).__name__}: {e}'.split())[:200]  # a record someone wrote by hand or cut
+        raise _fail(path, line, f'the record cannot be read as a measurement ({problem})',
+                    'give a record a sweep or scaling study wrote, or a published point as in '
+                    'benchmarks/results/frontier_paper.jsonl') from None
+
+
+def _read_measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware,
+                      statistic: str) -> Measurement:
     published = record.get('source') == 'published'
     c = _published_config(record, path, line) if published else _trial_config(record, path, line)
     try:
@@ -171,13 +191,16 @@ def _records(path: str) -> list[tuple[int, dict[str, Any]]]:
     except OSError as e:
         raise errors.UserError(f'--results={path}: {e.strerror}. Fix: give a results.jsonl of a sweep, a scaling '
                                'study or published points') from None
+    except UnicodeDecodeError as e:
+        raise errors.UserError(f'--results={path}: not UTF-8 text (byte {e.start}). Fix: give a results.jsonl of a '
+                               'sweep, a scaling study or published points') from None
     out = []
     for i, text in enumerate(lines, 1):
         if not text.strip():
             continue
         try:
             record = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _fail(path, i, 'not a JSON record', 'give a results.jsonl (one JSON object per line)') from None
         if not isinstance(record, dict):
             raise _fail(path, i, 'not a JSON object', 'give a results.jsonl (one JSON object per line)')

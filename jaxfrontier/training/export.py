@@ -30,6 +30,7 @@ from jaxfrontier.training import hf
 from jaxfrontier import config as config_lib
 from jaxfrontier import finite
 from jaxfrontier import hf_dir
+from jaxfrontier import saved_meta
 from jaxfrontier.training import state as ts
 
 FORMAT = 'jaxfrontier-params'
@@ -203,7 +204,7 @@ def load_safetensors(path: str, c: ml_collections.ConfigDict, layout: ts.StateLa
     metadata = f.metadata() or {}
     saved_vocab = target_vocab = config_lib.padded_vocab(c)
     if 'config' in metadata:
-        saved_config = json.loads(metadata['config'])
+        saved_config = saved_meta.parse_config(metadata['config'], path)  # damaged metadata: one line
         ckpt_lib.check_model_matches(saved_config, c, path, 'choose a file of the same model')
         saved_vocab = ckpt_lib.padded_vocab_of(saved_config)
     missing = sorted(set(target) - set(f.keys()))

@@ -41,6 +41,7 @@ from etils import epath
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import run_files
+from jaxfrontier import saved_meta
 from jaxfrontier.data import dataset as data_lib
 from jaxfrontier.training import checkpoint as ckpt_lib
 from jaxfrontier.training import state as ts
@@ -103,7 +104,7 @@ def read_meta(step_dir: str, fix: str = 'name one.') -> dict[str, Any]:
     meta = read_item(step_dir, 'meta', ocp.JsonCheckpointHandler(), lambda h, path: h.restore(path))
     if not isinstance(meta, dict) or meta.get('format') != ckpt_lib.FORMAT:
         raise ckpt_lib.CheckpointError(f'{step_dir} is not a jaxfrontier checkpoint. Fix: {fix}')
-    return meta
+    return saved_meta.check(meta, step_dir)
 
 
 class ParamReader:
