@@ -18,6 +18,7 @@ from typing import Any
 
 import ml_collections
 
+from jaxfrontier import config_bounds
 from jaxfrontier.errors import UserError  # noqa: F401  (config_lib.UserError: the same class)
 
 # Logical axis name -> mesh axes. Parameters and activations are annotated with the logical
@@ -333,6 +334,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
       n_devices: devices present; None skips the device-count rule (e.g. for planning).
     """
     m, t = c.model, c.train
+    for problem in config_bounds.problems(c, base_config()):  # None, non-finite floats, absurd sizes (tests/fuzz)
+        raise ConfigError(*problem)
     for axis in MESH_AXES:
         _require(isinstance(c.mesh[axis], int) and c.mesh[axis] >= 1, f'mesh.{axis}', c.mesh[axis],
                  'mesh sizes must be integers >= 1', f'set mesh.{axis} to a positive integer')

@@ -14,8 +14,10 @@ tests/fuzz/conftest.py prints them at the end of the run.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import os
+import signal
 from typing import Any, Callable, Iterable
 
 import pytest
@@ -41,11 +43,31 @@ def fuzz(reader: str, strategy: st.SearchStrategy, check: Callable[[Any], None],
     @given(strategy)
     def run(value):
         COUNTS[reader] += 1
-        check(value)
+        with hang_guard(5 * deadline_ms / 1000):
+            check(value)
 
     for value in examples:
         run = example(value)(run)
     run()
+
+
+class Hang(Exception):
+    """One input ran far past its deadline: a reader that would hang (Hypothesis' deadline waits for it to end)."""
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: float):
+    """Raises Hang in the main thread after `seconds` (SIGALRM), so a hanging reader fails instead of stalling."""
+    def alarm(signum, frame):
+        raise Hang(f'one input ran over {seconds:.0f} s')
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def one_line(e: BaseException) -> str:

@@ -17,7 +17,7 @@ MAX_LINES = 600
 # Bottom to top. A module may import its own layer or lower ones (and no cycle: test below).
 LAYERS = (
     ('errors',),
-    ('config', 'hardware', 'cli', 'hf_dir', 'saved_meta'),  # no JAX at import: read before JAX starts
+    ('config', 'config_bounds', 'hardware', 'cli', 'hf_dir', 'saved_meta'),  # no JAX at import: read before JAX starts
     ('flops', 'mesh', 'distributed', 'layout', 'finite', 'run_files'),
     ('model', 'data'),
     ('pipeline',),

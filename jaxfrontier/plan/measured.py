@@ -59,6 +59,7 @@ class Measurement:
 
 
 def _fail(path: str, line: int, what: str, fix: str) -> errors.UserError:
+    what = ' '.join(what.split())  # one line, also when a value's repr is not (a ConfigDict's is YAML)
     return errors.UserError(f'--results={path}, line {line}: {what}. Fix: {fix}')
 
 

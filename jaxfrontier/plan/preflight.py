@@ -80,6 +80,8 @@ def check(c: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) ->
     """
     if c.train.ignore_memory_check:
         return
+    if devices is None and config_lib.num_devices(c) != jax.device_count():
+        return  # the trainer's mesh reports a device-count mismatch, the more basic mistake
     devices = list(jax.local_devices() if devices is None else devices)
     capacity, source = memory_check.device_capacity(devices)
     hw = local_hardware(devices, capacity)

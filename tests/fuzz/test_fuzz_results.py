@@ -59,7 +59,9 @@ def test_calibrate_results(budget):
          examples=[json.dumps(TRIAL | {'step_time_median_s': -1.0}).encode(),
                    json.dumps(TRIAL | {'step_time_median_s': 'fast'}).encode(),
                    json.dumps(TRIAL | {'config': TRIAL['config'] | {'model': []}}).encode(),
-                   json.dumps(PUBLISHED | {'layout': []}).encode(), b'[' * 100_000])
+                   json.dumps(PUBLISHED | {'layout': []}).encode(), b'[' * 100_000,
+                   json.dumps(TRIAL | {'config': TRIAL['config'] | {'model': TRIAL['config']['model'] |
+                                                                    {'attention': {}}}}).encode()])
 
 
 def check_sweep(data: bytes):
