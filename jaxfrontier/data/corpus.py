@@ -161,6 +161,22 @@ def _jsonl_pieces(path: str, text_field: str) -> Iterator[Piece]:
                 yield Piece(text, True, len(line))
 
 
+def _parquet_batches(parquet: Any, text_field: str, path: str) -> Iterator[list[Any]]:
+    """The column's values, a record batch at a time; a damaged page or invalid UTF-8 is one FlagError."""
+    import pyarrow as pa  # pylint: disable=g-import-not-at-top
+    batches = parquet.iter_batches(batch_size=1024, columns=[text_field])
+    while True:
+        try:
+            batch = next(batches, None)
+            if batch is None:
+                return
+            values = batch.column(0).to_pylist()
+        except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
+            raise FlagError('input', path, f'cannot read it as Parquet ({" ".join(str(e).split())[:200]})',
+                            'check the file (a .parquet file written by pyarrow, pandas or datasets)') from None
+        yield values
+
+
 def _parquet_pieces(path: str, text_field: str) -> Iterator[Piece]:
     """One document per row of the string column text_field, read a record batch at a time."""
     import pyarrow as pa  # pylint: disable=g-import-not-at-top  (only Parquet needs it)
@@ -181,8 +197,8 @@ def _parquet_pieces(path: str, text_field: str) -> Iterator[Piece]:
                         'not a string', 'pass --text_field=<a string column>')
     num_rows = max(parquet.metadata.num_rows, 1)
     file_bytes, done_bytes, done_rows = os.path.getsize(path), 0, 0
-    for record_batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
-        for text in record_batch.column(0).to_pylist():
+    for record_batch in _parquet_batches(parquet, text_field, path):
+        for text in record_batch:
             done_rows += 1
             now_bytes = file_bytes * done_rows // num_rows  # progress: the file's share of rows
             if text:

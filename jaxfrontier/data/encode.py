@@ -98,7 +98,9 @@ def load_tokenizer(path: str) -> tuple[Any, str]:
     dtype_for_vocab(_json_vocab_size(parsed) if isinstance(parsed, dict) else 0, 'tokenizer', path)
     try:
         tokenizer = Tokenizer.from_str(text)
-    except Exception as e:  # pylint: disable=broad-except  (tokenizers raises plain Exception)
+    except BaseException as e:  # pylint: disable=broad-except  (plain Exception, or a Rust panic: BaseException)
+        if not isinstance(e, Exception) and type(e).__name__ != 'PanicException':
+            raise  # KeyboardInterrupt, SystemExit
         raise FlagError('tokenizer', path, f'{file} is not a tokenizer.json the tokenizers library '
                         f'reads ({" ".join(str(e).split())[:200]})', fix) from None
     return tokenizer, text

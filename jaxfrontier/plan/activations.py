@@ -114,6 +114,8 @@ def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
     for aval, source in saved_residuals(loss, model_def.abstract_params(), tokens):
         if source.startswith('from the argument'):
             continue  # parameters and inputs are in memory anyway
+        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key) or tuple(aval.shape) == (_L,):
+            continue  # dropout's key and per-layer seeds: bytes, not activations (crashed --mode=plan; tests/fuzz)
         dims = tuple(aval.shape)
         stacked = 'output of scan' in source and dims[:1] == (_L,)
         dims = dims[1:] if stacked else dims

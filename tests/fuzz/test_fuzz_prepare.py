@@ -49,7 +49,9 @@ def check_corpus(case):
 @tiers(fast=120)
 def test_corpus_files(budget):
     fuzz('prepare inputs (.txt/.jsonl/.parquet)', st.tuples(inputs, fields), check_corpus, budget, deadline_ms=5000,
-         examples=[(('.jsonl', b'[1, 2]\n'), 'text'), (('.jsonl', b'{"text": 5}\n'), 'text')])
+         examples=[(('.jsonl', b'[1, 2]\n'), 'text'), (('.jsonl', b'{"text": 5}\n'), 'text'),
+                   (('.parquet', PARQUET.replace(b'another one', b'\x9enother one')), 'text'),  # invalid UTF-8
+                   (('.parquet', PARQUET[:4] + b'\xea' + PARQUET[5:]), 'text')])  # a damaged page header
 
 
 _TOKENIZER, TOKENIZER_JSON = encode.train_tokenizer(iter(['hello world, hello tokens'] * 3), 300)
@@ -75,7 +77,9 @@ def check_tokenizer(data: bytes):
 
 @tiers(fast=60, slow=600)
 def test_tokenizer_json(budget):
-    fuzz('prepare --tokenizer (tokenizer.json)', tokenizers, check_tokenizer, budget, deadline_ms=5000)
+    fuzz('prepare --tokenizer (tokenizer.json)', tokenizers, check_tokenizer, budget, deadline_ms=5000,
+         examples=[json.dumps(TOKENIZER | {'model': TOKENIZER['model'] | {  # a Rust panic in tokenizers
+             'continuing_subword_prefix': '\xe7p\x15', 'unk_token': '\xe7p\x15'}}).encode()])
 
 
 def check_prepare(case):
@@ -102,4 +106,5 @@ def check_prepare(case):
 
 @tiers(fast=40, slow=400)
 def test_prepare_run(budget):
-    fuzz('prepare (whole run)', st.tuples(inputs, fields), check_prepare, budget, deadline_ms=10_000)
+    fuzz('prepare (whole run)', st.tuples(inputs, fields), check_prepare, budget, deadline_ms=10_000,
+         examples=[(('.parquet', PARQUET.replace(b'another one', b'\x9enother one')), 'text')])

@@ -45,4 +45,5 @@ def check(case):
 @tiers()
 def test_token_file(budget):
     fuzz('token file (header + .bin)', cases, check, budget,
-         examples=[(b'[' * 100_000, TOKENS.tobytes(), 256, None)])
+         examples=[(b'[' * 100_000, TOKENS.tobytes(), 256, None),
+                   (json.dumps(HEADER | {'dtype': []}).encode(), TOKENS.tobytes(), 256, None)])
