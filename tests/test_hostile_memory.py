@@ -79,3 +79,12 @@ def test_cli_refuses_1_3b_before_allocating(tmp_path):
     maxrss_gib = int(proc.stdout.split('maxrss_kib')[1].split()[0]) / 2**20
     assert maxrss_gib < 2, maxrss_gib
     assert not (workdir / 'checkpoints').exists()
+
+
+def test_a_config_the_planner_cannot_model_is_left_to_the_compiled_check(monkeypatch):
+    def cannot(*args, **kwargs):
+        raise ValueError('no model of this layout')
+
+    monkeypatch.setattr(planner, 'plan', cannot)
+    monkeypatch.setattr(memory_check, 'host_memory_bytes', lambda: 1)
+    preflight.check(gpt_config('size=125m,data=8'))  # no error: training goes on to the compiled step's check
