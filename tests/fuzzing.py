@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from jaxfrontier.errors import UserError
 
 COUNTS: collections.Counter[str] = collections.Counter()
-FAST, SLOW = 40, 1000  # inputs per reader and tier
+FAST, SLOW = 100, 1000  # inputs per reader and tier (fast: derandomized, a few seconds each)
 
 
 def tiers(fast: int = FAST, slow: int = SLOW):

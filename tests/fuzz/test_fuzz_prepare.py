@@ -75,7 +75,7 @@ def check_tokenizer(data: bytes):
             encode.dtype_for_vocab(encode.vocab_size_of(tokenizer))
 
 
-@tiers(fast=60, slow=600)
+@tiers(fast=100, slow=600)
 def test_tokenizer_json(budget):
     fuzz('prepare --tokenizer (tokenizer.json)', tokenizers, check_tokenizer, budget, deadline_ms=5000,
          examples=[json.dumps(TOKENIZER | {'model': TOKENIZER['model'] | {  # a Rust panic in tokenizers
@@ -104,7 +104,7 @@ def check_prepare(case):
             assert written == [], written
 
 
-@tiers(fast=40, slow=400)
+@tiers(fast=60, slow=400)
 def test_prepare_run(budget):
     fuzz('prepare (whole run)', st.tuples(inputs, fields), check_prepare, budget, deadline_ms=10_000,
          examples=[(('.parquet', PARQUET.replace(b'another one', b'\x9enother one')), 'text')])

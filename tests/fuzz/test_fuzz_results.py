@@ -53,7 +53,7 @@ def check_calibrate(data: bytes):
             assert out and all(math.isfinite(m.measured_s) and m.measured_s > 0 for m in out), out
 
 
-@tiers(fast=60, slow=600)
+@tiers(fast=100, slow=600)
 def test_calibrate_results(budget):
     fuzz('results.jsonl (calibrate)', files, check_calibrate, budget, deadline_ms=5000,
          examples=[json.dumps(TRIAL | {'step_time_median_s': -1.0}).encode(),
