@@ -184,7 +184,8 @@ def _parquet_pieces(path: str, text_field: str) -> Iterator[Piece]:
 
     try:
         parquet = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as e:
+        parquet.schema_arrow  # pylint: disable=pointless-statement  (its strings are decoded here)
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as e:  # UnicodeDecodeError: tests/fuzz
         raise FlagError('input', path, f'cannot read it as Parquet ({" ".join(str(e).split())})',
                         'check the file (a .parquet file written by pyarrow, pandas or datasets)') from None
     names = parquet.schema_arrow.names

@@ -199,7 +199,8 @@ def load_safetensors(path: str, c: ml_collections.ConfigDict, layout: ts.StateLa
     try:
         f = safe_open(path, framework='numpy')
     except Exception as e:  # noqa: BLE001
-        raise ckpt_lib.CheckpointError(f'cannot read {path} as safetensors ({type(e).__name__}: {e}). '
+        detail = ' '.join(str(e).split())  # one line, whatever the library says
+        raise ckpt_lib.CheckpointError(f'cannot read {path} as safetensors ({type(e).__name__}: {detail}). '
                                        'Fix: name a file written by --mode=export (docs/checkpoints.md).') from e
     metadata = f.metadata() or {}
     saved_vocab = target_vocab = config_lib.padded_vocab(c)
