@@ -51,7 +51,8 @@ def test_corpus_files(budget):
     fuzz('prepare inputs (.txt/.jsonl/.parquet)', st.tuples(inputs, fields), check_corpus, budget, deadline_ms=5000,
          examples=[(('.jsonl', b'[1, 2]\n'), 'text'), (('.jsonl', b'{"text": 5}\n'), 'text'),
                    (('.parquet', PARQUET.replace(b'another one', b'\x9enother one')), 'text'),  # invalid UTF-8
-                   (('.parquet', PARQUET[:4] + b'\xea' + PARQUET[5:]), 'text')])  # a damaged page header
+                   (('.parquet', PARQUET[:4] + b'\xea' + PARQUET[5:]), 'text'),  # a damaged page header
+                   (('.parquet', PARQUET[:231] + b'\x8b' + PARQUET[232:]), 'text')])  # a schema name not UTF-8
 
 
 _TOKENIZER, TOKENIZER_JSON = encode.train_tokenizer(iter(['hello world, hello tokens'] * 3), 300)
