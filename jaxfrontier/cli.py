@@ -32,12 +32,22 @@ def run_app(main, flags_parser=None) -> None:
     interpreter's final flush cannot raise again, and exit 1. SIGPIPE itself is left ignored
     (Python's default), so a socket or file whose reader goes away is an error, not a kill.
     """
-    parser = {} if flags_parser is None else {'flags_parser': flags_parser}
+    parser = {'flags_parser': flags_parser or parse_flags}
     try:
         app.run(lambda argv: sys.exit(main(argv)), **parser)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing (a bad flag: its usage line, exit 1), where asking for --help exits 0, not absl's 1."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except SystemExit as e:
+        if wants_help(argv) and e.code == 1:
+            sys.exit(0)
+        raise
 
 
 def fail(message: str) -> NoReturn:
@@ -156,6 +166,8 @@ def parse_config_flags(argv: list[str], config_flag, *, default_config: str | No
         _fail_flag(e, argv)
     if config_flag.value is not None:
         try:
+            if not wants_help(argv):
+                check_config_type(config_flag.value, config_path(argv) or default_config or '')
             config_flag.value.get('mesh')  # a config file that failed to load raises only when used
         except OSError as e:
             fail(f'--config: {e}')
@@ -164,7 +176,17 @@ def parse_config_flags(argv: list[str], config_flag, *, default_config: str | No
             if problem is None:
                 raise
             fail(problem)
+    if not wants_help(argv):
+        check_config_type(config_flag.value, config_path(argv) or default_config or '')
     return rest
+
+
+def check_config_type(value, path: str) -> None:
+    """One line when a config file's get_config() returned no ml_collections.ConfigDict."""
+    import ml_collections  # pylint: disable=g-import-not-at-top  (no JAX)
+    if not isinstance(value, ml_collections.ConfigDict):
+        fail(f'--config={path}: get_config() returned {type(value).__name__}, not an ml_collections.ConfigDict. '
+             'Fix: return the config (configs/tiny.py shows the shape: c = config_lib.base_config(); ...; return c)')
 
 
 def _fail_flag(e: Exception, argv: list[str]) -> NoReturn:

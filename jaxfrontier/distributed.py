@@ -30,6 +30,7 @@ was bound to one GPU; hence this module.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import socket
@@ -281,6 +282,8 @@ def initialize(settings: ProcessSettings, d: Any) -> None:
         return
     if settings.process_id != 0:  # JAX aborts, blaming "another task", when it cannot connect
         wait_for_coordinator(settings, float(d.initialization_timeout_s))
+    else:
+        check_port_free(settings)
     import jax  # pylint: disable=g-import-not-at-top  (importing this module must not start JAX)
 
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -300,6 +303,27 @@ def initialize(settings: ProcessSettings, d: Any) -> None:
             f'timeout {d.initialization_timeout_s} s): {str(e).splitlines()[0] if str(e) else type(e).__name__}. '
             'Fix: check that every process started and that this host can reach the coordinator '
             "(process 0's host and port)") from e
+
+
+def check_port_free(settings: ProcessSettings) -> None:
+    """Process 0: the coordinator's port must not be in use (gRPC binds with SO_REUSEPORT, so two jobs
+    given the same port both bound it and their processes met the wrong coordinator, without an error).
+
+    A plain bind (SO_REUSEADDR only, so a closed connection's TIME_WAIT does not count) fails while any
+    other socket listens on the port.
+    """
+    port = int(str(settings.coordinator_address).rsplit(':', 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(('', port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # no right to bind it here (or no such interface): gRPC reports that itself
+            raise DistributedError(
+                f'process 0: the coordinator port {port} ({settings.coordinator_address}) is already in use, by '
+                'another job or program (two launch/local.sh runs given the same JF_PORT?). Fix: choose a free '
+                'port (JF_PORT, config.distributed.coordinator_port), or leave JF_PORT unset for a free one') from None
 
 
 def check_backend(env: Mapping[str, str]) -> None:

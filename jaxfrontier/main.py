@@ -16,6 +16,7 @@ from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
+from jaxfrontier.checkpoint import run_files  # no JAX import
 from jaxfrontier.data import loader as data_lib  # no JAX import at module level
 from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError, UserError
 from jaxfrontier.plan import shrink  # no JAX import either
@@ -124,6 +125,9 @@ def main(argv: list[str]) -> int:
             logging.info(distributed.describe_process(processes, os.environ))
             if processes.process_id != 0:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
+            run_files.check_not_hf_export(_WORKDIR.value)  # training would overwrite the export's config.json
+            from jaxfrontier.plan import preflight  # pylint: disable=g-import-not-at-top
+            preflight.check(config)  # the planner's bytes per device vs. a device's, before any allocation
             from jaxfrontier.training import loop  # pylint: disable=g-import-not-at-top
             loop.train_and_evaluate(config, _WORKDIR.value, validated=True)
     except (UserError, NonFiniteLossError, DistributedError) as e:

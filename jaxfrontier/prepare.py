@@ -85,6 +85,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         print(f'error: {" ".join(str(e).split())}. Fix: see python -m jaxfrontier.prepare --help', file=sys.stderr)
         sys.exit(2)
+    except SystemExit as e:  # absl's --help prints the flags, then exits 1: asking for help is no failure
+        sys.exit(0 if cli.wants_help(argv) and e.code == 1 else e.code)
 
 
 def run() -> None:

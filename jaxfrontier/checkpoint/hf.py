@@ -40,6 +40,7 @@ from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import readers
+from jaxfrontier.checkpoint import run_files
 from jaxfrontier.checkpoint import safetensors as safetensors_lib
 from jaxfrontier.model import registry
 
@@ -123,6 +124,7 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
     Returns:
       A summary: step, tensors written, whether a tokenizer was copied.
     """
+    run_files.check_export_dir(out_dir)
     step_dir = readers.step_dir_of(source)
     meta = readers.read_meta(step_dir)
     config = meta['config']

@@ -13,7 +13,9 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier.errors import ConfigError
+from jaxfrontier.checkpoint import finite
 from jaxfrontier.checkpoint import hf
+from jaxfrontier.checkpoint import hf_files
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import safetensors as safetensors_lib
 
@@ -26,7 +28,8 @@ def load_params(source: str, c: ml_collections.ConfigDict, target: Any) -> dict[
         raise ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
                                      'name a training workdir, a checkpoint directory or a .safetensors file')
     if os.path.isfile(source):
-        return safetensors_lib.load_safetensors(source, c, target)
-    if hf.is_hf_dir(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
-        return hf.load_hf(source, c, target)
-    return readers.load_checkpoint_params(source, c, target)
+        return finite.check(safetensors_lib.load_safetensors(source, c, target), source)
+    if hf_files.looks_like_hf(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
+        hf_files.check(source)  # a damaged one: one line
+        return finite.check(hf.load_hf(source, c, target), source)
+    return finite.check(readers.load_checkpoint_params(source, c, target), source)

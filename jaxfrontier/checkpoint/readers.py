@@ -24,6 +24,7 @@ from jaxfrontier.errors import CheckpointError
 from jaxfrontier import config as config_lib
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import reshard
+from jaxfrontier.checkpoint import saved_meta
 
 
 def step_dir_of(source: str, fix: str = 'train first, or name a training workdir, its checkpoints/ directory '
@@ -58,7 +59,7 @@ def read_meta(step_dir: str, fix: str = 'name one.') -> dict[str, Any]:
     meta = read_item(step_dir, 'meta', ocp.JsonCheckpointHandler(), lambda h, path: h.restore(path))
     if not isinstance(meta, dict) or meta.get('format') != format_lib.FORMAT:
         raise CheckpointError(f'{step_dir} is not a jaxfrontier checkpoint. Fix: {fix}')
-    return meta
+    return saved_meta.check(meta, step_dir)
 
 
 class ParamReader:

@@ -30,6 +30,8 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import reshard
+from jaxfrontier.checkpoint import run_files
+from jaxfrontier.checkpoint import saved_meta
 
 FORMAT = 'jaxfrontier-params'
 
@@ -58,6 +60,7 @@ def write_safetensors(path: str, shapes: dict[str, tuple[tuple[int, ...], np.dty
     each is written as soon as it comes, so the host holds one tensor at a time.
     """
     tmp = f'{path}.tmp{os.getpid()}'
+    run_files.remove_stale_temporaries(path)
     try:
         with open(tmp, 'wb') as f:
             f.write(_safetensors_header(shapes, metadata))
@@ -191,13 +194,14 @@ def load_safetensors(path: str, c: ml_collections.ConfigDict, target: Any) -> di
     try:
         f = safe_open(path, framework='numpy')
     except Exception as e:  # noqa: BLE001
+        detail = ' '.join(str(e).split())  # one line, whatever the library says
         raise CheckpointError(
-            f'cannot read {path} as safetensors ({type(e).__name__}: {e}). '
+            f'cannot read {path} as safetensors ({type(e).__name__}: {detail}). '
             'Fix: name a file written by --mode=export (docs/checkpoints.md).') from e
     metadata = f.metadata() or {}
     saved_vocab = target_vocab = config_lib.padded_vocab(c)
     if 'config' in metadata:
-        saved_config = json.loads(metadata['config'])
+        saved_config = saved_meta.parse_config(metadata['config'], path)  # damaged metadata: one line
         format_lib.check_model_matches(saved_config, c, path, 'choose a file of the same model')
         saved_vocab = format_lib.padded_vocab_of(saved_config)
     missing = sorted(set(target) - set(f.keys()))

@@ -11,7 +11,8 @@ from typing import Any
 
 import ml_collections
 
-from jaxfrontier.config.schema import (ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, MESH_AXES, MODEL_FAMILIES, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, num_devices)
+from jaxfrontier.config import bounds
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, MESH_AXES, MODEL_FAMILIES, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, num_devices)
 from jaxfrontier.errors import ConfigError
 
 
@@ -44,6 +45,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
       n_devices: devices present; None skips the device-count rule (e.g. for planning).
     """
     m, t = c.model, c.train
+    for problem in bounds.problems(c, base_config()):  # None, non-finite floats, absurd sizes (tests/fuzz)
+        raise ConfigError(*problem)
     for axis in MESH_AXES:
         _require(isinstance(c.mesh[axis], int) and c.mesh[axis] >= 1, f'mesh.{axis}', c.mesh[axis],
                  'mesh sizes must be integers >= 1', f'set mesh.{axis} to a positive integer')

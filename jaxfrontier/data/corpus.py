@@ -20,7 +20,7 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from jaxfrontier.errors import FlagError
 
@@ -138,8 +138,11 @@ def _jsonl_pieces(path: str, text_field: str) -> Iterator[Piece]:
             except ValueError as e:
                 raise FlagError('input', path, f'line {line_number} is not JSON ({e})',
                                 'fix the line, or convert the file to one JSON object per line') from None
-            if not isinstance(record, dict) or text_field not in record:
-                fields = sorted(record) if isinstance(record, dict) else []
+            if not isinstance(record, dict):
+                raise FlagError('input', path, f'line {line_number} is a JSON {type(record).__name__}, not an '
+                                'object', 'write one JSON object per line, e.g. {"text": "..."}')
+            if text_field not in record:
+                fields = sorted(record)
                 raise FlagError('text_field', text_field, f'line {line_number} of {path} has no field '
                                 f'{text_field!r} (its fields: {fields})',
                                 'pass --text_field=<the field holding the text>')
@@ -151,6 +154,22 @@ def _jsonl_pieces(path: str, text_field: str) -> Iterator[Piece]:
                 yield Piece(text, True, len(line))
 
 
+def _parquet_batches(parquet: Any, text_field: str, path: str) -> Iterator[list[Any]]:
+    """The column's values, a record batch at a time; a damaged page or invalid UTF-8 is one FlagError."""
+    import pyarrow as pa  # pylint: disable=g-import-not-at-top
+    batches = parquet.iter_batches(batch_size=1024, columns=[text_field])
+    while True:
+        try:
+            batch = next(batches, None)
+            if batch is None:
+                return
+            values = batch.column(0).to_pylist()
+        except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
+            raise FlagError('input', path, f'cannot read it as Parquet ({" ".join(str(e).split())[:200]})',
+                            'check the file (a .parquet file written by pyarrow, pandas or datasets)') from None
+        yield values
+
+
 def _parquet_pieces(path: str, text_field: str) -> Iterator[Piece]:
     """One document per row of the string column text_field, read a record batch at a time."""
     import pyarrow as pa  # pylint: disable=g-import-not-at-top  (only Parquet needs it)
@@ -158,7 +177,8 @@ def _parquet_pieces(path: str, text_field: str) -> Iterator[Piece]:
 
     try:
         parquet = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as e:
+        parquet.schema_arrow  # pylint: disable=pointless-statement  (its strings are decoded here)
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as e:  # UnicodeDecodeError: tests/fuzz
         raise FlagError('input', path, f'cannot read it as Parquet ({" ".join(str(e).split())})',
                         'check the file (a .parquet file written by pyarrow, pandas or datasets)') from None
     names = parquet.schema_arrow.names
@@ -171,8 +191,8 @@ def _parquet_pieces(path: str, text_field: str) -> Iterator[Piece]:
                         'not a string', 'pass --text_field=<a string column>')
     num_rows = max(parquet.metadata.num_rows, 1)
     file_bytes, done_bytes, done_rows = os.path.getsize(path), 0, 0
-    for record_batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
-        for text in record_batch.column(0).to_pylist():
+    for record_batch in _parquet_batches(parquet, text_field, path):
+        for text in record_batch:
             done_rows += 1
             now_bytes = file_bytes * done_rows // num_rows  # progress: the file's share of rows
             if text:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxfrontier import distributed
-from jaxfrontier.data import corpus, token_files
+from jaxfrontier.data import corpus, long_words, token_files
 from jaxfrontier.errors import FlagError
 
 EOT_CANDIDATES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')  # first found is used
@@ -96,7 +96,9 @@ def load_tokenizer(path: str) -> tuple[Any, str]:
     dtype_for_vocab(_json_vocab_size(parsed) if isinstance(parsed, dict) else 0, 'tokenizer', path)
     try:
         tokenizer = Tokenizer.from_str(text)
-    except Exception as e:  # pylint: disable=broad-except  (tokenizers raises plain Exception)
+    except BaseException as e:  # pylint: disable=broad-except  (plain Exception, or a Rust panic: BaseException)
+        if not isinstance(e, Exception) and type(e).__name__ != 'PanicException':
+            raise  # KeyboardInterrupt, SystemExit
         raise FlagError('tokenizer', path, f'{file} is not a tokenizer.json the tokenizers library '
                         f'reads ({" ".join(str(e).split())[:200]})', fix) from None
     return tokenizer, text
@@ -118,7 +120,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int) -> tuple[Any, str]:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator(long_words.bounded(texts), trainer)  # a long run trains in seconds
     return tokenizer, tokenizer.to_str()
 
 
@@ -232,6 +234,9 @@ def _write_small(path: str, text: str) -> None:
 
 def _open_output(output: str) -> tuple[dict[str, str], dict[str, str], Any]:
     """(final paths, temporary paths, the open temporary .bin); checks the directory is writable."""
+    if os.path.isdir(output) or output.endswith(os.sep):  # NAME.bin would land beside the directory
+        raise FlagError('output', output, 'is a directory; --output is DIR/NAME (writes NAME.bin, NAME.json and '
+                        'NAME.tokenizer.json in DIR)', f'pass --output={os.path.join(output, "NAME")}')
     paths = output_paths(output)
     directory = os.path.dirname(os.path.abspath(paths['bin']))
     tmp = {key: f'{path}.tmp-{os.getpid()}' for key, path in paths.items()}

@@ -126,7 +126,7 @@ def read_header(path: Any, header_path: str) -> dict[str, Any]:
     try:
         with open(header_path, 'rb') as f:
             header = json.loads(f.read())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting deeper than json's limit
         _bad(path, f'cannot read the header {header_path}: {e}', _REWRITE)
     if not isinstance(header, dict):
         _bad(path, f'the header {header_path} is not a JSON object', _REWRITE)
@@ -135,7 +135,8 @@ def read_header(path: Any, header_path: str) -> dict[str, Any]:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
     expected = {'format': lambda v: v == FORMAT, 'version': lambda v: v == VERSION,
-                'dtype': lambda v: v in NUMPY_DTYPES, 'num_tokens': is_count, 'vocab_size': is_count}
+                'dtype': lambda v: isinstance(v, str) and v in NUMPY_DTYPES,  # a list is unhashable (tests/fuzz)
+                'num_tokens': is_count, 'vocab_size': is_count}
     for key, ok in expected.items():
         if not ok(header.get(key)):
             _bad(path, f'invalid header {header_path}: "{key}" is {header.get(key)!r} (format '

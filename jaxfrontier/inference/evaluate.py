@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import builtin, token_files
-from jaxfrontier.errors import UserError
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import text
 
@@ -51,12 +51,21 @@ def make_nll_step(layout):
     return jax.jit(nll)
 
 
+def eval_path_error(e: ConfigError, eval_path: str) -> UserError:
+    """A token-file error of --eval_path, naming the flag instead of config.data.path."""
+    problem = str(e).removeprefix(f'config.{e.field} = {e.value!r}: ').replace('check data.path', 'check --eval_path')
+    return UserError(f'--eval_path={eval_path}: {problem}')
+
+
 def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, int, int, object]:
     """(token file, first token, stop, codec): --eval_path whole, else the run's validation split."""
     c, vocab = loaded.config, loaded.config.model.vocab_size
     if eval_path:
-        token_file = token_files.open_token_file(eval_path, vocab, seq_len=1)
-        return token_file.path, 0, token_file.num_tokens, text.token_file_codec(eval_path, vocab)
+        try:
+            token_file = token_files.open_token_file(eval_path, vocab, seq_len=1)
+            return token_file.path, 0, token_file.num_tokens, text.token_file_codec(eval_path, vocab)
+        except ConfigError as e:  # it names config.data.path: the file is --eval_path's here
+            raise eval_path_error(e, eval_path) from None
     data = loaded.run_config.get('data', {})
     if data.get('kind') == 'builtin':
         path = builtin.builtin_corpus(os.path.join(workdir, 'data_cache'))

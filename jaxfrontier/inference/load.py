@@ -21,6 +21,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import hf
+from jaxfrontier.checkpoint import hf_files
 from jaxfrontier.checkpoint import init_from
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
@@ -72,9 +73,9 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
     """Reads the parameters to run (see the module docstring) onto this config's devices."""
     source = resolve_source(c, workdir)
     step, run_config, hf_dir = None, {}, None
-    if os.path.isdir(source) and hf.is_hf_dir(source):
+    if hf_files.looks_like_hf(source):
         hf_dir = source
-        model = hf.model_fields(hf.read_hf_config(source), source)
+        model = hf.model_fields(hf_files.check(source)[0], source)
     elif os.path.isfile(source):
         model = {}  # a .safetensors file: its metadata is checked against the config on load
     else:

@@ -118,4 +118,12 @@ def read_prompts(prompt: str, prompt_file: str) -> list[str]:
         except OSError as e:
             raise UserError(f'cannot read --prompt_file={prompt_file}: {e.strerror}. Fix: name a text file, '
                             'one prompt per line.') from e
+        except UnicodeDecodeError as e:
+            raise UserError(f'--prompt_file={prompt_file} is not UTF-8 text (byte {e.start}). Fix: save it as '
+                            'UTF-8.') from None
+    try:
+        prompt.encode('utf-8')  # bytes that are not UTF-8 reach argv as lone surrogates
+    except UnicodeEncodeError:
+        raise UserError(f'--prompt={prompt!r} is not UTF-8 text. Fix: pass the prompt as UTF-8, or write it to a '
+                        'UTF-8 file and pass --prompt_file=FILE.') from None
     return [prompt] if prompt else []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import statistics
 import sys
@@ -59,17 +60,20 @@ class Measurement:
 
 
 def _fail(path: str, line: int, what: str, fix: str) -> errors.UserError:
+    what = ' '.join(what.split())  # one line, also when a value's repr is not (a ConfigDict's is YAML)
     return errors.UserError(f'--results={path}, line {line}: {what}. Fix: {fix}')
 
 
-def _load_config_file(spec: str, where: list[str]) -> ml_collections.ConfigDict:
-    """`get_config()` of a config file (configs/*.py[:arg]), looked up beside the results and in `where`."""
+def _load_config_file(spec: str, root: str) -> ml_collections.ConfigDict:
+    """`get_config()` of one of the project's config files (configs/*.py[:arg] under `root`).
+
+    Only those: a results file someone sent must not run code of its own choosing (a
+    `config_file` beside it, in the working directory or by absolute path once did).
+    """
     path, _, arg = spec.partition(':')
-    for base in where:
-        full = os.path.join(base, path)
-        if os.path.exists(full):
-            break
-    else:
+    configs = os.path.realpath(os.path.join(root, 'configs'))
+    full = os.path.realpath(os.path.join(root, path))
+    if os.path.dirname(full) != configs or not full.endswith('.py') or not os.path.isfile(full):
         raise FileNotFoundError(path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(full)))
     module_spec = importlib.util.spec_from_file_location(f'_jf_measured_{abs(hash(full))}', full)
@@ -116,12 +120,12 @@ def _trial_config(record: dict[str, Any], path: str, line: int) -> ml_collection
 
 
 def _published_config(record: dict[str, Any], path: str, line: int) -> ml_collections.ConfigDict:
-    where = [os.path.dirname(os.path.abspath(path)), os.getcwd(),
-             os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        c = _load_config_file(str(record['config_file']), where)
+        c = _load_config_file(str(record['config_file']), root)
     except (KeyError, FileNotFoundError):
-        raise _fail(path, line, f'published point without a readable config_file ({record.get("config_file")!r})',
+        raise _fail(path, line, f'published point whose config_file ({record.get("config_file")!r}) is not one of '
+                    'the project\'s configs/*.py (a results file runs no code of its own)',
                     'name the model\'s config, e.g. "config_file": "configs/22b.py"') from None
     unknown = sorted(set(record.get('layout', {})) - set(LAYOUT_FIELDS))
     if unknown:
@@ -135,13 +139,19 @@ STATISTICS = {'median': 'step_time_median_s', 'mean': 'step_time_s', 'min': 'ste
 
 def _measured_s(record: dict[str, Any], work: planner.Work, path: str, line: int, statistic: str) -> float:
     devices, tokens = work.layout.num_devices, work.layout.global_batch * work.shape.seq_len
+    def positive(key: str) -> float:
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise _fail(path, line, f'{key} = {value!r} is not a positive number', f'give {key} in its unit')
+        return float(value)
+
     for key in (STATISTICS[statistic], 'step_time_s'):  # records of older sweeps have the mean only
         if record.get(key):
-            return float(record[key])
+            return positive(key)
     if record.get('tokens_per_s'):
-        return tokens / float(record['tokens_per_s'])
+        return tokens / positive('tokens_per_s')
     if record.get('hw_tflops_per_device'):
-        return work.flops.megatron_hw / (devices * float(record['hw_tflops_per_device']) * 1e12)
+        return work.flops.megatron_hw / (devices * positive('hw_tflops_per_device') * 1e12)
     raise _fail(path, line, 'no measured throughput', 'give step_time_s, tokens_per_s or hw_tflops_per_device')
 
 
@@ -151,6 +161,19 @@ def model_key(c: ml_collections.ConfigDict) -> str:
 
 
 def _measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware, statistic: str) -> Measurement:
+    try:
+        return _read_measurement(record, path, line, hw, statistic)
+    except (TypeError, AttributeError, KeyError, ValueError, ZeroDivisionError, OverflowError) as e:
+        if isinstance(e, errors.UserError):
+            raise
+        problem = ' '.join(f'{type(e).__name__}: {e}'.split())[:200]  # a record someone wrote by hand or cut
+        raise _fail(path, line, f'the record cannot be read as a measurement ({problem})',
+                    'give a record a sweep or scaling study wrote, or a published point as in '
+                    'benchmarks/results/frontier_paper.jsonl') from None
+
+
+def _read_measurement(record: dict[str, Any], path: str, line: int, hw: hw_lib.Hardware,
+                      statistic: str) -> Measurement:
     published = record.get('source') == 'published'
     c = _published_config(record, path, line) if published else _trial_config(record, path, line)
     try:
@@ -170,13 +193,16 @@ def _records(path: str) -> list[tuple[int, dict[str, Any]]]:
     except OSError as e:
         raise errors.UserError(f'--results={path}: {e.strerror}. Fix: give a results.jsonl of a sweep, a scaling '
                                'study or published points') from None
+    except UnicodeDecodeError as e:
+        raise errors.UserError(f'--results={path}: not UTF-8 text (byte {e.start}). Fix: give a results.jsonl of a '
+                               'sweep, a scaling study or published points') from None
     out = []
     for i, text in enumerate(lines, 1):
         if not text.strip():
             continue
         try:
             record = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _fail(path, i, 'not a JSON record', 'give a results.jsonl (one JSON object per line)') from None
         if not isinstance(record, dict):
             raise _fail(path, i, 'not a JSON object', 'give a results.jsonl (one JSON object per line)')

@@ -92,6 +92,11 @@ def base_record(trial: Trial, status: str, **fields: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- results file
 
 
+def is_record(record: Any) -> bool:
+    """A trial record as ResultStore.append writes one: an object with a string trial_id and status."""
+    return isinstance(record, dict) and isinstance(record.get('trial_id'), str) and isinstance(record.get('status'), str)
+
+
 class ResultStore:
     """`results.jsonl`: one record per finished trial; the newest record of an id wins."""
 
@@ -99,15 +104,16 @@ class ResultStore:
         self.path = path
         self.records: dict[str, dict[str, Any]] = {}
         if os.path.exists(path):
-            with open(path, encoding='utf-8') as f:
+            with open(path, encoding='utf-8', errors='replace') as f:
                 for n, line in enumerate(f, 1):
                     if not line.strip():
                         continue
                     try:
                         record = json.loads(line)
-                    except json.JSONDecodeError:  # a line cut by a killed parent: that trial reruns
+                    except (json.JSONDecodeError, RecursionError):  # a line cut by a killed parent: that trial reruns
                         continue
-                    self.records[record['trial_id']] = record
+                    if is_record(record):  # else damaged (or edited): that trial reruns too
+                        self.records[record['trial_id']] = record
 
     def finished(self, tid: str, retry_failed: bool = False) -> dict[str, Any] | None:
         record = self.records.get(tid)

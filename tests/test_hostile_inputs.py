@@ -1,0 +1,186 @@
+"""Careless and hostile inputs of issue 28's weak cases: one line (exit 2), nothing run, nothing written.
+
+- calibrate ran the Python file a results record named (`config_file`) beside the results, in the
+  working directory or by absolute path;
+- damaged Hugging Face directories through init_params_from gave tracebacks; one without weights
+  said "no committed checkpoint ... train first";
+- a non-UTF-8 --prompt gave a UnicodeEncodeError traceback; --eval_path errors named config.data.path;
+- prepare --output=<existing directory> wrote beside it; a JSONL line that is an array was reported as
+  a missing field; get_config() returning no ConfigDict gave an AttributeError; prepare --help and
+  calibrate --help exited 1.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxfrontier.checkpoint import hf_files as hf_dir
+from jaxfrontier.data import corpus
+from jaxfrontier.data.corpus import FlagError
+from jaxfrontier.errors import UserError
+from jaxfrontier.inference import load as load_lib
+from tests import processes
+from test_hostile_finite import tiny_config, write_params
+
+
+def run(module, *args, cwd=processes.REPO):
+    proc = subprocess.run([sys.executable, '-m', f'jaxfrontier.{module}', *args], cwd=cwd,
+                          env=processes.subprocess_env(), capture_output=True, timeout=300)
+    return proc.returncode, proc.stdout.decode(errors='replace'), proc.stderr.decode(errors='replace')
+
+
+def one_error(code, stdout, stderr):
+    errors = [line for line in stderr.splitlines() if line.startswith('error:')]
+    assert code == 2 and len(errors) == 1 and 'Traceback' not in stderr, stderr[-3000:]
+    return errors[0]
+
+
+# --------------------------------------------------------------------------- calibrate runs no code
+
+
+@pytest.mark.parametrize('where', ['beside', 'cwd', 'absolute'])
+def test_calibrate_runs_no_config_file_a_results_record_names(tmp_path, where):
+    marker = tmp_path / 'ran'
+    evil = tmp_path / ('sub' if where == 'cwd' else '') / 'evil.py'
+    evil.parent.mkdir(exist_ok=True)
+    evil.write_text(f'open({str(marker)!r}, "w").close()\ndef get_config(arg=None):\n    raise SystemExit(0)\n')
+    results = tmp_path / 'results.jsonl'
+    name = str(evil) if where == 'absolute' else 'evil.py'
+    results.write_text(json.dumps({'source': 'published', 'name': 'p', 'machine': 'm', 'config_file': name,
+                                   'layout': {}, 'step_time_s': 1.0}) + '\n')
+    line = one_error(*run('calibrate', f'--results={results}', f'--out={tmp_path / "hw.json"}',
+                          cwd=str(evil.parent) if where == 'cwd' else processes.REPO))
+    assert "not one of the project's configs" in line and 'runs no code' in line
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize('module', ['calibrate', 'prepare'])
+def test_help_exits_0(module):
+    code, stdout, _ = run(module, '--help')
+    assert code == 0 and '--' in stdout
+
+
+# --------------------------------------------------------------------------- damaged Hugging Face directories
+
+
+def hf_directory(path, layers=1, d=32, heads=2, vocab=256, positions=32):
+    config = {'model_type': 'gpt2', 'n_embd': d, 'n_layer': layers, 'n_head': heads, 'vocab_size': vocab,
+              'n_positions': positions, 'activation_function': 'gelu_new', 'tie_word_embeddings': True}
+    rng = np.random.RandomState(0)
+    tensors = {f'transformer.{name}': (0.02 * rng.randn(*shape)).astype(np.float32)
+               for name, shape in hf_dir.expected_shapes(config).items()}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / 'config.json').write_text(json.dumps(config))
+    save_file(tensors, str(path / 'model.safetensors'))
+    return path
+
+
+def damage(path, how):
+    weights = path / 'model.safetensors'
+    if how == 'truncated':
+        data = weights.read_bytes()
+        weights.write_bytes(data[:len(data) // 2])
+    elif how == 'config_not_json':
+        (path / 'config.json').write_text('{"model_type": "gpt2", n_embd')
+    elif how == 'config_field_missing':
+        config = json.loads((path / 'config.json').read_text())
+        del config['n_layer']
+        (path / 'config.json').write_text(json.dumps(config))
+    elif how == 'wrong_shape':
+        from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+        tensors = load_file(str(weights))
+        tensors['transformer.h.0.mlp.c_fc.weight'] = np.zeros((32, 100), np.float32)
+        save_file(tensors, str(weights))
+    elif how == 'no_weights':
+        weights.unlink()
+        (path / 'pytorch_model.bin').write_bytes(b'x')
+    return path
+
+
+@pytest.mark.parametrize('how,named', [('truncated', 'truncated?'), ('config_not_json', 'is not JSON'),
+                                       ('config_field_missing', 'n_layer = None'),
+                                       ('wrong_shape', "'h.0.mlp.c_fc.weight' has shape [32, 100]"),
+                                       ('no_weights', 'no model.safetensors (it has pytorch_model.bin')])
+def test_damaged_hf_directory_is_one_line(tmp_path, how, named):
+    source = damage(hf_directory(tmp_path / 'hf'), how)
+    c = tiny_config()
+    c.checkpoint.init_params_from = str(source)
+    with pytest.raises(UserError) as e:
+        load_lib.load(c, str(tmp_path / 'empty_workdir'))
+    assert named in str(e.value) and '\n' not in str(e.value), str(e.value)
+
+
+def test_intact_hf_directory_loads(tmp_path):
+    c = tiny_config()
+    c.checkpoint.init_params_from = str(hf_directory(tmp_path / 'hf'))
+    loaded = load_lib.load(c, str(tmp_path / 'empty_workdir'))
+    assert loaded.hf_dir == c.checkpoint.init_params_from
+
+
+def test_cli_sample_from_a_truncated_hf_directory(tmp_path):
+    source = damage(hf_directory(tmp_path / 'hf'), 'truncated')
+    line = one_error(*run('main', *processes.TINY, '--config.model.num_heads=2', '--mode=sample', '--prompt=hi',
+                          f'--config.checkpoint.init_params_from={source}', f'--workdir={tmp_path / "w"}'))
+    assert 'model.safetensors is not a readable safetensors file' in line
+
+
+# --------------------------------------------------------------------------- prompts, eval_path
+
+
+def test_cli_prompt_that_is_not_utf8(tmp_path):
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *processes.TINY, '--mode=sample',
+                           b'--prompt=caf\xe9', f'--workdir={tmp_path / "w"}'], cwd=processes.REPO,
+                          env=processes.subprocess_env(), capture_output=True, timeout=300)
+    line = one_error(proc.returncode, '', proc.stderr.decode(errors='replace'))
+    assert '--prompt=' in line and 'not UTF-8' in line
+
+
+def test_prompt_file_that_is_not_utf8(tmp_path):
+    from jaxfrontier.inference import sample  # pylint: disable=import-outside-toplevel
+    path = tmp_path / 'prompts.txt'
+    path.write_bytes(b'caf\xe9\n')
+    with pytest.raises(UserError, match='is not UTF-8 text'):
+        sample.read_prompts('', str(path))
+
+
+def test_cli_eval_path_errors_name_the_flag(tmp_path):
+    params = write_params(tmp_path / 'p.safetensors', tiny_config())
+    line = one_error(*run('main', *processes.TINY, '--config.model.num_heads=2', '--mode=eval',
+                          f'--eval_path={tmp_path / "missing.bin"}', f'--config.checkpoint.init_params_from={params}',
+                          f'--workdir={tmp_path / "w"}'))
+    assert line.startswith(f'error: --eval_path={tmp_path / "missing.bin"}:') and 'data.path' not in line, line
+
+
+# --------------------------------------------------------------------------- prepare, config files
+
+
+def test_cli_prepare_output_that_is_a_directory(tmp_path):
+    text = tmp_path / 'a.txt'
+    text.write_text('hello world\n')
+    out = tmp_path / 'out'
+    out.mkdir()
+    line = one_error(*run('prepare', f'--input={text}', f'--output={out}', '--train_tokenizer=300',
+                          '--progress=False'))
+    assert 'is a directory' in line and f'--output={out}/NAME' in line
+    assert sorted(os.listdir(tmp_path)) == ['a.txt', 'out'] and not os.listdir(out)
+
+
+def test_jsonl_line_that_is_an_array(tmp_path):
+    path = tmp_path / 'a.jsonl'
+    path.write_text('{"text": "fine"}\n["not", "an", "object"]\n')
+    with pytest.raises(FlagError, match='line 2 is a JSON list, not an object'):
+        list(corpus.read_pieces([str(path)], 'text'))
+
+
+@pytest.mark.parametrize('returned', ['{"a": 1}', 'None', '[1, 2]'])
+def test_cli_get_config_returning_no_config_dict(tmp_path, returned):
+    config = tmp_path / 'cfg.py'
+    config.write_text(f'def get_config(arg=None):\n    return {returned}\n')
+    line = one_error(*run('main', f'--config={config}', f'--workdir={tmp_path / "w"}'))
+    assert 'get_config() returned' in line and 'not an ml_collections.ConfigDict' in line
+    assert not (tmp_path / 'w').exists()
