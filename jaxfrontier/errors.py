@@ -17,6 +17,7 @@ traceback, exit 1. A malformed flag or `--config.*` override is `cli.fail`: one 
 | SpaceError         | UserError             |    2 | a sweep's search space cannot be run (sweep/space.py)               |
 | DiskFullError      | UserError             |    2 | a write failed for lack of space; the process ends without joining Orbax's writer threads (`abandon_threads`, training/disk.py) |
 | CheckpointError    | UserError             |    2 | a checkpoint cannot be used: corrupted, incomplete or from another model (checkpoint/) |
+| NonFiniteParamsError | UserError           |    2 | parameters read from a file hold NaN or Inf; names the tensor (checkpoint/finite.py) |
 | NonFiniteLossError | RuntimeError          |    3 | the training loss became NaN or Inf (training/metrics.py, checkpoint/restore.py) |
 | DistributedError   | RuntimeError          |    4 | the processes of a job could not start together, or lost one another (distributed.py) |
 """
@@ -65,6 +66,10 @@ class DiskFullError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint cannot be used (corrupted, incomplete or from another model)."""
+
+
+class NonFiniteParamsError(UserError):
+    """Parameters read from a file hold NaN or Inf (exit 2: the input is the user's to fix)."""
 
 
 class NonFiniteLossError(RuntimeError):

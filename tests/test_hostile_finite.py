@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import errors
 from jaxfrontier.checkpoint import finite
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import init_params
@@ -49,7 +50,7 @@ def test_counts_name_the_tensor():
     params = {'a': np.ones(3, np.float32), 'b': {'c': np.array([1.0, np.nan, np.inf], np.float32)},
               'i': np.arange(3)}
     assert finite.nonfinite_counts(params) == {'b/c': (2, 3)}
-    with pytest.raises(finite.NonFiniteParamsError, match=r"src: parameter 'b/c' has 2 of 3 values NaN or Inf"):
+    with pytest.raises(errors.NonFiniteParamsError, match=r"src: parameter 'b/c' has 2 of 3 values NaN or Inf"):
         finite.check(params, 'src')
     assert finite.check({'a': np.ones(2)}, 'src')['a'].shape == (2,)
 
@@ -61,7 +62,7 @@ def test_init_params_from_a_file_with_one_nonfinite_tensor_is_refused(tmp_path, 
                         lambda name, a: np.where(np.arange(a.size).reshape(a.shape) == 1, np.nan, a) if name == bad
                         else a)
     layout = ts.make_placement(c, mesh_lib.mesh_from_config(c))
-    with pytest.raises(finite.NonFiniteParamsError, match=f"parameter '{bad}' has 1 of"):
+    with pytest.raises(errors.NonFiniteParamsError, match=f"parameter '{bad}' has 1 of"):
         init_from.load_params(str(path), c, target_lib.abstract_target(layout.abstract_state['params'], layout.param_shardings))
 
 

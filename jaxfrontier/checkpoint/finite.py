@@ -16,11 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxfrontier.errors import UserError
-
-
-class NonFiniteParamsError(UserError):
-    """Parameters read from a file hold NaN or Inf (exit 2: the input is the user's to fix)."""
+from jaxfrontier.errors import NonFiniteParamsError
 
 
 def _name(path) -> str:

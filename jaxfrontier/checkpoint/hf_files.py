@@ -17,7 +17,7 @@ import math
 import os
 from typing import Any
 
-from jaxfrontier.errors import UserError
+from jaxfrontier.errors import CheckpointError
 
 ITEMSIZE = {'F64': 8, 'F32': 4, 'F16': 2, 'BF16': 2, 'I64': 8, 'I32': 4, 'I16': 2, 'I8': 1, 'U8': 1, 'BOOL': 1,
             'U16': 2, 'U32': 4, 'U64': 8, 'F8_E4M3': 1, 'F8_E5M2': 1}
@@ -25,10 +25,6 @@ READABLE = ('F64', 'F32', 'F16')  # what the numpy reader gives as floats
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 CONFIG_INTS = ('n_embd', 'n_layer', 'n_head', 'vocab_size', 'n_positions')
 SAVE_FIX = 'save the model again with transformers\' save_pretrained (safe_serialization=True, float32)'
-
-
-class HFDirError(UserError):
-    """A Hugging Face directory or safetensors file we cannot read (exit 2)."""
 
 
 def looks_like_hf(path: str) -> bool:
@@ -56,10 +52,10 @@ def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]
     """{tensor name: (dtype, shape)} of a safetensors file, every entry checked against the file's bytes.
 
     Raises:
-      HFDirError: the file is missing, truncated, or its header is not a valid safetensors header.
+      CheckpointError: the file is missing, truncated, or its header is not a valid safetensors header.
     """
-    def bad(problem: str) -> HFDirError:
-        return HFDirError(f'{path} is not a readable safetensors file: {problem}. Fix: {SAVE_FIX}')
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(f'{path} is not a readable safetensors file: {problem}. Fix: {SAVE_FIX}')
 
     try:
         size = os.path.getsize(path)
@@ -115,28 +111,28 @@ def read_config(path: str) -> dict[str, Any]:
     """config.json of a Hugging Face GPT-2 directory, with the integer fields our reader needs.
 
     Raises:
-      HFDirError: not JSON, not an object, or a field missing or not a positive integer.
+      CheckpointError: not JSON, not an object, or a field missing or not a positive integer.
     """
     file = os.path.join(path, 'config.json')
     try:
         with open(file, 'rb') as f:
             config = json.loads(f.read(MAX_HEADER_BYTES).decode('utf-8'))
     except OSError as e:
-        raise HFDirError(f'cannot read {file}: {e.strerror or e}. Fix: {SAVE_FIX}') from None
+        raise CheckpointError(f'cannot read {file}: {e.strerror or e}. Fix: {SAVE_FIX}') from None
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise HFDirError(f'{file} is not JSON. Fix: {SAVE_FIX}') from None
+        raise CheckpointError(f'{file} is not JSON. Fix: {SAVE_FIX}') from None
     if not isinstance(config, dict):
-        raise HFDirError(f'{file} is a JSON {type(config).__name__}, not an object. Fix: {SAVE_FIX}')
+        raise CheckpointError(f'{file} is a JSON {type(config).__name__}, not an object. Fix: {SAVE_FIX}')
     for key in CONFIG_INTS:
         value = config.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise HFDirError(f'{file}: {key} = {value!r}, not a positive integer. Fix: {SAVE_FIX}')
+            raise CheckpointError(f'{file}: {key} = {value!r}, not a positive integer. Fix: {SAVE_FIX}')
     inner = config.get('n_inner')
     if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner < 1):
-        raise HFDirError(f'{file}: n_inner = {inner!r}, not a positive integer or null. Fix: {SAVE_FIX}')
+        raise CheckpointError(f'{file}: n_inner = {inner!r}, not a positive integer or null. Fix: {SAVE_FIX}')
     for key in ('layer_norm_epsilon',):
         if key in config and (not isinstance(config[key], (int, float)) or isinstance(config[key], bool)):
-            raise HFDirError(f'{file}: {key} = {config[key]!r}, not a number. Fix: {SAVE_FIX}')
+            raise CheckpointError(f'{file}: {key} = {config[key]!r}, not a number. Fix: {SAVE_FIX}')
     return config
 
 
@@ -157,25 +153,25 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def check(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
-    """(config, safetensors header) of a Hugging Face GPT-2 directory, or one HFDirError line."""
+    """(config, safetensors header) of a Hugging Face GPT-2 directory, or one CheckpointError line."""
     weights = os.path.join(path, 'model.safetensors')
     if not os.path.isfile(weights):
         others = sorted(f for f in os.listdir(path) if f.endswith(('.bin', '.pt', '.h5', '.msgpack', '.index.json')))
         found = f' (it has {", ".join(others[:3])}: not read)' if others else ''
-        raise HFDirError(f'{path} has a config.json but no model.safetensors{found}. Fix: {SAVE_FIX}')
+        raise CheckpointError(f'{path} has a config.json but no model.safetensors{found}. Fix: {SAVE_FIX}')
     config = read_config(path)
     header = read_safetensors_header(weights)
     names = {name.removeprefix('transformer.'): entry for name, entry in header.items()}
     for name, shape in expected_shapes(config).items():
         if name not in names:
-            raise HFDirError(f'{weights} has no tensor {name!r} (nor transformer.{name}) that its config.json '
+            raise CheckpointError(f'{weights} has no tensor {name!r} (nor transformer.{name}) that its config.json '
                              f'({config["n_layer"]} layers) needs. Fix: {SAVE_FIX}')
         dtype, saved = names[name]
         vocab_rows = name in ('wte.weight', 'lm_head.weight')
         if saved != shape and not (vocab_rows and len(saved) == 2 and saved[0] >= shape[0] and saved[1] == shape[1]):
-            raise HFDirError(f'{weights}: tensor {name!r} has shape {list(saved)}, its config.json needs '
+            raise CheckpointError(f'{weights}: tensor {name!r} has shape {list(saved)}, its config.json needs '
                              f'{list(shape)}. Fix: {SAVE_FIX}')
         if dtype not in READABLE:
-            raise HFDirError(f'{weights}: tensor {name!r} is {dtype}; jaxfrontier reads F32, F16 or F64. Fix: '
+            raise CheckpointError(f'{weights}: tensor {name!r} is {dtype}; jaxfrontier reads F32, F16 or F64. Fix: '
                              f'{SAVE_FIX}')
     return config, header

@@ -21,6 +21,7 @@ from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
 from jaxfrontier import logs
+from jaxfrontier.checkpoint import saved_meta
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import integrity
 from jaxfrontier.checkpoint import reshard
@@ -67,7 +68,7 @@ class Restoring:
             raise CheckpointError(
                 f'checkpoint {self.directory}/{step} has no jaxfrontier metadata. '
                 'Fix: move it away, or use a new --workdir.')
-        return meta
+        return saved_meta.check(meta, f'checkpoint {self.directory}/{step}')  # damaged fields: one line
 
     def restore(self, target: State, step: int | None = None, meta: dict[str, Any] | None = None) -> State:
         """Restores `step` (default: the newest) directly into the shardings of `target`.

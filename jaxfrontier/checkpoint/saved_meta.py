@@ -12,14 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxfrontier.errors import UserError
+from jaxfrontier.errors import CheckpointError
 
 POSITIVE_MODEL_FIELDS = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple')
 POSITIVE_MESH_FIELDS = ('pipeline', 'data', 'fsdp', 'tensor')
-
-
-class MetaError(UserError):
-    """A checkpoint's meta cannot be read (exit 2)."""
 
 
 def _positive_int(value: Any) -> bool:
@@ -27,11 +23,11 @@ def _positive_int(value: Any) -> bool:
 
 
 def check(meta: Any, where: str) -> dict[str, Any]:
-    """Returns `meta` when the fields the readers use are there and well typed; else one MetaError line."""
-    def bad(field: str, value: Any, want: str) -> MetaError:
+    """Returns `meta` when the fields the readers use are there and well typed; else one CheckpointError line."""
+    def bad(field: str, value: Any, want: str) -> CheckpointError:
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + '...'
-        return MetaError(f'{where}: its saved meta has {field} = {shown}, {want}; the checkpoint is damaged or was '
+        return CheckpointError(f'{where}: its saved meta has {field} = {shown}, {want}; the checkpoint is damaged or was '
                          'edited. Fix: use another step directory of the run (or retrain).')
 
     step = meta.get('step')
@@ -43,10 +39,10 @@ def check(meta: Any, where: str) -> dict[str, Any]:
 
 def parse_config(text: str, where: str) -> dict[str, Any]:
     """The saved config in a safetensors file's metadata (export's `config`), parsed and checked."""
-    def bad(field: str, value: Any, want: str) -> MetaError:
+    def bad(field: str, value: Any, want: str) -> CheckpointError:
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + '...'
-        return MetaError(f'{where}: its metadata has {field} = {shown}, {want}; the file is damaged or was edited. '
+        return CheckpointError(f'{where}: its metadata has {field} = {shown}, {want}; the file is damaged or was edited. '
                          'Fix: export it again with --mode=export, or use a file without that metadata.')
     try:
         config = json.loads(text)
