@@ -70,12 +70,15 @@ class _Reporter:
         self.constants = {'pipeline/bubble': pipeline_schedule.bubble} if pipeline_schedule is not None else {}
         self.last_time, self.last_step, self.last_record = None, None, {}
 
-    def report(self, step: int, metrics: dict[str, jax.Array], eval_loss: jax.Array | None) -> None:
+    def report(self, step: int, metrics: dict[str, jax.Array], eval_loss: jax.Array | None, last: bool = False) -> None:
+        """`last`: the run's final step (its end, or a preemption's): always written, so the `done:` line
+        and metrics.jsonl end at the step the final checkpoint holds."""
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         metrics_lib.check_finite(step, scalars['train/loss'])
         self.writer.advance(step)
-        due = step % self.c.train.log_every == 0 or step == self.c.train.steps or eval_loss is not None
+        due = (last or step % self.c.train.log_every == 0 or step == self.c.train.steps
+               or eval_loss is not None)
         if self.last_time is None:  # the first step's time includes start-up: not a rate
             self.last_time, self.last_step = now, step
         elif due:
@@ -231,7 +234,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 if stop:
                     break
             if pending is not None:
-                reporter.report(*pending)
+                reporter.report(*pending, last=True)
             # 7. final save (end of training or preemption), waited for until committed
             if checkpointer.save(done, state, force=True, metrics=step_metrics):
                 commits.started(done, state)

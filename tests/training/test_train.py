@@ -78,3 +78,18 @@ def test_pipelined_training_runs_end_to_end(tmp_path):
     record = loop.train_and_evaluate(c, str(tmp_path))
     assert record['pipeline/bubble'] == pytest.approx(1 / 5)
     assert record['eval/loss'] < UNIGRAM_ENTROPY_NATS, record
+
+
+def test_the_last_step_is_always_reported(tmp_path):
+    """A run stopped between logged steps (SIGTERM) still writes its last step: the `done:` line and
+    metrics.jsonl end at the step its final checkpoint holds (issue 28: `done:` said 150, 160 committed)."""
+    from jaxfrontier.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+    c = tiny(10)
+    c.train.log_every = 4
+    writer = metrics_lib.MetricsWriter(str(tmp_path), c.train.steps, enabled=True, progress=False, initial_step=0)
+    reporter = loop._Reporter(c, writer, 8)  # pylint: disable=protected-access
+    for step in (1, 2, 3):
+        reporter.report(step, {'train/loss': 1.0}, None, last=step == 3)
+    writer.close()
+    rows = [json.loads(x) for x in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['step'] for r in rows] == [3] and reporter.last_record['step'] == 3
