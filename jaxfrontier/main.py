@@ -8,6 +8,9 @@ a misspelt key is rejected. JAX is imported only after the config is read, so th
 from __future__ import annotations
 
 import os
+import time
+
+_STARTED = time.perf_counter()  # start-up phases are timed from here (the interpreter's own start is not)
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -121,15 +124,20 @@ def main(argv: list[str]) -> int:
             names = safetensors_lib.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
         else:
+            startup = {'flags_and_imports': time.perf_counter() - _STARTED}  # JAX is imported by now
+            t0 = time.perf_counter()
             distributed.initialize(processes, config.distributed)
+            startup['distributed'] = time.perf_counter() - t0
             logging.info(distributed.describe_process(processes, os.environ))
             if processes.process_id != 0:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             run_files.check_not_hf_export(_WORKDIR.value)  # training would overwrite the export's config.json
+            t0 = time.perf_counter()
             from jaxfrontier.plan import preflight  # pylint: disable=g-import-not-at-top
             preflight.check(config)  # the planner's bytes per device vs. a device's, before any allocation
             from jaxfrontier.training import loop  # pylint: disable=g-import-not-at-top
-            loop.train_and_evaluate(config, _WORKDIR.value, validated=True)
+            startup['preflight'] = time.perf_counter() - t0
+            loop.train_and_evaluate(config, _WORKDIR.value, validated=True, startup=startup)
     except (UserError, NonFiniteLossError, DistributedError) as e:
         return cli.exit_code(e)
     return 0

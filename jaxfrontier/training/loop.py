@@ -96,6 +96,24 @@ class _Reporter:
             self.last_record = {'step': step, **scalars}
 
 
+class _PhaseTimer:
+    """Seconds of each start-up phase (those `main` timed before the loop, then the loop's own)."""
+
+    def __init__(self, before: dict[str, float]):
+        self.phases, self.last = dict(before), time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name], self.last = now - self.last, now
+
+    def summary(self) -> str:
+        return (f'start-up: {sum(self.phases.values()):.1f} s before the first step: '
+                + ', '.join(f'{k} {v:.1f} s' for k, v in self.phases.items()))
+
+    def metrics(self) -> dict[str, float]:
+        return {f'startup/{k}_s': v for k, v in self.phases.items()}
+
+
 class _CommitLog:
     """Logs `checkpoint: step N committed` once a started save is known to be on disk.
 
@@ -131,16 +149,19 @@ def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
         os.replace(path + '.tmp', path)
 
 
-def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated: bool = False) -> dict[str, float]:
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated: bool = False,
+                       startup: dict[str, float] | None = None) -> dict[str, float]:
     """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record.
 
     `validated`: `validation.validate_run(c)` already ran (main does, before JAX starts); otherwise it
-    runs here. The run holds `<workdir>/workdir.lock` from before its first write to the end
+    runs here. `startup`: seconds of the phases before this call (main times flags, imports,
+    distributed init and the preflight), logged with the loop's own in one `start-up:` line and
+    written with the first metrics row (`startup/<phase>_s`). The run holds `<workdir>/workdir.lock` from before its first write to the end
     (training/workdir_lock.py): a second run on the same workdir refuses to start.
     """
     locks: list[workdir_lock.WorkdirLock] = []
     try:
-        return _train_and_evaluate(c, workdir, locks, validated)
+        return _train_and_evaluate(c, workdir, locks, validated, dict(startup or {}))
     except Exception as e:  # pylint: disable=broad-except  (a full disk or device: one line, not tracebacks)
         if memory_check.is_out_of_memory(e):
             raise memory_check.out_of_memory_error(e) from e
@@ -153,7 +174,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
             lock.release()
 
 
-def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list, validated: bool) -> dict[str, float]:
+def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list, validated: bool,
+                        startup: dict[str, float]) -> dict[str, float]:
+    phase = _PhaseTimer(startup)
     # 1. validate everything before writing or compiling anything
     if validated:
         config_lib.check_device_count(c, jax.device_count())
@@ -166,10 +189,12 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     mesh = mesh_lib.mesh_from_config(c)
     _log(f'mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} devices '
          f'({jax.process_count()} process(es))')
+    phase.done('lock_and_mesh')
 
     # 3. data
     train_source, val_source = data_lib.make_datasets(c, workdir)
     _log(f'data: train {train_source.describe()}; validation {val_source.describe()}')
+    phase.done('data')
 
     # 4. state, built abstractly, then restored from the newest checkpoint or materialised sharded
     layout = ts.make_placement(c, mesh)
@@ -183,6 +208,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
         target_lib.abstract_target(layout.abstract_state, layout.state_shardings),
         lambda: ts.init_train_state(c, layout), init_from.load_params)
     _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
+    phase.done('restore' if origin.startswith('restored') else 'init')
     write_resolved_config(c, workdir)  # only now: a refused resume leaves the old config.json
     if int(state['step']) >= c.train.steps:  # nothing to do: say so instead of `done: {}`
         checkpointer.close()
@@ -196,8 +222,10 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     t0 = time.perf_counter()
     train_step, eval_step, batch_sharding = step_lib.compile_steps(c, layout)
     compile_s = time.perf_counter() - t0
+    phase.done('compile')
     memory = _memory_summary(train_step)
     _log(f'compile: {compile_s:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
+    _log(phase.summary())
     memory_check.check_fits(train_step, c, layout.abstract_state, layout.state_shardings)
 
     # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs; save every N
@@ -205,7 +233,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count(), layout.pipeline_schedule,
-                         first_row={'compile/time_s': compile_s, **memory})
+                         first_row={'compile/time_s': compile_s, **memory, **phase.metrics()})
     preemption = preemption_lib.PreemptionWatcher(c.checkpoint)
     profiler = profile_lib.StepProfiler(c, workdir)
     pending, stop, step_metrics = None, False, None

@@ -39,7 +39,7 @@ def test_tiny_config_learns_below_unigram_entropy(tmp_path, caplog):
     for r in caplog.records:
         if r.name.startswith('jaxfrontier'):
             by_module.setdefault(r.getMessage().split(':')[0], set()).add(r.name)
-    for stage in ('mesh', 'data', 'state', 'compile', 'checkpoint', 'done'):
+    for stage in ('mesh', 'data', 'state', 'compile', 'start-up', 'checkpoint', 'done'):
         assert by_module.get(stage) == {'jaxfrontier.training.loop'}, (stage, by_module)
     assert record['eval/loss'] < EVAL_LOSS_BOUND < UNIGRAM_ENTROPY_NATS, record
     lines = [json.loads(x) for x in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
@@ -50,6 +50,10 @@ def test_tiny_config_learns_below_unigram_entropy(tmp_path, caplog):
                 'perf/megatron_hw_tflops_per_device', 'perf/step_time_s'):
         assert key in lines[-1], key
     assert 'eval/loss' in lines[-1] and 'eval/loss' not in lines[0]
+    # Each start-up phase timed once, with the first row (issue 27).
+    assert {k for k in lines[0] if k.startswith('startup/')} == {
+        'startup/lock_and_mesh_s', 'startup/data_s', 'startup/init_s', 'startup/compile_s'}
+    assert not any(k.startswith('startup/') for k in lines[1])
     assert os.listdir(tmp_path / 'tensorboard')
     assert json.loads((tmp_path / 'config.json').read_text())['train']['steps'] == 80
 
