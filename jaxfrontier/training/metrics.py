@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 from typing import Any, Mapping
 
 import jax
@@ -59,15 +60,35 @@ def last_logged_step(path: str) -> int:
     return last
 
 
-class MetricsWriter:
-    """Writes scalars to `<workdir>/metrics.jsonl` and TensorBoard, and drives a progress bar.
+def progress_line(step: int, total_steps: int, values: Mapping[str, float]) -> str:
+    """One plain line for a logged step or evaluation (a batch job's log: no carriage returns)."""
+    parts = [f'step {step}/{total_steps}']
+    for key, label, fmt in (('train/loss', 'loss', '.4f'), ('eval/loss', 'eval loss', '.4f'), ('train/lr', 'lr', '.3g'),
+                            ('train/grad_norm', 'grad norm', '.3g'), ('perf/tokens_per_s', 'tokens/s', ',.0f'),
+                            ('perf/mfu', 'MFU', '.3f')):
+        if key in values and math.isfinite(values[key]):
+            parts.append(f'{label} {values[key]:{fmt}}')
+    if 'perf/step_time_s' in values and step < total_steps:
+        eta_s = values['perf/step_time_s'] * (total_steps - step)
+        parts.append(f'ETA {int(eta_s // 3600)}:{int(eta_s % 3600 // 60):02d}:{int(eta_s % 60):02d}')
+    return ', '.join(parts)
 
+
+class MetricsWriter:
+    """Writes scalars to `<workdir>/metrics.jsonl` and TensorBoard, and shows progress.
+
+    Progress is a bar where stderr is a terminal and `progress` is on; anywhere else (a Slurm
+    log, a pipe, or the bar switched off) one plain line per written row (`progress_line`).
     Only an enabled writer on process 0 does anything; elsewhere every method is a no-op.
     Non-finite values are written to the JSON file as `null` so every line is strict JSON.
     """
 
-    def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool, initial_step: int = 0):
+    def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool, initial_step: int = 0,
+                 terminal: bool | None = None):
         self.enabled = bool(enabled) and jax.process_index() == 0
+        self.total_steps = total_steps
+        terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.lines = self.enabled and not (progress and terminal)
         self._jsonl = self._tb = self._bar = None
         if not self.enabled:
             return
@@ -83,7 +104,7 @@ class MetricsWriter:
         self._jsonl = open(path, 'a', encoding='utf-8')
         self._tb = tensorboardX.SummaryWriter(logdir=os.path.join(workdir, 'tensorboard'))
         self._tqdm = tqdm.tqdm
-        self._bar = tqdm.tqdm(total=total_steps, initial=initial_step, disable=not progress,
+        self._bar = tqdm.tqdm(total=total_steps, initial=initial_step, disable=self.lines,
                               unit='step', dynamic_ncols=True)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -110,6 +131,8 @@ class MetricsWriter:
             postfix['epoch'] = ' '.join(f'{k}={v:.3f}' if k else f'{v:.3f}' for k, v in epochs.items())
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
+        if self.lines and ('train/loss' in values or 'eval/loss' in values):
+            print(progress_line(step, self.total_steps, values), file=sys.stderr, flush=True)
 
     def advance(self, step: int) -> None:
         """Moves the progress bar to `step` completed steps."""

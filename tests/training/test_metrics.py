@@ -182,3 +182,24 @@ def test_check_finite_raises_with_hints(bad):
 def test_check_finite_passes_finite_loss():
     metrics.check_finite(3, 2.0)
     metrics.check_finite(3, jax.numpy.float32(0.0))
+
+
+def test_a_batch_log_gets_one_plain_line_per_logged_step(tmp_path, capsys):
+    """Not a terminal (a Slurm log): one readable line per written row, no carriage returns (issue 25)."""
+    writer = metrics.MetricsWriter(str(tmp_path), total_steps=100, enabled=True, progress=True, terminal=False)
+    writer.write(10, {'train/loss': 3.25, 'train/lr': 1e-3, 'train/grad_norm': 0.5, 'perf/tokens_per_s': 12345.0,
+                      'perf/mfu': 0.41, 'perf/step_time_s': 2.0})
+    writer.write(20, {'train/loss': 3.0, 'eval/loss': 3.5})
+    writer.close()
+    err = capsys.readouterr().err
+    assert '\r' not in err
+    assert err.splitlines() == [
+        'step 10/100, loss 3.2500, lr 0.001, grad norm 0.5, tokens/s 12,345, MFU 0.410, ETA 0:03:00',
+        'step 20/100, loss 3.0000, eval loss 3.5000']
+
+
+def test_a_terminal_gets_the_bar_and_no_lines(tmp_path, capsys):
+    writer = metrics.MetricsWriter(str(tmp_path), total_steps=3, enabled=True, progress=True, terminal=True)
+    writer.write(1, {'train/loss': 3.0})
+    writer.close()
+    assert 'step 1/3' not in capsys.readouterr().err
