@@ -18,6 +18,7 @@ Placement:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -97,13 +98,21 @@ class StatePlacement:
     model_def: ModelDef
     tx: optax.GradientTransformation
     lr_schedule: optax.Schedule
-    pipeline_schedule: Any  # pipeline.build_schedule's table, built once per run (None without a pipeline)
     mesh: Mesh
     rules: mesh_lib.Rules
     param_shardings: Params
     update_shardings: Params  # where gradients meet the optimizer state (ZeRO-1: sharded)
     state_shardings: dict[str, Any]
     abstract_state: dict[str, Any]
+
+    @functools.cached_property
+    def pipeline_schedule(self) -> Any:
+        """`pipeline.build_schedule`'s table for this layout, built once (None without a pipeline).
+
+        Built on first use: a placement made only to save or read a state (inference, tests) needs
+        no schedule, and its micro-batch count need not suit one.
+        """
+        return pipeline.build_schedule(self.layout) if self.layout.pipeline > 1 else None
 
 
 def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.Layout | None = None) -> StatePlacement:
@@ -116,7 +125,6 @@ def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.
     shape, model_def, rules, abstract_params, param_shardings = (
         params.shape, params.model_def, params.rules, params.abstract_params, params.param_shardings)
     tx, lr_schedule = make_optimizer(c)
-    pipeline_schedule = pipeline.build_schedule(layout) if layout.pipeline > 1 else None
     if c.sharding.zero1:
         dp_axes = mesh_lib.data_parallel_axes(rules)
         zero1 = jax.tree.map(lambda s, a: layout_lib.zero1_layout(s.spec, a.shape, mesh, dp_axes), param_shardings,
@@ -146,8 +154,8 @@ def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.
     if loss_scale.enabled(c):  # float16: the dynamic loss scale travels with the state (and checkpoints)
         abstract_state['loss_scale'] = loss_scale.abstract_state()
         state_shardings['loss_scale'] = jax.tree.map(lambda _: replicated, abstract_state['loss_scale'])
-    return StatePlacement(layout, shape, model_def, tx, lr_schedule, pipeline_schedule, mesh, rules, param_shardings,
-                       update_shardings, state_shardings, abstract_state)
+    return StatePlacement(layout, shape, model_def, tx, lr_schedule, mesh, rules, param_shardings, update_shardings,
+                          state_shardings, abstract_state)
 
 
 def init_train_state(c: ml_collections.ConfigDict, layout: StatePlacement) -> dict[str, Any]:

@@ -105,7 +105,9 @@ def test_certificate_fails_naming_the_gradients_when_the_reduction_is_doubled(mo
 @pytest.mark.parametrize('schedule, virtual', [('1f1b', 1), ('interleaved', 2)])
 def test_certificate_passes_for_pipeline_schedules(schedule, virtual):
     c = _small(pipeline=2, data=2, tensor=2)
+    c.model.num_layers = 8  # shrunk to one layer per chunk: 2 x virtual
     c.pipeline.update(schedule=schedule, virtual_stages=virtual)
     cert = verify.certificate(schedule, c, max_devices=8)
     assert cert['passed'], verify.summary(cert)
-    assert cert['shrunk']['model.num_layers'][1] == 2 * virtual
+    assert cert['shrunk']['model.num_layers'] == [8, 2 * virtual]
+    assert cert['kept']['pipeline.schedule'] == schedule and cert['kept']['pipeline.virtual_stages'] == virtual
