@@ -22,13 +22,20 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def check(meta: Any, where: str) -> dict[str, Any]:
-    """Returns `meta` when the fields the readers use are there and well typed; else one CheckpointError line."""
+def _complaint(what: str, fix: str):
+    """`bad(field, value, want) -> CheckpointError`: one line naming the field, its value (cut to 80
+    characters) and what it should be."""
     def bad(field: str, value: Any, want: str) -> CheckpointError:
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + '...'
-        return CheckpointError(f'{where}: its saved meta has {field} = {shown}, {want}; the checkpoint is damaged or was '
-                         'edited. Fix: use another step directory of the run (or retrain).')
+        return CheckpointError(f'{what} has {field} = {shown}, {want}; {fix}')
+    return bad
+
+
+def check(meta: Any, where: str) -> dict[str, Any]:
+    """Returns `meta` when the fields the readers use are there and well typed; else one CheckpointError line."""
+    bad = _complaint(f'{where}: its saved meta', 'the checkpoint is damaged or was edited. Fix: use another step '
+                     'directory of the run (or retrain).')
 
     step = meta.get('step')
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -39,11 +46,8 @@ def check(meta: Any, where: str) -> dict[str, Any]:
 
 def parse_config(text: str, where: str) -> dict[str, Any]:
     """The saved config in a safetensors file's metadata (export's `config`), parsed and checked."""
-    def bad(field: str, value: Any, want: str) -> CheckpointError:
-        shown = repr(value)
-        shown = shown if len(shown) <= 80 else shown[:77] + '...'
-        return CheckpointError(f'{where}: its metadata has {field} = {shown}, {want}; the file is damaged or was edited. '
-                         'Fix: export it again with --mode=export, or use a file without that metadata.')
+    bad = _complaint(f'{where}: its metadata', 'the file is damaged or was edited. Fix: export it again with '
+                     '--mode=export, or use a file without that metadata.')
     try:
         config = json.loads(text)
     except (ValueError, RecursionError):
