@@ -87,14 +87,14 @@ def main(argv: list[str]) -> int:
             _use_compile_cache(config)
         if _MODE.value == 'verify':  # the shrunk mesh on simulated CPU devices, whatever this machine has
             data_lib.resolve_vocab(config)
-            verify_devices = shrink.device_count(config, _VERIFY_MAX_DEVICES.value)
+            to_verify = shrink.shrink(config, _VERIFY_MAX_DEVICES.value)  # once: its mesh sizes the devices
             os.environ['JAX_PLATFORMS'] = 'cpu'
             # Hundreds of simulated devices share this machine's cores: a collective may wait minutes for
             # its last participant, past XLA:CPU's 40 s abort.
             os.environ['XLA_FLAGS'] = ' '.join(
                 [f for f in os.environ.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
                 + [f'--{flag}=3600' for flag in VERIFY_XLA_TIMEOUTS])
-            config_lib.set_cpu_device_count(verify_devices)
+            config_lib.set_cpu_device_count(to_verify.num_devices)
         else:
             per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
             config_lib.set_cpu_device_count(per_process)
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
                                      json_path=_PLAN_JSON.value))
         elif _MODE.value == 'verify':
             from jaxfrontier.plan import verify  # pylint: disable=g-import-not-at-top
-            text, passed = verify.report(_config_name(), config, _VERIFY_MAX_DEVICES.value)
+            text, passed = verify.report(_config_name(), to_verify)
             if _VERIFY_JSON.value:
                 with open(_VERIFY_JSON.value, 'w') as f:
                     f.write(text.rsplit('\n', 1)[0] + '\n')
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
             names = safetensors_lib.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
         else:
-            startup = {'flags_and_imports': time.perf_counter() - _STARTED}  # JAX is imported by now
+            startup = {'flags_and_imports': time.perf_counter() - _STARTED}  # JAX comes in with distributed/preflight
             t0 = time.perf_counter()
             distributed.initialize(processes, config.distributed)
             startup['distributed'] = time.perf_counter() - t0
@@ -153,8 +153,8 @@ def _use_compile_cache(config) -> None:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise ConfigError('train.compile_cache', config.train.compile_cache,
-                                     f'cannot create the compilation cache {path}: {e.strerror}',
-                                     "name a writable directory, or 'off'") from None
+                          f'cannot create the compilation cache {path}: {e.strerror}',
+                          "name a writable directory, or 'off'") from None
     os.environ['JAX_COMPILATION_CACHE_DIR'] = path
     os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', str(config.train.compile_cache_min_s))
 

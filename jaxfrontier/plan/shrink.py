@@ -15,7 +15,6 @@ No JAX import: `main` reads the device count of the shrunk mesh before JAX start
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import ml_collections
@@ -131,7 +130,3 @@ def describe(shrunk: Shrunk) -> str:
              if field.split('.')[0] in ('mesh', 'model', 'train') and field != 'mesh.cpu_devices']
     return ', '.join(parts) or 'nothing'
 
-
-def device_count(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> int:
-    """Simulated devices `--mode=verify` needs for `c` (main sets them before JAX starts)."""
-    return math.prod(config_lib.mesh_shape(shrink(c, max_devices).config).values())

@@ -114,10 +114,8 @@ def compare_trees(actual, expected, tolerance: float, vocab: int) -> Quantity:
     return Quantity(worst, where.lstrip("['").replace("']['", '/').rstrip("']"), tolerance)
 
 
-def certificate(name: str, original: ml_collections.ConfigDict, max_devices: int = shrink_lib.MAX_DEVICES
-                ) -> dict[str, Any]:
-    """Shrinks `original`, runs it and its one-device reference, and returns the certificate."""
-    shrunk = shrink_lib.shrink(original, max_devices)
+def certificate(name: str, shrunk: shrink_lib.Shrunk) -> dict[str, Any]:
+    """Runs the shrunk config (`shrink.shrink`) and its one-device reference; returns the certificate."""
     c = shrunk.config
     devices = jax.devices()
     if len(devices) < shrunk.num_devices:
@@ -162,7 +160,7 @@ def summary(cert: dict[str, Any]) -> str:
             + '; '.join(parts) + f'. Shrunk: {shrunk or "nothing"}.')
 
 
-def report(name: str, c: ml_collections.ConfigDict, max_devices: int = shrink_lib.MAX_DEVICES) -> tuple[str, bool]:
+def report(name: str, shrunk: shrink_lib.Shrunk) -> tuple[str, bool]:
     """(the certificate as JSON, then its line; passed) for `--mode=verify`."""
-    cert = certificate(name, c, max_devices)
+    cert = certificate(name, shrunk)
     return json.dumps(cert, indent=1, default=str) + '\n' + summary(cert), cert['passed']

@@ -82,7 +82,7 @@ def _small(**mesh):
 def test_certificate_passes_for_data_fsdp_tensor_zero1():
     c = _small(data=2, fsdp=2, tensor=2)
     c.sharding.zero1 = True
-    cert = verify.certificate('small', c, max_devices=8)
+    cert = verify.certificate('small', shrink_lib.shrink(c, max_devices=8))
     assert cert['passed'], verify.summary(cert)
     assert cert['devices'] == 8 and cert['kept']['sharding.zero1']
     line = verify.summary(cert)
@@ -93,7 +93,7 @@ def test_certificate_passes_for_data_fsdp_tensor_zero1():
 def test_certificate_fails_naming_the_gradients_when_the_reduction_is_doubled(monkeypatch):
     """A data-parallel reduction that sums instead of averaging (injected here, not in the product)."""
     monkeypatch.setattr(reduction.jax.lax, 'pmean', lambda x, axis: jax.lax.psum(x, axis))
-    cert = verify.certificate('broken', _small(data=4, tensor=2), max_devices=8)
+    cert = verify.certificate('broken', shrink_lib.shrink(_small(data=4, tensor=2), max_devices=8))
     assert not cert['passed']
     q = cert['quantities']
     assert not q['loss']['passed'] and not q['grads']['passed'], verify.summary(cert)
@@ -107,7 +107,7 @@ def test_certificate_passes_for_pipeline_schedules(schedule, virtual):
     c = _small(pipeline=2, data=2, tensor=2)
     c.model.num_layers = 8  # shrunk to one layer per chunk: 2 x virtual
     c.pipeline.update(schedule=schedule, virtual_stages=virtual)
-    cert = verify.certificate(schedule, c, max_devices=8)
+    cert = verify.certificate(schedule, shrink_lib.shrink(c, max_devices=8))
     assert cert['passed'], verify.summary(cert)
     assert cert['shrunk']['model.num_layers'] == [8, 2 * virtual]
     assert cert['kept']['pipeline.schedule'] == schedule and cert['kept']['pipeline.virtual_stages'] == virtual
