@@ -100,12 +100,8 @@ ACTIVATION_NAMES = ('batch', 'act_embed')
 
 def data_placement(rules) -> tuple[bool, bool]:
     """(the batch is split over `data`, some parameter dimension is) under logical `rules`."""
-    def axes(target):
-        return () if target is None else (target,) if isinstance(target, str) else tuple(target)
-
-    table = {name: axes(target) for name, target in rules}
-    in_batch = DATA in table.get('batch', ())
-    over_data = any(DATA in t for name, t in table.items() if name not in ACTIVATION_NAMES)
+    in_batch = DATA in mesh_lib.data_parallel_axes(rules)
+    over_data = any(DATA in mesh_lib.entry_axes(target) for name, target in rules if name not in ACTIVATION_NAMES)
     return in_batch, over_data
 
 

@@ -135,7 +135,7 @@ def layout_work(shape: config_lib.ModelShape, layout: layout_lib.Layout, hw: hw_
                 rules: Any = config_lib.DEFAULT_RULES) -> Work:
     """Parameters, memory, FLOPs, compute work and traffic of `shape` with `layout` (hw: topology only)."""
     rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
-    virtual = layout.virtual_stages if layout.pipeline > 1 else 1
+    virtual = layout.virtual
     specs = estimate.param_specs(shape, virtual)
     attention = estimate.attention_for(shape, hw)
     memory = estimate.memory(shape, layout, rules, specs, attention=attention)
@@ -172,7 +172,7 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
     """What the user should know about this layout beyond the numbers."""
     lay, out = p.layout, []
     if lay.zero1 and lay.dp > 1:
-        pls = estimate.planned_params(estimate.param_specs(p.shape, lay.virtual_stages if lay.pipeline > 1 else 1),
+        pls = estimate.planned_params(estimate.param_specs(p.shape, lay.virtual),
                                        lay, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules))
         unsharded = sum(x.local for x in pls if x.update_local == x.local) / sum(x.local for x in pls)
         if unsharded > 0.01:

@@ -24,6 +24,7 @@ from absl import logging
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
+from jaxfrontier import layout as layout_lib
 from jaxfrontier.errors import UserError
 from jaxfrontier.plan import planner
 from jaxfrontier.plan import search as search_lib
@@ -48,7 +49,7 @@ def local_hardware(devices: Sequence[Any], capacity: int) -> hw_lib.Hardware:
                                devices_per_package=1, devices_per_node=max(n, hw_lib.CPU_NODE_DEVICES))
 
 
-def overrides(layout: planner.Layout) -> str:
+def overrides(layout: layout_lib.Layout) -> str:
     """The --config overrides that select `layout`."""
     out = [f'--config.mesh.{axis}={getattr(layout, axis)}' for axis in ('data', 'fsdp', 'tensor', 'pipeline')]
     out += [f'--config.train.micro_batch={layout.micro_batch}', f'--config.train.accum_steps={layout.accum_steps}']

@@ -102,9 +102,11 @@ class _PhaseTimer:
     def __init__(self, before: dict[str, float]):
         self.phases, self.last = dict(before), time.perf_counter()
 
-    def done(self, name: str) -> None:
+    def done(self, name: str) -> float:
+        """Ends phase `name` now; returns its seconds."""
         now = time.perf_counter()
         self.phases[name], self.last = now - self.last, now
+        return self.phases[name]
 
     def summary(self) -> str:
         return (f'start-up: {sum(self.phases.values()):.1f} s before the first step: '
@@ -156,7 +158,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
     `validated`: `validation.validate_run(c)` already ran (main does, before JAX starts); otherwise it
     runs here. `startup`: seconds of the phases before this call (main times flags, imports,
     distributed init and the preflight), logged with the loop's own in one `start-up:` line and
-    written with the first metrics row (`startup/<phase>_s`). The run holds `<workdir>/workdir.lock` from before its first write to the end
+    written with the first metrics row (`startup/<phase>_s`). The run holds
+    `<workdir>/workdir.lock` from before its first write to the end
     (training/workdir_lock.py): a second run on the same workdir refuses to start.
     """
     locks: list[workdir_lock.WorkdirLock] = []
@@ -219,10 +222,8 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
         return {'restored_step': int(state['step']), 'steps_run': 0}
 
     # 5. compile
-    t0 = time.perf_counter()
     train_step, eval_step, batch_sharding = step_lib.compile_steps(c, layout)
-    compile_s = time.perf_counter() - t0
-    phase.done('compile')
+    compile_s = phase.done('compile')
     memory = _memory_summary(train_step)
     _log(f'compile: {compile_s:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
     _log(phase.summary())
