@@ -48,6 +48,28 @@ def megatron_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_
     return 24.0 * f * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
 
 
+def gated_gqa_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int, vocab_size: int,
+                             kv_ratio: float, mlp_dim: int, recompute: bool) -> float:
+    """Megatron-LM's count for grouped-query attention and a gated (SwiGLU) MLP, same convention.
+
+    As Megatron-LM's `num_floating_point_operations` (training.py) with query groups and
+    SwiGLU. Multiply-adds per token and pass: q and output projections 2 h^2, k and v
+    2 kv_ratio h^2, attention 2 s h (scores and values, counted in full), the MLP 3 h F; times
+    2 FLOPs, f passes (f = 4 with recomputation, else 3), B s tokens and l layers; the head's
+    2 h V per token at f/4 of 3 passes, as in `megatron_flops_per_step`. With kv_ratio = 1 and
+    F = 8h/3 (three matrices as wide as GPT's two 4h ones) it equals `megatron_flops_per_step`
+    (a test holds it).
+
+    Args:
+      kv_ratio: key/value heads / query heads (1: multi-head; GQA below 1).
+      mlp_dim: F, the MLP's width (three F x h matrices: gate, up, down).
+    """
+    f = 4 if recompute else 3
+    b, s, l, h, v, F = (float(x) for x in (global_batch, seq_len, num_layers, d_model, vocab_size, mlp_dim))
+    per_layer = 2.0 * h * h * (1.0 + kv_ratio) + 2.0 * s * h + 3.0 * h * F  # multiply-adds per token
+    return 2.0 * f * b * s * l * per_layer + 2.0 * f * b * s * h * v * 3.0 / 4.0
+
+
 def model_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int, vocab_size: int) -> float:
     """Model FLOPs of one optimizer step: Megatron's formula with f = 3 always (basis of MFU).
 

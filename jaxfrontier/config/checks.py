@@ -12,7 +12,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier.config import bounds
-from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, MESH_AXES, MODEL_FAMILIES, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, num_devices)
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, MESH_AXES, MODEL_FAMILIES, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, mlp_dim, num_devices)
 from jaxfrontier.errors import ConfigError
 
 
@@ -76,7 +76,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _divides('model.num_heads', m.num_heads, 'model.d_model', m.d_model, 'the hidden size')
     _divides('mesh.tensor', c.mesh.tensor, 'model.num_heads', m.num_heads,
              'the number of heads (split over the tensor axis)')
-    _divides('mesh.tensor', c.mesh.tensor, 'model.mlp_ratio * model.d_model', m.mlp_ratio * m.d_model,
+    _divides('mesh.tensor', c.mesh.tensor, 'the MLP width (model.mlp_dim or the family rule)', mlp_dim(c),
              'the MLP width (split over the tensor axis)')
     _divides('mesh.fsdp', c.mesh.fsdp, 'model.d_model', m.d_model,
              'the hidden size (parameters are split over the fsdp axis)')
