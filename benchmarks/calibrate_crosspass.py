@@ -59,8 +59,7 @@ _ORIG = (estimate.compute_work, estimate.compute_s, estimate.update_s, fit_lib.c
 
 def _replicated_share(shape, layout, remat: str, attention: str) -> tuple[float, float]:
     """(tensor-sharded, replicated) residual bytes of one layer for one micro-batch."""
-    sig = activations.signature(remat, shape.dtype, shape.mlp_dim // shape.d_model, shape.dropout_rate > 0,
-                                shape.tied_embeddings, attention)
+    sig = activations.for_shape(shape, remat, attention)
     # pylint: disable-next=protected-access
     act, weight = estimate._act_sizes(shape, layout, False), estimate._act_sizes(shape, layout, True)
     out = [0.0, 0.0]
@@ -91,8 +90,7 @@ def use_variant(name: str) -> None:
             host = (sharded + replicated) * layout.num_devices
             w = dataclasses.replace(w, stash_bytes=layers * max(0.0, host - HOST_L3) / layout.num_devices)
         if name == 'l2_arrays':
-            sig = activations.signature(remat, shape.dtype, shape.mlp_dim // shape.d_model, shape.dropout_rate > 0,
-                                        shape.tied_embeddings, attention)
+            sig = activations.for_shape(shape, remat, attention)
             act = estimate._act_sizes(shape, layout, False)  # pylint: disable=protected-access
             big = sum(r.local_bytes(act) for r in sig.block if r.local_bytes(act) >= CORE_L2)
             w = dataclasses.replace(w, stash_bytes=layers * big)

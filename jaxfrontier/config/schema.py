@@ -24,6 +24,8 @@ DEFAULT_RULES = (
     ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
     ('mlp', 'tensor'),  # Megatron column/row split of the MLP
     ('heads', 'tensor'),  # Megatron split of attention by heads
+    # llama's key/value heads: over tensor where they divide it, else replicated (layout.kv_rules)
+    ('kv_heads', 'tensor'),
     ('vocab', 'tensor'),  # vocabulary-parallel embedding and head
     ('qkv', None),
     ('head_dim', None),
@@ -31,7 +33,7 @@ DEFAULT_RULES = (
     ('act_embed', None),  # activations' model dimension stays whole
 )
 
-MODEL_FAMILIES = ('gpt',)  # model/registry.py declares each (a test holds the two equal)
+MODEL_FAMILIES = ('gpt', 'llama')  # model/registry.py declares each (a test holds the two equal)
 ROPE_SCALINGS = ('none', 'llama3')  # llama: model.rope_scaling (model/rope.py)
 ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn', 'blockwise')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')

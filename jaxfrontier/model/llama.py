@@ -11,8 +11,9 @@ THE MODULE IS BUILT BY THE LLAMA MODEL WORK (issue 23); this file holds its decl
 
 from __future__ import annotations
 
+from jaxfrontier import flops as flops_lib
 from jaxfrontier.config import ModelShape
-from jaxfrontier.model.family import ParamSpec
+from jaxfrontier.model.family import Family, HFNames, ParamSpec
 
 
 def param_specs(s: ModelShape) -> tuple[ParamSpec, ...]:
@@ -56,3 +57,17 @@ def forward_flops(s: ModelShape) -> tuple[float, float]:
     kv = s.kv_heads * s.head_dim
     layer = 2 * t * (2 * d * d + 2 * d * kv + 3 * d * f) + 2 * 2 * t * t * d
     return float(layer), float(2 * t * d * v)
+
+
+def megatron_flops(global_batch: int, s: ModelShape, recompute: bool) -> float:
+    """Megatron-LM's GQA/SwiGLU count (flops.gated_gqa_flops_per_step), padded vocabulary."""
+    return flops_lib.gated_gqa_flops_per_step(global_batch, s.seq_len, s.num_layers, s.d_model, s.vocab_size,
+                                              s.kv_heads / s.num_heads, s.mlp_dim, recompute)
+
+
+# PROVISIONAL (branch planllama, for the planner only): the Llama module is built by the llama
+# model work and replaces this declaration (its module class, its Hugging Face names) at merge.
+FAMILY = Family(name='llama', module=None, param_specs=param_specs, forward_flops=forward_flops,
+                megatron_flops=megatron_flops,
+                hf=HFNames(architecture='LlamaForCausalLM', model_type='llama', activations=('silu',),
+                           layer_prefix='model.layers.{layer}.', block_names=(), top_names=()))

@@ -7,8 +7,14 @@ dtype, ...) with `saved_residuals` and reads each residual's shape in symbols: t
 numbers, so every dimension names itself (batch rows, tokens, heads, ...). `Residual.local_bytes`
 then evaluates a residual for any model size and layout, per device.
 
-Symbols: b micro-batch rows, t sequence, n = b*t tokens, h heads, k head dim, d model dim,
-f MLP dim, v vocabulary, q the 3 of the fused QKV, 1 a unit dimension.
+The proxy is the configured family's block (GPT's fused QKV and GeLU MLP; Llama's grouped
+key/value heads, rotary tables and SwiGLU, whose gate and up projections add F-wide arrays
+and whose k/v are g, not h, heads wide), so nothing here knows a family's layer by name.
+
+Symbols: b micro-batch rows, t sequence, n = b*t tokens, h heads, g key/value heads, r = h/g
+query heads per key/value head, k head dim, c = k/2 (the rotary half), d model dim, f MLP
+dim, v vocabulary, q the 3 of GPT's fused QKV, s the 2 of Llama's fused k/v, 1 a unit
+dimension.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved
 from jaxfrontier import config as config_lib
 from jaxfrontier.model.params import ModelDef
 
-# Proxy sizes: pairwise distinct, so a dimension's size names its symbol.
-_B, _T, _H, _K, _V, _L = 2, 7, 5, 11, 17, 19
+# Proxy sizes: pairwise distinct (and distinct from every product a residual could carry), so
+# a dimension's size names its symbol. The head dim is even (rotary embeddings rotate pairs);
+# the proxy has grouped-query attention (5 k/v heads of 4 query heads each) unless the model
+# has as many k/v heads as query heads, and an MLP width of its own (any width: 'f' is a name).
+_B, _T, _G, _R, _C, _F, _V, _L = 6, 7, 5, 4, 13, 29, 17, 19
+_H, _K = _G * _R, 2 * _C
 _D = _H * _K
 
 
@@ -56,37 +66,44 @@ class Signature:
 
 
 def local_sizes(*, micro_batch: int, seq_len: int, num_heads: int, head_dim: int, d_model: int, mlp_dim: int,
-                vocab: int, tensor: int, fsdp: int, weight: bool) -> dict[str, int]:
+                vocab: int, tensor: int, fsdp: int, weight: bool, kv_heads: int = 0) -> dict[str, int]:
     """Per-device size of each symbol under the default rules (heads, MLP, vocab over tensor).
 
     Activations keep the whole model dimension; weight copies are split over fsdp there.
+    Key/value heads (`kv_heads`, 0: as many as query heads) split over tensor where they
+    divide it and are whole otherwise (`layout.kv_rules`).
     """
-    return {'b': micro_batch, 't': seq_len, 'n': micro_batch * seq_len, 'h': -(-num_heads // tensor),
-            'k': head_dim, 'd': -(-d_model // fsdp) if weight else d_model, 'f': -(-mlp_dim // tensor),
-            'v': -(-vocab // tensor), 'q': 3, '1': 1}
+    g = kv_heads or num_heads
+    g_local = g // tensor if g % tensor == 0 else g
+    h_local = -(-num_heads // tensor)
+    return {'b': micro_batch, 't': seq_len, 'n': micro_batch * seq_len, 'h': h_local,
+            'g': g_local, 'r': max(1, h_local // g_local), 'k': head_dim, 'c': head_dim // 2,
+            'd': -(-d_model // fsdp) if weight else d_model, 'f': -(-mlp_dim // tensor),
+            'v': -(-vocab // tensor), 'q': 3, 's': 2, '1': 1}
 
 
-def _symbols(mlp_dim: int) -> dict[int, str]:
-    # mlp_dim == d_model (model.mlp_ratio=1): 'f' is 'd', the same bytes (it collided, tests/fuzz)
-    table = {_B: 'b', _T: 't', _B * _T: 'n', _H: 'h', _K: 'k', mlp_dim: 'f', _D: 'd', _V: 'v', 3: 'q', 1: '1'}
-    if len(table) != 10 - (mlp_dim == _D):
-        raise ValueError(f'proxy sizes collide for MLP width {mlp_dim}; change the proxy sizes in activations.py')
+def _symbols(gqa: bool) -> dict[int, str]:
+    table = {_B: 'b', _T: 't', _B * _T: 'n', _H: 'h', _K: 'k', _C: 'c', _F: 'f', _D: 'd', _V: 'v', 3: 'q', 2: 's',
+             1: '1'}
+    if gqa:
+        table |= {_G: 'g', _R: 'r'}
+    assert len(table) == 12 + 2 * gqa, 'proxy sizes collide'  # pairwise distinct by construction
     return table
 
 
 @functools.cache
-def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
-              tied_embeddings: bool = True, attention: str = 'xla', family: str = 'gpt') -> Signature:
+def signature(remat: str, dtype: str, dropout: bool = False, tied_embeddings: bool = True, attention: str = 'xla',
+              family: str = 'gpt', gqa: bool = False) -> Signature:
     """Residuals the model saves for the backward pass under one policy (traced, cached).
 
     Args:
       remat: the remat policy ('none', 'full', 'save_dots', 'save_dots_no_batch').
       dtype: compute dtype.
-      mlp_ratio: MLP width / model width.
       dropout: whether dropout is on (its masks are residuals).
       tied_embeddings: whether the head reuses the embedding.
       attention: attention kernel (an 'auto' resolves on this machine's backend).
       family: the model family (`config.model.family`) whose module is traced.
+      gqa: whether the model has fewer key/value heads than query heads (the proxy then does).
 
     Returns:
       The per-block and the embedding + head residuals, in symbols.
@@ -96,15 +113,16 @@ def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
     kernel's fp32 softmax statistics `b h t` (what flash attention keeps).
     """
     if attention in ('cudnn', 'blockwise'):
-        xla = signature(remat, dtype, mlp_ratio, dropout, tied_embeddings, 'xla', family)
+        xla = signature(remat, dtype, dropout, tied_embeddings, 'xla', family, gqa)
         fused = lambda rs: tuple(r for r in rs if r.dims.count('t') < 2)
         stats = (Residual(('b', 'h', 't'), 4, f'{attention} softmax statistics'),) if remat in ('none', 'save_dots') else ()
         return Signature(fused(xla.block) + stats, fused(xla.head))
     shape = config_lib.ModelShape(
         num_layers=_L, d_model=_D, num_heads=_H, seq_len=_T, vocab_size=_V, real_vocab_size=_V,
-        mlp_dim=mlp_ratio * _D, tied_embeddings=tied_embeddings, dropout_rate=0.1 if dropout else 0.0,
-        init_std=0.02, dtype=dtype, attention=attention, remat=remat, family=family)
-    names = _symbols(shape.mlp_dim)
+        mlp_dim=_F, tied_embeddings=tied_embeddings, dropout_rate=0.1 if dropout else 0.0,
+        init_std=0.02, dtype=dtype, attention=attention, remat=remat, family=family,
+        num_kv_heads=_G if gqa else _H)
+    names = _symbols(gqa)
     model_def = ModelDef.create(shape)
     tokens = jax.ShapeDtypeStruct((_B, _T), jnp.int32)
     key = jax.random.key(0) if dropout else None
@@ -126,6 +144,21 @@ def signature(remat: str, dtype: str, mlp_ratio: int = 4, dropout: bool = False,
         entry = Residual(tuple(names[s] for s in dims), jnp.dtype(aval.dtype).itemsize, source.split(' from ')[0])
         (block if stacked else head).append(entry)
     return Signature(tuple(block), tuple(head))
+
+
+def for_shape(shape: config_lib.ModelShape, remat: str, attention: str) -> Signature:
+    """The signature of `shape`'s model under `remat` and the `attention` kernel."""
+    return signature(remat, shape.dtype, shape.dropout_rate > 0, shape.tied_embeddings, attention, shape.family,
+                     shape.kv_heads < shape.num_heads)
+
+
+def act_sizes(shape: config_lib.ModelShape, micro_batch: int, tensor: int, fsdp: int,
+              weight: bool) -> dict[str, int]:
+    """`local_sizes` of `shape` on a layout (weight=True: the sizes of weight copies)."""
+    return local_sizes(micro_batch=micro_batch, seq_len=shape.seq_len, num_heads=shape.num_heads,
+                       head_dim=shape.head_dim, d_model=shape.d_model, mlp_dim=shape.mlp_dim,
+                       vocab=shape.vocab_size, tensor=tensor, fsdp=fsdp, weight=weight,
+                       kv_heads=shape.kv_heads)
 
 
 def residual_bytes(residuals: tuple[Residual, ...], act_sizes: dict[str, int], weight_sizes: dict[str, int]) -> int:

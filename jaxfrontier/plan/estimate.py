@@ -133,26 +133,28 @@ def pipeline_slots(schedule: str, p: int, m: int, v: int = 1) -> PipelineSlots:
 
 
 def _act_sizes(shape, layout, weight: bool) -> dict[str, int]:
-    return activations.local_sizes(micro_batch=layout.micro_batch, seq_len=shape.seq_len,
-                                   num_heads=shape.num_heads, head_dim=shape.head_dim, d_model=shape.d_model,
-                                   mlp_dim=shape.mlp_dim, vocab=shape.vocab_size, tensor=layout.tensor,
-                                   fsdp=layout.fsdp, weight=weight)
+    return activations.act_sizes(shape, layout.micro_batch, layout.tensor, layout.fsdp, weight)
 
 
 def layer_bytes(shape, layout, remat: str, attention: str = 'xla') -> tuple[float, float]:
     """(residual bytes of one layer for one micro-batch, the same for the embedding + head)."""
-    sig = activations.signature(remat, shape.dtype, shape.mlp_dim // shape.d_model, shape.dropout_rate > 0,
-                                shape.tied_embeddings, attention, shape.family)
+    sig = activations.for_shape(shape, remat, attention)
     act, weight = _act_sizes(shape, layout, False), _act_sizes(shape, layout, True)
     return (activations.residual_bytes(sig.block, act, weight), activations.residual_bytes(sig.head, act, weight))
+
+
+def _mlp_hidden_arrays(shape) -> int:
+    """F-wide arrays of one layer's MLP that its backward holds: the `none` policy's residuals of
+    the MLP width (GPT: the GeLU's input and output; SwiGLU: gate, up and their product)."""
+    return sum(1 for r in activations.for_shape(shape, 'none', 'xla').block if 'f' in r.dims and not r.is_weight)
 
 
 def backward_working_bytes(shape, layout, attention: str = 'xla') -> float:
     """Transient buffers of one layer's backward when its residuals are stashed (docs/planner.md).
 
     The gradient path in fp32: 3 attention-score-sized buffers (probabilities, their gradient,
-    the scores' gradient; none with a fused kernel), 3 MLP-hidden-sized and 6 residual-stream-
-    sized ones. Calibrated on XLA:CPU.
+    the scores' gradient; none with a fused kernel), one MLP-hidden-sized buffer more than the
+    MLP keeps (GPT: 3; calibrated on XLA:CPU) and 6 residual-stream-sized ones.
     """
     a = _act_sizes(shape, layout, False)
     scores = 3 * a['b'] * a['h'] * a['t'] * a['t'] * 4
@@ -160,14 +162,21 @@ def backward_working_bytes(shape, layout, attention: str = 'xla') -> float:
         scores = 0
     elif attention == 'blockwise':  # one block pair's scores, probabilities and their gradient at a time
         scores = 3 * a['b'] * a['h'] * shape.attention_block_q * shape.attention_block_kv * 4
-    stream = (3 * a['n'] * a['f'] + 6 * a['n'] * a['d']) * 4
+    stream = ((_mlp_hidden_arrays(shape) + 1) * a['n'] * a['f'] + 6 * a['n'] * a['d']) * 4
     return scores + stream
 
 
-def gathered_layer_bytes(shape, layout) -> float:
-    """One layer's weights gathered over fsdp (fp32, as stored) while it runs."""
-    layer_params = 4 * shape.d_model * shape.d_model + 2 * shape.d_model * shape.mlp_dim
-    return PARAM_BYTES * layer_params / layout.tensor if layout.fsdp > 1 else 0.0
+def gathered_layer_bytes(shape, layout, rules=config_lib.DEFAULT_RULES) -> float:
+    """One layer's weights gathered over fsdp (fp32, as stored) while it runs: the family's block
+    parameters, each in its own layout without the fsdp split (k/v heads whole where `rules`
+    leave them unsplit)."""
+    if layout.fsdp == 1:
+        return 0.0
+    gathered = dict(layout.mesh_shape, fsdp=1, pipeline=1)
+    rules = layout_lib.kv_rules(rules, shape.kv_heads, layout.mesh_shape)
+    block = [p for p in param_specs(shape) if p.is_block]
+    return PARAM_BYTES * sum(local_size(p.shape[1:], mesh_lib.logical_to_spec(p.names[1:], rules), gathered)
+                             for p in block)
 
 
 def layer_working_bytes(shape, layout, attention: str = 'xla') -> float:

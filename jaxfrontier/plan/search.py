@@ -45,7 +45,7 @@ def candidate_layouts(c: ml_collections.ConfigDict, num_devices: int, hw: hw_lib
     m, batch = c.model, c.train.global_batch
     out = []
     for tensor in [t for t in _divisors(num_devices) if t <= hw.devices_per_node]:
-        if m.num_heads % tensor or (m.mlp_ratio * m.d_model) % tensor:
+        if m.num_heads % tensor or config_lib.mlp_dim(c) % tensor:
             continue
         for pipeline in [p for p in _divisors(num_devices // tensor) if m.num_layers % p == 0]:
             dp = num_devices // (tensor * pipeline)
