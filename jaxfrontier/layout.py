@@ -8,8 +8,6 @@
 - `token_split_axes`: the tensor axes the pipeline's stash and sends are split over
   (pipeline/chunk.py's `TokenSplit`).
 - `zero1_layout` / `zero1_spec`: where ZeRO-1 puts a parameter's optimizer state.
-- `kv_rules`: key/value heads split over their mesh axes only where they divide them
-  (Megatron's GQA), replicated otherwise.
 - The staggered executor's residual policy per `model.remat` is `config.STAGGERED_RESIDUALS`.
 """
 
@@ -93,26 +91,6 @@ def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str
 def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> P:
     """The optimizer-state spec of `zero1_layout` (over the padded shape where it pads)."""
     return zero1_layout(spec, shape, mesh, dp_axes)[0]
-
-
-KV_HEADS = 'kv_heads'
-
-
-def kv_rules(rules, kv_heads: int, mesh_shape: dict[str, int]):
-    """`rules` with `kv_heads` unsharded where the key/value heads do not divide its mesh axes.
-
-    Grouped-query attention has fewer key/value heads than query heads (8 for Llama 3.1 at any
-    size); a tensor axis of 16 cannot split 8 heads, so each tensor shard keeps all of them
-    and uses those its query heads read (Megatron-LM replicates them the same way). The
-    planner and the trainer ask this one function, so the planned and the compiled layouts
-    agree.
-    """
-    out = []
-    for name, target in rules:
-        if name == KV_HEADS and kv_heads % math.prod(mesh_shape.get(a, 1) for a in mesh_lib.entry_axes(target)):
-            target = None
-        out.append((name, target))
-    return tuple(out)
 
 
 # Logical names of activations, not parameters: every other name in the rules is a parameter

@@ -173,7 +173,7 @@ def gathered_layer_bytes(shape, layout, rules=config_lib.DEFAULT_RULES) -> float
     if layout.fsdp == 1:
         return 0.0
     gathered = dict(layout.mesh_shape, fsdp=1, pipeline=1)
-    rules = layout_lib.kv_rules(rules, shape.kv_heads, layout.mesh_shape)
+    rules = config_lib.resolve_rules(rules, shape, layout.mesh_shape)
     block = [p for p in param_specs(shape) if p.is_block]
     return PARAM_BYTES * sum(local_size(p.shape[1:], mesh_lib.logical_to_spec(p.names[1:], rules), gathered)
                              for p in block)

@@ -131,16 +131,10 @@ class Work:
     traffic: tuple[plan_comm.Traffic, ...]
 
 
-def _rules(rules: Any, shape: config_lib.ModelShape, layout: layout_lib.Layout) -> tuple:
-    """The config's logical rules as tuples, k/v heads unsplit where they do not divide (`layout.kv_rules`)."""
-    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
-    return layout_lib.kv_rules(rules, shape.kv_heads, layout.mesh_shape)
-
-
 def layout_work(shape: config_lib.ModelShape, layout: layout_lib.Layout, hw: hw_lib.Hardware, *,
                 rules: Any = config_lib.DEFAULT_RULES) -> Work:
     """Parameters, memory, FLOPs, compute work and traffic of `shape` with `layout` (hw: topology only)."""
-    rules = _rules(rules, shape, layout)
+    rules = config_lib.resolve_rules(rules, shape, layout.mesh_shape)  # kv heads split or replicated
     virtual = layout.virtual
     specs = estimate.param_specs(shape, virtual)
     attention = estimate.attention_for(shape, hw)
@@ -178,7 +172,8 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
     """What the user should know about this layout beyond the numbers."""
     lay, out = p.layout, []
     if lay.zero1 and lay.dp > 1:
-        pls = estimate.planned_params(estimate.param_specs(p.shape, lay.virtual), lay, _rules(rules, p.shape, lay))
+        pls = estimate.planned_params(estimate.param_specs(p.shape, lay.virtual),
+                                       lay, config_lib.resolve_rules(rules, p.shape, lay.mesh_shape))
         unsharded = sum(x.local for x in pls if x.update_local == x.local) / sum(x.local for x in pls)
         if unsharded > 0.01:
             out.append(f'ZeRO-1 leaves {unsharded:.0%} of the optimizer state unsharded: no dimension of those '
