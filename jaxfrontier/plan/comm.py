@@ -5,7 +5,8 @@ comparison with the compiled HLO is in tests/plan/test_planner.py; docs/planner.
 
   tensor    per layer and micro-batch, 2 all-reduces of the [tokens, d] activations forward
             and 2 backward (Megatron's f/g), 1 more when full remat recomputes the forward (the
-            layer's output all-reduce is not needed again);
+            layer's output all-reduce is not needed again); the backward's carry one [tokens, d]
+            input gradient per column-parallel input projection (GPT 2, Llama 4: q, k/v, gate, up);
             the vocabulary-parallel embedding's psum (fp32) and the head's input gradient.
   fsdp      every weight all-gathered before its forward and again for its backward (fp32,
             as stored); gradients reduce-scattered (all-reduce + slice on XLA:CPU).
@@ -88,7 +89,27 @@ class _Traffic:
         self.items[key] = (old[0] + payload_bytes * count, old[1] + count)
 
 
-def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
+def input_projections(specs, rules) -> tuple[int, int]:
+    """Matrices of one block that read the block's [tokens, d] stream, as the backward reduces them.
+
+    Returns (how many are column-parallel: each one's input gradient is a partial sum over
+    tensor; GPT: fused QKV and MLP-in, 2; Llama: q, k/v, gate and up, 4), and the output width
+    per token of those that are not split over tensor (Llama's k/v where its k/v heads do not
+    divide tensor: 2 g K): every tensor rank holds a part of their output gradient (the part
+    its query heads read), which XLA sums over tensor.
+    """
+    split, whole = 0, 0
+    for p in specs:
+        if p.is_block and len(p.shape) > 2 and p.names[1] == 'embed':
+            if 'tensor' in mesh_lib.spec_axes(mesh_lib.logical_to_spec(p.names[2:], rules)):
+                split += 1
+            else:
+                whole += math.prod(p.shape[2:])
+    return split, whole
+
+
+def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int, projections: tuple[int, int] = (2, 0)
+                        ) -> None:
     m, p = layout.accum_steps, layout.pipeline
     act = layout.micro_batch * shape.seq_len * shape.d_model
     if layout.tensor > 1:
@@ -97,6 +118,13 @@ def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
             per_layer = (6 * (p - 1) + 4) / p
         t.add('activations (Megatron f/g)', 'all-reduce', ('tensor',), act * dtype_bytes,
               m * shape.num_layers / p * per_layer)
+        # Separate input projections (Llama's q and k/v, gate and up) each send their own input
+        # gradient: XLA combines them with the sublayer's one all-reduce, whose payload grows.
+        split, whole = projections
+        t.add('input gradients of separate projections', 'all-reduce', ('tensor',), act * dtype_bytes,
+              m * shape.num_layers / p * (split - 2))
+        t.add('output gradients of unsplit k/v projections', 'all-reduce', ('tensor',),
+              layout.micro_batch * shape.seq_len * whole * 4, m * shape.num_layers / p)
         t.add('vocabulary-parallel embedding (fp32)', 'all-reduce', ('tensor',), act * 4, m / p)
         t.add('head input gradient', 'all-reduce', ('tensor',), act * dtype_bytes, m / p)
     if p > 1:
@@ -180,7 +208,7 @@ def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, 
     """Every transfer of one step with its group and link level (`hw`'s topology only)."""
     dtype_bytes = 4 if shape.dtype == 'float32' else 2
     t = _Traffic()
-    _activation_traffic(t, shape, layout, dtype_bytes)
+    _activation_traffic(t, shape, layout, dtype_bytes, input_projections(specs, rules))
     _param_traffic(t, layout, rules, specs)
     mesh_items = tuple(layout.mesh_shape.items())
     out = []

@@ -143,18 +143,13 @@ def layer_bytes(shape, layout, remat: str, attention: str = 'xla') -> tuple[floa
     return (activations.residual_bytes(sig.block, act, weight), activations.residual_bytes(sig.head, act, weight))
 
 
-def _mlp_hidden_arrays(shape) -> int:
-    """F-wide arrays of one layer's MLP that its backward holds: the `none` policy's residuals of
-    the MLP width (GPT: the GeLU's input and output; SwiGLU: gate, up and their product)."""
-    return sum(1 for r in activations.for_shape(shape, 'none', 'xla').block if 'f' in r.dims and not r.is_weight)
-
-
 def backward_working_bytes(shape, layout, attention: str = 'xla') -> float:
     """Transient buffers of one layer's backward when its residuals are stashed (docs/planner.md).
 
     The gradient path in fp32: 3 attention-score-sized buffers (probabilities, their gradient,
-    the scores' gradient; none with a fused kernel), one MLP-hidden-sized buffer more than the
-    MLP keeps (GPT: 3; calibrated on XLA:CPU) and 6 residual-stream-sized ones.
+    the scores' gradient; none with a fused kernel), 3 MLP-hidden-sized and 6 residual-stream-
+    sized ones. Calibrated on XLA:CPU with GPT; Llama's SwiGLU keeps as many F-wide residuals
+    as GPT's GeLU MLP (6 per layer, traced), and the same count holds it to XLA (tests/plan).
     """
     a = _act_sizes(shape, layout, False)
     scores = 3 * a['b'] * a['h'] * a['t'] * a['t'] * 4
@@ -162,7 +157,7 @@ def backward_working_bytes(shape, layout, attention: str = 'xla') -> float:
         scores = 0
     elif attention == 'blockwise':  # one block pair's scores, probabilities and their gradient at a time
         scores = 3 * a['b'] * a['h'] * shape.attention_block_q * shape.attention_block_kv * 4
-    stream = ((_mlp_hidden_arrays(shape) + 1) * a['n'] * a['f'] + 6 * a['n'] * a['d']) * 4
+    stream = (3 * a['n'] * a['f'] + 6 * a['n'] * a['d']) * 4
     return scores + stream
 
 

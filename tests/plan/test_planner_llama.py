@@ -1,0 +1,190 @@
+"""The planner on the Llama family: exact counts, and estimates that agree with XLA.
+
+Exact: the parameter count of every published shape (configs/llama.py, tensor 1) against
+Meta's figures; the parameter table and its shardings (k/v heads split over tensor where
+they divide it, whole where not) against the trainer's own placement; FLOPs against
+Megatron-LM's GQA/SwiGLU count and the matmuls of the traced train step; the traced
+residuals against JAX's `saved_residuals`. Agreement with XLA:CPU within
+test_planner.py's tolerances (fp32, 8 simulated devices): grouped k/v heads replicated over
+tensor 4, split over tensor 2, multi-query, pipelines. The Frontier layouts of 8B, 70B and
+405B (configs/llama.py:layout=frontier) fit on MI250X and on MI300X.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+from jax.sharding import AxisType
+
+from jaxfrontier import config as config_lib
+from jaxfrontier import flops as flops_lib
+from jaxfrontier import hardware as hw_lib
+from jaxfrontier import layout as layout_lib
+from jaxfrontier import pipeline
+from jaxfrontier.model import params as params_lib
+from jaxfrontier.plan import estimate
+from jaxfrontier.plan import flop_count
+from jaxfrontier.plan import planner
+from jaxfrontier.training import state as ts
+from jaxfrontier.training import step as step_lib
+
+from test_planner import ROOT, check_against_xla  # the GPT tests' tolerances and comparison
+
+sys.path.insert(0, os.path.join(ROOT, 'configs'))
+import llama as llama_configs  # noqa: E402  (configs/llama.py)
+
+# Meta's model cards / Hugging Face config.json shapes: parameters with the 128,256 vocabulary.
+PUBLISHED = {'1b': 1_235_814_400, '3b': 3_212_749_824, '8b': 8_030_261_248, '70b': 70_553_706_496,
+             '405b': 405_853_388_800}
+
+
+def make_config(pipeline=1, data=1, fsdp=1, tensor=1, accum=1, zero1=False, remat='none', layers=2, d=64,
+                heads=4, kv=2, mlp=96, seq=64, batch=16, vocab=256, tied=False, schedule='1f1b', virtual=1,
+                attention='xla', qkv_bias=False):
+    c = config_lib.base_config()
+    c.model.update(family='llama', num_layers=layers, d_model=d, num_heads=heads, num_kv_heads=kv, mlp_dim=mlp,
+                   seq_len=seq, vocab_size=vocab, vocab_multiple=32, dtype='float32', remat=remat,
+                   attention=attention, tied_embeddings=tied, qkv_bias=qkv_bias, rope_theta=500000.0,
+                   rope_scaling='llama3')
+    c.mesh.update(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor)
+    c.pipeline.update(schedule=schedule, virtual_stages=virtual)
+    c.train.update(global_batch=batch, micro_batch=batch // (data * fsdp * accum), accum_steps=accum)
+    c.sharding.zero1 = zero1
+    config_lib.validate(c, config_lib.num_devices(c))
+    return c
+
+
+# --------------------------------------------------------------------------- exact counts
+
+
+@pytest.mark.parametrize('size', sorted(PUBLISHED))
+def test_published_parameter_counts(size):
+    c = llama_configs.get_config(f'size={size}')
+    shape = config_lib.model_shape(c)
+    assert estimate.count_params(estimate.param_specs(shape)) == PUBLISHED[size]
+
+
+@pytest.mark.parametrize('tensor,kv', [(4, 2), (2, 2), (4, 1), (4, 4)])
+def test_param_table_and_shardings_match_the_trainer(tensor, kv):
+    """Shapes, logical names and mesh placement of every parameter, k/v heads included."""
+    c = make_config(tensor=tensor, data=8 // tensor, kv=kv, heads=8, layers=3, d=48, mlp=40, seq=12, vocab=97,
+                    batch=8 // tensor, qkv_bias=True)
+    mesh = jax.sharding.AbstractMesh(tuple(config_lib.mesh_shape(c).values()), config_lib.MESH_AXES,
+                                     axis_types=(AxisType.Auto,) * 4)
+    placement = ts.make_placement(c, mesh)
+    shardings = {'/'.join(k.key for k in path): s.spec for path, s in
+                 jax.tree_util.tree_flatten_with_path(placement.param_shardings)[0]}
+    abstract = {'/'.join(k.key for k in path): leaf for path, leaf in
+                jax.tree_util.tree_flatten_with_path(placement.abstract_state['params'])[0]}
+    shape, layout = config_lib.model_shape(c), layout_lib.Layout.from_config(c)
+    specs = estimate.param_specs(shape)
+    rules = config_lib.resolve_rules(c.sharding.rules, shape, layout.mesh_shape)
+    planned = {p.spec.path: p for p in estimate.planned_params(specs, layout, rules)}
+    assert set(planned) == set(abstract)
+    for path, leaf in abstract.items():
+        assert planned[path].spec.shape == leaf.shape, path
+        assert tuple(planned[path].param_spec) == tuple(shardings[path]) + (None,) * (
+            len(planned[path].param_spec) - len(shardings[path])), path
+    kv_spec = planned['blocks/attn/w_kv'].param_spec
+    assert (kv_spec[3] == 'tensor') == (kv % tensor == 0)
+    assert estimate.count_params(specs) == sum(leaf.size for leaf in abstract.values())
+
+
+def test_8b_flops_are_megatrons_gqa_swiglu_count():
+    c = llama_configs.get_config('size=8b')
+    shape = config_lib.model_shape(c)
+    layout = layout_lib.Layout(pipeline=1, data=8, tensor=1, micro_batch=1, accum_steps=4, remat='full')
+    fl = estimate.flops(shape, layout)
+    b, s, l, h, v = layout.global_batch, 8192, 32, 4096, 128256
+    assert (shape.seq_len, shape.num_layers, shape.d_model, shape.vocab_size) == (s, l, h, v)
+    hand = dict(global_batch=b, seq_len=s, num_layers=l, d_model=h, vocab_size=v, kv_ratio=8 / 32, mlp_dim=14336)
+    assert fl.megatron_model == flops_lib.gated_gqa_flops_per_step(**hand, recompute=False)
+    assert fl.megatron_hw == flops_lib.gated_gqa_flops_per_step(**hand, recompute=True)
+    # Model FLOPs count the head at 3 passes, Megatron at 3/4 of them: 1.5 B s h V apart.
+    assert fl.model == pytest.approx(fl.megatron_model + 1.5 * b * s * h * v, rel=1e-15)
+    # By hand: q and out 2h^2, k and v 2 (h/4) h (8 of 32 heads), gate/up/down 3 h F, attention 2 s h.
+    per_token_layer = 2 * h * h + 2 * h * (h // 4) + 3 * h * 14336 + 2 * s * h
+    assert fl.model == pytest.approx(6 * b * s * (l * per_token_layer + h * v), rel=1e-15)
+
+
+@pytest.mark.parametrize('remat,pipe', [('none', 1), ('full', 1), ('save_dots_no_batch', 1), ('full', 2)])
+def test_hardware_flops_match_traced_train_step(remat, pipe):
+    c = make_config(remat=remat, pipeline=pipe, accum=2 if pipe > 1 else 1, layers=4, d=32, seq=16, batch=4)
+    mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1), config_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    placement = ts.make_placement(c, mesh)
+    weights = pipeline.build_schedule(layout_lib.Layout.from_config(c)).flop_weights if pipe > 1 else None
+    loss_and_grads = step_lib.make_loss_and_grads(c, placement)
+    tokens = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = flop_count.executed_dot_flops(lambda p, t: loss_and_grads(p, t, 0),
+                                               placement.abstract_state['params'], tokens, branch_weights=weights)
+    planned = estimate.flops(config_lib.model_shape(c), layout_lib.Layout.from_config(c)).hardware
+    assert traced == pytest.approx(planned, rel=1e-12)
+
+
+@pytest.mark.parametrize('kv', [2, 4, 1])
+def test_residuals_match_saved_residuals(kv):
+    """The symbolic residuals of the traced proxy, evaluated at another size, are what JAX saves."""
+    for remat, dtype in (('none', 'float32'), ('full', 'bfloat16'), ('save_dots', 'bfloat16')):
+        c = make_config(layers=3, d=48, heads=4, kv=kv, mlp=40, seq=20, vocab=96, remat=remat, batch=3)
+        c.model.dtype = dtype
+        shape = config_lib.model_shape(c)
+        model_def = params_lib.ModelDef.create(shape)
+        tokens = jax.ShapeDtypeStruct((3, 20), jnp.int32)
+        saved = saved_residuals(lambda p, t: model_def.bind(p).loss(t, t), model_def.abstract_params(), tokens)
+        expected = sum(a.size * a.dtype.itemsize for a, why in saved if not why.startswith('from the argument'))
+        per_layer, head = estimate.layer_bytes(shape, layout_lib.Layout.from_config(c), remat)
+        assert per_layer * 3 + head == expected, (remat, dtype, kv)
+
+
+# --------------------------------------------------------------------------- agreement with XLA
+
+FAST_LAYOUTS = [
+    dict(tensor=4, fsdp=2, heads=8, kv=2, d=128, mlp=352, accum=2),  # k/v heads replicated over tensor
+]
+SLOW_LAYOUTS = [
+    dict(data=2, fsdp=2, tensor=2, kv=2, accum=2, d=128, mlp=352),  # k/v heads split
+    dict(tensor=4, heads=8, kv=1, data=2, d=128, mlp=352, seq=128, batch=8, qkv_bias=True),  # multi-query
+    dict(fsdp=4, layers=4, d=128, mlp=352, seq=128, remat='full'),
+    dict(data=4, zero1=True, layers=4, d=128, mlp=352, seq=128, remat='save_dots', tied=True),
+    dict(pipeline=2, data=2, tensor=2, accum=4, layers=4, kv=2),
+    dict(pipeline=4, tensor=2, accum=4, layers=8, d=128, mlp=352, batch=8, schedule='interleaved', virtual=2),
+    dict(seq=512, batch=4, layers=4, remat='full', attention='blockwise'),
+]
+
+
+@pytest.mark.parametrize('layout', FAST_LAYOUTS, ids=str)
+def test_estimates_agree_with_xla(layout):
+    check_against_xla(make_config(**layout))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('layout', SLOW_LAYOUTS, ids=str)
+def test_estimates_agree_with_xla_slow(layout):
+    check_against_xla(make_config(**layout))
+
+
+# --------------------------------------------------------------------------- the published models
+
+
+@pytest.mark.parametrize('hardware', ['mi250x', 'mi300x'])
+@pytest.mark.parametrize('size', ['8b', '70b', '405b'])
+def test_frontier_layouts_fit(size, hardware):
+    """configs/llama.py's Frontier layout of each size fits a GCD; on an MI300X (192 GB) too."""
+    p = planner.plan(llama_configs.get_config(f'size={size},layout=frontier'), hardware)
+    assert p.fits, (size, hardware, p.memory.total_bytes / hw_lib.GIB)
+    assert p.num_params >= PUBLISHED[size]  # the vocabulary padded to 128 x tensor
+    assert 0 < p.time.mfu < 1 and p.flops.megatron_model < p.flops.model
+
+
+def test_plan_cli_prints_a_layout_that_fits():
+    out = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/llama.py:size=405b,layout=frontier',
+                          '--mode=plan', '--plan_check=none', '--hardware=mi250x'], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 'fits:' in out.stdout and 'DOES NOT FIT' not in out.stdout, out.stdout
+    assert '126 layers, d 16384, 128 heads' in out.stdout
