@@ -100,11 +100,13 @@ def input_projections(specs, rules) -> tuple[int, int]:
     """
     split, whole = 0, 0
     for p in specs:
-        if p.is_block and len(p.shape) > 2 and p.names[1] == 'embed':
-            if 'tensor' in mesh_lib.spec_axes(mesh_lib.logical_to_spec(p.names[2:], rules)):
+        lead = sum(1 for n in p.names if n in ('virtual', 'layers'))  # the stacked (and interleaved) axes
+        names, shape = p.names[lead:], p.shape[lead:]
+        if p.is_block and len(shape) > 1 and names[0] == 'embed':
+            if 'tensor' in mesh_lib.spec_axes(mesh_lib.logical_to_spec(names[1:], rules)):
                 split += 1
             else:
-                whole += math.prod(p.shape[2:])
+                whole += math.prod(shape[1:])
     return split, whole
 
 
@@ -123,8 +125,15 @@ def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int, projection
         split, whole = projections
         t.add('input gradients of separate projections', 'all-reduce', ('tensor',), act * dtype_bytes,
               m * shape.num_layers / p * (split - 2))
-        t.add('output gradients of unsplit k/v projections', 'all-reduce', ('tensor',),
-              layout.micro_batch * shape.seq_len * whole * 4, m * shape.num_layers / p)
+        # Unsplit k/v (heads that do not divide tensor): XLA still splits their projection's
+        # columns over tensor and all-gathers the output (again when recomputed), and sums the
+        # output gradient, of which each rank holds its query heads' part.
+        recomputed = 1 if pm.effective_remat(layout) == 'full' or pm.staggered(layout) else 0
+        kv_bytes = layout.micro_batch * shape.seq_len * whole * dtype_bytes
+        t.add('unsplit k/v projections gathered', 'all-gather', ('tensor',), kv_bytes,
+              m * shape.num_layers / p * (1 + recomputed))
+        t.add('output gradients of unsplit k/v projections', 'all-reduce', ('tensor',), kv_bytes,
+              m * shape.num_layers / p)
         t.add('vocabulary-parallel embedding (fp32)', 'all-reduce', ('tensor',), act * 4, m / p)
         t.add('head input gradient', 'all-reduce', ('tensor',), act * dtype_bytes, m / p)
     if p > 1:
