@@ -2,6 +2,7 @@
 
   python -m jaxfrontier.main --config=configs/llama.py:size=tiny --workdir=workdirs/llama_tiny
   python -m jaxfrontier.main --config=configs/llama.py:size=8b --mode=plan --hardware=mi250x
+  python -m jaxfrontier.main --config=configs/llama.py:size=70b,layout=frontier --mode=plan
   python -m jaxfrontier.main --config=configs/llama.py:size=1b,tensor=2 --config.data.kind=tokens \
       --config.data.path=/data/my_tokens.bin
 
@@ -9,7 +10,8 @@ Each size sets Meta's shape: layers, width, query and key/value heads, the SwiGL
 vocabulary 128,256, RoPE theta 500,000 with Llama 3.1's frequency scaling, and the tied
 (1B, 3B) or untied head. `tiny` is a small model for tests and laptops (byte vocabulary,
 grouped-query attention with 2 kv heads for 4 query heads). Mesh: every device on data
-parallelism unless `data/fsdp/tensor/pipeline` are given.
+parallelism unless `data/fsdp/tensor/pipeline` are given, or `layout=frontier` (8b, 70b,
+405b): the layout `--mode=plan --search` chose on Frontier's MI250X GCDs (FRONTIER below).
 """
 
 from jaxfrontier import config as config_lib
@@ -26,9 +28,27 @@ SIZES = {
     '405b': (126, 16384, 128, 8, 53248, False, 8.0),
 }
 
+# size -> Frontier layout (MI250X GCDs, 8 per node) at a global batch of 512 sequences of 8,192
+# tokens (4 M tokens, Llama 3's first batch size): the fastest that fits of
+#   python -m jaxfrontier.main --config=configs/llama.py:size=SIZE,accum=512 --mode=plan --search \
+#       --search_devices=N --hardware=mi250x
+# and the plan's figures of it (docs/planner.md, "Llama on Frontier", has the runners-up and MI300X).
+FRONTIER = {
+    # 64 GCDs (8 nodes): data 8 x fsdp 8, ZeRO-1, micro-batch 1 x 8, save_dots remat.
+    # Plan: 49.1 GiB per GCD, 31.1 s per step, 134,752 tokens/s, MFU 63.7 % (160 TFLOP/s per GCD).
+    '8b': dict(tensor=1, pipeline=1, data=8, fsdp=8, zero1=True, micro_batch=1, accum=8, remat='save_dots'),
+    # 256 GCDs (32 nodes): tensor 2 x fsdp 128, micro-batch 2 x 2, full remat.
+    # Plan: 43.5 GiB per GCD, 81.0 s per step, 51,789 tokens/s, MFU 50.9 % (129 TFLOP/s per GCD).
+    '70b': dict(tensor=2, pipeline=1, data=1, fsdp=128, zero1=False, micro_batch=2, accum=2, remat='full'),
+    # 1,024 GCDs (128 nodes): tensor 2 x fsdp 512, micro-batch 1, full remat.
+    # Plan: 48.8 GiB per GCD, 138.4 s per step, 30,300 tokens/s, MFU 40.6 % (104 TFLOP/s per GCD).
+    '405b': dict(tensor=2, pipeline=1, data=1, fsdp=512, zero1=False, micro_batch=1, accum=1, remat='full'),
+}
+
 
 def get_config(arg=None):
-    a = config_lib.parse_arg(arg, size='tiny', data=0, fsdp=1, tensor=1, pipeline=1, micro_batch=1, accum=1)
+    a = config_lib.parse_arg(arg, size='tiny', data=0, fsdp=1, tensor=1, pipeline=1, micro_batch=1, accum=1,
+                             layout='')
     if a.size not in SIZES:
         raise ConfigError('<arg>.size', a.size, 'unknown Llama size', f'use one of {sorted(SIZES)}')
     layers, d, heads, kv, mlp, tied, factor = SIZES[a.size]
@@ -45,6 +65,14 @@ def get_config(arg=None):
         return c
     c.model.update(seq_len=8192, vocab_size=128256, vocab_multiple=128, dtype='bfloat16')
     c.mesh.update(data=a.data or 1, fsdp=a.fsdp, tensor=a.tensor, pipeline=a.pipeline)
+    if a.layout:
+        if a.layout != 'frontier' or a.size not in FRONTIER:
+            raise ConfigError('<arg>.layout', a.layout, f'no such layout for size {a.size}',
+                              f'use layout=frontier with size one of {sorted(FRONTIER)}, or no layout')
+        f = FRONTIER[a.size]
+        c.mesh.update(data=f['data'], fsdp=f['fsdp'], tensor=f['tensor'], pipeline=f['pipeline'])
+        c.sharding.zero1, c.model.remat = f['zero1'], f['remat']
+        a.micro_batch, a.accum = f['micro_batch'], f['accum']
     dp = c.mesh.data * c.mesh.fsdp
     c.train.update(steps=1000, micro_batch=a.micro_batch, accum_steps=a.accum,
                    global_batch=a.micro_batch * a.accum * dp, log_every=10, eval_every=200)
