@@ -2,9 +2,12 @@
 
 `shrink(c)` keeps the mesh (tensor, pipeline, fsdp, data), the schedule and its virtual
 stages, ZeRO-1, remat, attention kernel, dtype, dropout, tied embeddings, token split and
-the sharding rules, and shrinks what only sets the size: layers to one per pipeline chunk
-(two without a pipeline), heads to what the tensor axis splits, a small width and
-vocabulary the layout still divides, a short sequence, a few micro-batches. Where the mesh
+the sharding rules, and the family's choices (a Llama's: query heads per key/value head, and
+whether its key/value heads divide tensor, i.e. are split or replicated; q/k/v biases, RoPE
+theta and scaling, RMSNorm epsilon), and shrinks what only sets the size: layers to one per
+pipeline chunk (two without a pipeline), heads to what the tensor axis splits, a small width,
+MLP width (at the config's ratio to the width) and vocabulary the layout still divides, a
+short sequence, a few micro-batches. Where the mesh
 needs more devices than this machine can simulate, only the `data` extent shrinks (the
 data-parallel reduction is the same collective at any size above 1). Everything shrunk is
 recorded, so the certificate says what was and was not checked.
@@ -31,10 +34,13 @@ STEPS = 3
 # vanishing gradient from becoming O(lr) updates; no warm-up, so the first update is not zero.
 CHECK_OPTIM = dict(lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-6)
 
-KEPT = ('mesh.pipeline', 'mesh.fsdp', 'mesh.tensor', 'pipeline.schedule', 'pipeline.virtual_stages',
-        'pipeline.shard_activations', 'sharding.zero1', 'sharding.rules', 'model.remat', 'model.attention',
-        'model.dtype', 'model.dropout_rate', 'model.tied_embeddings', 'model.mlp_ratio', 'model.scan_unroll',
+KEPT = ('model.family', 'mesh.pipeline', 'mesh.fsdp', 'mesh.tensor', 'pipeline.schedule',
+        'pipeline.virtual_stages', 'pipeline.shard_activations', 'sharding.zero1', 'sharding.rules', 'model.remat',
+        'model.attention', 'model.dtype', 'model.dropout_rate', 'model.tied_embeddings', 'model.scan_unroll',
         'train.micro_batch', 'optim.clip_norm', 'optim.weight_decay')
+# Kept too where the family has key/value heads (Llama): what changes the numbers, not the size.
+KEPT_KV = ('model.qkv_bias', 'model.norm_eps', 'model.rope_theta', 'model.rope_scaling', 'model.rope_factor',
+           'model.rope_low_freq_factor', 'model.rope_high_freq_factor', 'model.rope_original_max_len')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +95,17 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
 
     chunks = mesh.pipeline * (s.pipeline.virtual_stages if mesh.pipeline > 1 else 1)
     put('model.num_layers', chunks if mesh.pipeline > 1 else 2)
-    heads = 2 * mesh.tensor  # two heads per tensor shard: a swapped head order shows
-    head_dim = next(k for k in range(HEAD_DIM, HEAD_DIM * mesh.fsdp * 8 + 1) if (heads * k) % mesh.fsdp == 0)
+    shape = config_lib.model_shape(c)
+    heads, kv_heads = _heads(shape.num_heads, shape.kv_heads, mesh.tensor)
+    # Even (RoPE rotates pairs of a head's dimensions), and the width divides over fsdp.
+    head_dim = next(k for k in range(HEAD_DIM, HEAD_DIM * mesh.fsdp * 8 + 1, 2) if (heads * k) % mesh.fsdp == 0)
     put('model.num_heads', heads)
+    if shape.num_kv_heads:  # the family has key/value heads
+        put('model.num_kv_heads', kv_heads)
     put('model.d_model', heads * head_dim)
+    ratio = shape.mlp_dim / shape.d_model
+    if config_lib.mlp_dim(s) != round(ratio * s.model.d_model):  # the rule at the small width: keep the ratio
+        put('model.mlp_dim', mesh.tensor * max(1, round(ratio * s.model.d_model / mesh.tensor)))
     put('model.vocab_size', VOCAB)
     put('model.seq_len', SEQ_LEN)
     if m.attention == 'cudnn':  # NVIDIA only; XLA's kernel computes the same attention on the CPU
@@ -108,9 +121,30 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
         put(f'optim.{key}', value)
     put('data.kind', 'synthetic')
     config_lib.validate(s, config_lib.num_devices(s))
-    kept = {field: _get(c, field) for field in KEPT}
+    kept = {field: _get(c, field) for field in KEPT + (KEPT_KV if shape.num_kv_heads else ())}
+    if shape.num_kv_heads:
+        kept['query heads per key/value head'] = shape.num_heads // shape.kv_heads
+        kept['key/value heads split over tensor'] = shape.kv_heads % mesh.tensor == 0
+    kept['MLP width / model width'] = round(shape.mlp_dim / shape.d_model, 4)
     kept['mesh'] = config_lib.mesh_shape(s)
     return Shrunk(s, kept, changes)
+
+
+def _heads(heads: int, kv_heads: int, tensor: int) -> tuple[int, int]:
+    """(query heads, key/value heads) of the check: two query heads per tensor shard (a swapped head
+    order shows) where the family's choices allow it, the same query heads per key/value head, and
+    key/value heads that divide tensor exactly where the config's do (split, else replicated).
+
+    The smallest k/v head count g' >= 1 with r g' a multiple of tensor (r = heads / kv_heads) and
+    g' % tensor == 0 as in the config, preferring r g' >= 2 tensor; the config's own kv_heads
+    always qualifies (it is valid), so one is found.
+    """
+    if kv_heads == heads:
+        return 2 * tensor, 2 * tensor
+    ratio, split = heads // kv_heads, kv_heads % tensor == 0
+    fits = [g for g in range(1, kv_heads + 1) if (ratio * g) % tensor == 0 and (g % tensor == 0) == split]
+    g = next((g for g in fits if ratio * g >= 2 * tensor), fits[0])
+    return ratio * g, g
 
 
 def reference_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

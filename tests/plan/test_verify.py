@@ -111,3 +111,44 @@ def test_certificate_passes_for_pipeline_schedules(schedule, virtual):
     assert cert['passed'], verify.summary(cert)
     assert cert['shrunk']['model.num_layers'] == [8, 2 * virtual]
     assert cert['kept']['pipeline.schedule'] == schedule and cert['kept']['pipeline.virtual_stages'] == virtual
+
+
+def _llama(arg):
+    spec = importlib.util.spec_from_file_location('config_llama', os.path.join(processes.REPO, 'configs', 'llama.py'))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(arg)
+
+
+LLAMA_CHOICES = ('model.family', 'model.qkv_bias', 'model.norm_eps', 'model.rope_theta', 'model.rope_scaling',
+                 'model.rope_factor', 'model.rope_low_freq_factor', 'model.rope_high_freq_factor',
+                 'model.rope_original_max_len', 'model.tied_embeddings', 'mesh.tensor', 'mesh.fsdp', 'mesh.pipeline',
+                 'sharding.zero1', 'model.remat', 'model.dtype')
+
+
+@pytest.mark.parametrize('arg, heads, kv', [
+    ('size=8b,layout=frontier', 4, 1),  # 32 heads / 8 kv heads on tensor 1: ratio 4 kept
+    ('size=70b,layout=frontier', 16, 2),  # 64 / 8 on tensor 2: split (8 % 2 == 0), so 2 of 16
+    ('size=405b,layout=frontier', 32, 2),  # 128 / 8 on tensor 2: split, ratio 16
+    ('size=tiny,tensor=4,data=4', 4, 2),  # 4 / 2 on tensor 4: replicated (2 % 4 != 0) and stays so
+    ('size=1b,tensor=2,pipeline=2,accum=4', 8, 2),  # tied head kept, 32 / 8 on tensor 2
+])
+def test_shrink_keeps_every_llama_choice(arg, heads, kv):
+    c = _llama(arg)
+    c.model.qkv_bias, c.model.norm_eps, c.model.rope_theta = True, 1e-6, 1e6  # choices the shrink must keep
+    s = shrink_lib.shrink(c)
+    m, small = c.model, s.config.model
+    for field in LLAMA_CHOICES:
+        section, key = field.split('.')
+        assert s.config[section][key] == c[section][key], field
+        assert field in s.kept, field
+    assert (small.num_heads, small.num_kv_heads) == (heads, kv), arg
+    assert small.num_heads // small.num_kv_heads == m.num_heads // m.num_kv_heads
+    tensor = c.mesh.tensor
+    assert (small.num_kv_heads % tensor == 0) == (m.num_kv_heads % tensor == 0)
+    assert s.kept['key/value heads split over tensor'] == (m.num_kv_heads % tensor == 0)
+    assert small.num_heads % tensor == 0 and (small.d_model // small.num_heads) % 2 == 0  # RoPE pairs
+    small_mlp, mlp = config_lib.mlp_dim(s.config), config_lib.mlp_dim(c)
+    assert small_mlp % tensor == 0 and abs(small_mlp / small.d_model - mlp / m.d_model) <= tensor / small.d_model
+    assert small.num_layers < m.num_layers and small.d_model < m.d_model and small.vocab_size < m.vocab_size
+    config_lib.validate(shrink_lib.reference_config(s.config), 1)
