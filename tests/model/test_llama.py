@@ -7,8 +7,11 @@ head, RoPE with Llama 3.1's scaling active. Tolerances are layout_check.py's.
 """
 
 import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -263,3 +266,40 @@ def test_dropout_masks_do_not_depend_on_the_layout(reference):
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     assert_trees_close(grads, ref_grads, 'dropout grad')
     assert abs(reference[0] - ref_loss) > 50 * LOSS_RTOL * ref_loss  # dropout was on
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def run_main(*args):
+    """stdout of `python -m jaxfrontier.main` with configs/llama.py's tiny size on data 2 x tensor 2."""
+    from tests import processes  # pylint: disable=g-import-not-at-top
+    cmd = [sys.executable, '-m', 'jaxfrontier.main', '--config=configs/llama.py:size=tiny,data=2,tensor=2',
+           '--config.mesh.cpu_devices=4', '--config.model.seq_len=32', '--config.train.log_every=1',
+           '--config.train.progress=False', '--config.train.eval_batches=1', '--config.optim.decay_steps=100',
+           *args]
+    proc = subprocess.run(cmd, cwd=processes.REPO, env=processes.subprocess_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_main_trains_resumes_evaluates_and_samples(tmp_path):
+    """configs/llama.py:size=tiny through the CLI: 4 steps with a checkpoint, a resume to 6, eval, greedy sample."""
+    from tests import processes  # pylint: disable=g-import-not-at-top
+    workdir = str(tmp_path / 'run')
+    run_main(f'--workdir={workdir}', '--config.train.steps=4', '--config.train.eval_every=0',
+             '--config.checkpoint.every_steps=2')
+    first = processes.read_metrics(workdir)
+    assert [r['step'] for r in first] == [1, 2, 3, 4] and first[-1]['train/loss'] < first[0]['train/loss']
+    run_main(f'--workdir={workdir}', '--config.train.steps=6', '--config.train.eval_every=0')
+    resumed = processes.read_metrics(workdir)
+    assert [r['step'] for r in resumed] == [1, 2, 3, 4, 5, 6] and 'eval/loss' in resumed[-1]
+
+    result = json.loads(run_main(f'--workdir={workdir}', '--mode=eval').strip().splitlines()[-1])
+    assert 0 < result['loss'] < math.log(256) and result['step'] == 6
+    sampled = run_main(f'--workdir={workdir}', '--mode=sample', '--prompt=def ', '--temperature=0',
+                       '--max_new_tokens=8')
+    sampled = json.loads(sampled.strip().splitlines()[-1].removeprefix('sample: '))
+    assert len(sampled['tokens'][0]) == 8
