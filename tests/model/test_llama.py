@@ -86,6 +86,20 @@ def test_llama_mlp_rule_gives_the_published_widths():
     assert config_lib.llama_mlp_dim(16384, 1.2, 4096) == 53248  # 405B
 
 
+def test_flops_are_the_forward_count_in_megatrons_convention():
+    """Model FLOPs per step = 3 passes of the family's forward count (the head at 3/4, Megatron's
+    convention); recomputation adds one forward of everything (f = 4)."""
+    c = llama_config(num_kv_heads=2, remat='full')
+    c.train.global_batch = 6
+    shape = config_lib.model_shape(c)
+    layer, head = registry.get('llama').forward_flops(shape)
+    t, d, kv, f = 24, 40, 2 * 10, 56
+    assert layer == 2 * t * (2 * d * d + 2 * d * kv + 3 * d * f) + 4 * t * t * d and head == 2 * t * d * 128
+    model, hw = registry.flops_per_step_from_config(c)
+    forward = 6 * (shape.num_layers * layer + head * 3 / 4)
+    assert model == pytest.approx(3 * forward, rel=1e-12) and hw == pytest.approx(4 * forward, rel=1e-12)
+
+
 # --------------------------------------------------------------------------- layers
 
 
