@@ -148,8 +148,14 @@ def _heads(heads: int, kv_heads: int, tensor: int) -> tuple[int, int]:
 
 
 def reference_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """`c` on one device: the same model, batch, micro-batches and numerics, no parallelism."""
+    """`c` on one device: the same model, batch, micro-batches and numerics, no parallelism.
+
+    The vocabulary is padded as the layout pads it (to vocab_multiple x tensor): an untied
+    head [d, V] drawn at another padded V gets other initial values in its real columns
+    (the random stream is laid out row-major), and the check would compare two models.
+    """
     r = ml_collections.ConfigDict(c.to_dict())
+    r.model.vocab_multiple = c.model.vocab_multiple * c.mesh.tensor
     r.mesh.update(pipeline=1, data=1, fsdp=1, tensor=1, cpu_devices=0)
     r.train.micro_batch = r.train.global_batch // r.train.accum_steps
     r.sharding.zero1 = False

@@ -151,4 +151,19 @@ def test_shrink_keeps_every_llama_choice(arg, heads, kv):
     small_mlp, mlp = config_lib.mlp_dim(s.config), config_lib.mlp_dim(c)
     assert small_mlp % tensor == 0 and abs(small_mlp / small.d_model - mlp / m.d_model) <= tensor / small.d_model
     assert small.num_layers <= m.num_layers and small.d_model < m.d_model and small.vocab_size < m.vocab_size
-    config_lib.validate(shrink_lib.reference_config(s.config), 1)
+    reference = shrink_lib.reference_config(s.config)
+    config_lib.validate(reference, 1)
+    # The one-device reference pads the vocabulary as the layout does: an untied head [d, V] drawn
+    # at another padded V starts from other values (the certificate then compared two models).
+    assert config_lib.padded_vocab(reference) == config_lib.padded_vocab(s.config)
+
+
+@pytest.mark.slow
+def test_certificate_passes_for_a_llama_layout():
+    """Grouped k/v heads replicated over tensor 4 (2 of 4 heads), Llama 3.1 RoPE scaling, untied head, fsdp 2."""
+    c = _llama('size=tiny,tensor=4,fsdp=2')
+    c.model.remat = 'full'
+    cert = verify.certificate('llama', shrink_lib.shrink(c, max_devices=8))
+    assert cert['passed'], verify.summary(cert)
+    assert cert['kept']['model.family'] == 'llama' and not cert['kept']['key/value heads split over tensor']
+    assert cert['kept']['model.rope_scaling'] == 'llama3' and cert['devices'] == 8
