@@ -29,6 +29,8 @@ from jaxfrontier.model import params as params_lib
 from jaxfrontier.plan import estimate
 from jaxfrontier.plan import flop_count
 from jaxfrontier.plan import planner
+from jaxfrontier.plan import preflight
+from jaxfrontier.training import memory_check
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
 
@@ -193,3 +195,14 @@ def test_plan_cli_prints_a_layout_that_fits():
     assert out.returncode == 0, out.stderr[-2000:]
     assert 'fits:' in out.stdout and 'DOES NOT FIT' not in out.stdout, out.stdout
     assert '126 layers, d 16384, 128 heads' in out.stdout
+
+
+def test_memory_preflight_refuses_a_llama_that_cannot_fit(monkeypatch):
+    """The trainer's preflight plans a Llama too: 1B on 8 devices of 8 GiB with its replicated Adam
+    state (23 GiB a device) is refused with a layout of the same devices that fits."""
+    c = llama_configs.get_config('size=1b,data=8')
+    c.model.seq_len = 1024
+    monkeypatch.setattr(memory_check, 'host_memory_bytes', lambda: 8 * 8 * hw_lib.GIB)
+    with pytest.raises(preflight.UserError, match='a layout of these 8 devices that fits') as e:
+        preflight.check(c, jax.local_devices())
+    assert '\n' not in str(e.value)
