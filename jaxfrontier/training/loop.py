@@ -24,6 +24,7 @@ from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
+from jaxfrontier import errors
 from jaxfrontier import logs
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import NonFiniteLossError
@@ -168,7 +169,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
     except Exception as e:  # pylint: disable=broad-except  (a full disk or device: one line, not tracebacks)
         if memory_check.is_out_of_memory(e):
             raise memory_check.out_of_memory_error(e) from e
-        full = disk.disk_full(e)
+        full = errors.disk_full(e)
         if full is not None:
             raise disk.disk_full_error(full, workdir) from e
         raise
