@@ -59,7 +59,13 @@ def _memory_summary(compiled) -> dict[str, float]:
 
 
 class _Reporter:
-    """Turns fetched step metrics into log records: perf numbers, NaN check, writer output."""
+    """Turns fetched step metrics into log records: perf numbers, NaN check, writer output.
+
+    A row's step time is the time between seeing two steps finished (their metrics fetched),
+    divided by the steps between them; the first row after start-up or a restore only starts
+    the clock. That holds only if nothing else waited for the newer step before: the loop
+    reports a step right after dispatching the next one, before a save or an evaluation syncs.
+    """
 
     def __init__(self, c: ml_collections.ConfigDict, writer: metrics_lib.MetricsWriter, n_devices: int,
                  pipeline_schedule=None, first_row: dict[str, float] | None = None):
@@ -247,6 +253,11 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
                 with profiler.step(step):
                     state, step_metrics = train_step(state, batch)
+                # The previous step's metrics, fetched first while this step runs: the reporter's clock
+                # reads when that step is seen finished. After a save (which waits for this step) the
+                # next fetch would return at once, and the step time of one row would be that gap.
+                if pending is not None:
+                    reporter.report(*pending)
                 step_metrics = {**step_metrics, **train_source.epochs(step, c.train.global_batch)}
                 done = step + 1
                 profiler.after(done, step_metrics)
@@ -258,8 +269,6 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
                 eval_loss = (evaluate(eval_step, state['params'], val_source, c, batch_sharding)
                              if eval_due and not stop else None)
-                if pending is not None:
-                    reporter.report(*pending)
                 pending = (done, step_metrics, eval_loss)
                 if stop:
                     break
