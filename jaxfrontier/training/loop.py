@@ -8,6 +8,7 @@ lock, checkpoints, metrics, profiling, preemption.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -171,7 +172,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
     """
     locks: list[workdir_lock.WorkdirLock] = []
     try:
-        return _train_and_evaluate(c, workdir, locks, validated, dict(startup or {}))
+        with contextlib.ExitStack() as handlers:  # the preemption handlers, restored on the way out
+            return _train_and_evaluate(c, workdir, locks, validated, dict(startup or {}), handlers)
     except Exception as e:  # pylint: disable=broad-except  (a full disk or device: one line, not tracebacks)
         if memory_check.is_out_of_memory(e):
             raise memory_check.out_of_memory_error(e) from e
@@ -185,13 +187,17 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
 
 
 def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list, validated: bool,
-                        startup: dict[str, float]) -> dict[str, float]:
+                        startup: dict[str, float], handlers: contextlib.ExitStack) -> dict[str, float]:
     phase = _PhaseTimer(startup)
     # 1. validate everything before writing or compiling anything
     if validated:
         config_lib.check_device_count(c, jax.device_count())
     else:
         validation.validate_run(c, jax.device_count())
+    # Preemption signals are recorded from here, not from the first step: one that arrives while the
+    # run starts (mesh, data, restore, compile: minutes for a large model) stops it after its first
+    # step with a committed checkpoint, like one that arrives later.
+    preemption = handlers.enter_context(preemption_lib.PreemptionWatcher(c.checkpoint))
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
     locks.append(workdir_lock.acquire_for_job(workdir, c.train.workdir_lease_s))
 
@@ -242,12 +248,11 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count(), layout.pipeline_schedule,
                          first_row={'compile/time_s': compile_s, **memory, **phase.metrics()})
-    preemption = preemption_lib.PreemptionWatcher(c.checkpoint)
     profiler = profile_lib.StepProfiler(c, workdir)
     pending, stop, step_metrics = None, False, None
     commits = _CommitLog(checkpointer)
     try:
-        with preemption, interrupt.first_interrupt_stops(preemption), jax.set_mesh(mesh), \
+        with interrupt.first_interrupt_stops(preemption), jax.set_mesh(mesh), \
                 mesh_lib.use_rules(layout.rules):
             for step in range(done, c.train.steps):
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
