@@ -1,8 +1,9 @@
 """A stop signal while a run starts is not lost (found re-running issue 28's hostile cases).
 
 - One process: SIGTERM before the loop installed its handler ended the process at once (Python's
-  default), but that handler came only after mesh, data, restore and compile; now the run records
-  it from the start and stops after its first step with a committed checkpoint, like later.
+  default), and Ctrl-C printed a KeyboardInterrupt traceback, but the handlers came only after mesh,
+  data, restore and compile; now the run handles both from validation on and stops after its first
+  step with a committed checkpoint, like later.
 - Several processes: `jax.distributed.initialize` gives SIGTERM to JAX's preemption notifier, which
   only logs "SIGTERM caught"; a `launch/local.sh` job told to stop while it compiled trained on to
   its last step. SIGTERM gets its previous action back right after joining (distributed.py).
@@ -19,6 +20,9 @@ from ml_collections import config_flags
 from jaxfrontier.training import loop
 from tests import processes
 
+# The persistent compilation cache while this module runs: the second signal's run loads the first's step.
+from checkpoint_common import compile_cache  # noqa: F401  (an autouse fixture, used by name)
+
 
 def tiny(steps):
     c = config_flags.config_flags._LoadConfigModule('tiny', os.path.join(processes.REPO, 'configs', 'tiny.py')).get_config()
@@ -29,21 +33,24 @@ def tiny(steps):
     return c
 
 
-@pytest.mark.slow  # one compile in this process: ~25 s on a loaded machine
-def test_sigterm_while_the_run_compiles_stops_after_the_first_step_with_a_checkpoint(tmp_path, monkeypatch):
-    caught = []  # the default action would end pytest: a handler of the test's, which the run's must replace
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+@pytest.mark.slow  # one compile in this process (~25 s on a loaded machine), then loaded from the cache
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_run_compiles_stops_after_the_first_step_with_a_checkpoint(tmp_path, monkeypatch, sig):
+    """Was: SIGTERM ended the process at once (or, under jax.distributed, was ignored); Ctrl-C printed a
+    KeyboardInterrupt traceback."""
+    caught = []  # the default actions would end pytest: a handler of the test's, which the run's must replace
+    previous = signal.signal(sig, lambda signum, frame: caught.append(signum))
     compile_steps = loop.step_lib.compile_steps
 
-    def compile_while_preempted(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)  # Slurm's preemption arrives during the compile
+    def compile_while_signalled(*args, **kwargs):
+        os.kill(os.getpid(), sig)  # Slurm's preemption, or the user's Ctrl-C, during the compile
         return compile_steps(*args, **kwargs)
 
-    monkeypatch.setattr(loop.step_lib, 'compile_steps', compile_while_preempted)
+    monkeypatch.setattr(loop.step_lib, 'compile_steps', compile_while_signalled)
     try:
         record = loop.train_and_evaluate(tiny(steps=4), str(tmp_path))
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(sig, previous)
     assert caught == [] and record.get('preempted_at_step') == 1, (caught, record)
     assert os.listdir(tmp_path / 'checkpoints') == ['1']
 

@@ -194,10 +194,12 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
         config_lib.check_device_count(c, jax.device_count())
     else:
         validation.validate_run(c, jax.device_count())
-    # Preemption signals are recorded from here, not from the first step: one that arrives while the
-    # run starts (mesh, data, restore, compile: minutes for a large model) stops it after its first
-    # step with a committed checkpoint, like one that arrives later.
+    # Preemption signals and Ctrl-C are handled from here, not from the first step: one that arrives
+    # while the run starts (mesh, data, restore, compile: minutes for a large model) stops it after
+    # its first step with a committed checkpoint, like one that arrives later (was: SIGTERM swallowed
+    # by JAX's notifier with several processes, Ctrl-C a KeyboardInterrupt traceback).
     preemption = handlers.enter_context(preemption_lib.PreemptionWatcher(c.checkpoint))
+    handlers.enter_context(interrupt.first_interrupt_stops(preemption))
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
     locks.append(workdir_lock.acquire_for_job(workdir, c.train.workdir_lease_s))
 
@@ -252,8 +254,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     pending, stop, step_metrics = None, False, None
     commits = _CommitLog(checkpointer)
     try:
-        with interrupt.first_interrupt_stops(preemption), jax.set_mesh(mesh), \
-                mesh_lib.use_rules(layout.rules):
+        with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
             for step in range(done, c.train.steps):
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
                 with profiler.step(step):
