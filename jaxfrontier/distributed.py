@@ -314,11 +314,10 @@ def _take_back_sigterm(action: Any) -> None:
     """Gives SIGTERM back the action it had before `jax.distributed.initialize`.
 
     JAX's preemption notifier takes SIGTERM over there (a C++ handler that logs "SIGTERM caught"
-    and nothing else we use). The training loop installs its own handler (training/preemption.py)
-    only when its first step is near; before that (mesh, data, restore, compile: minutes for a
-    large model) the notifier swallowed the signal, and a job told to stop trained on to its last
-    step. With the previous action back, SIGTERM before the loop ends the process as it does with
-    one process: nothing has been trained yet that a checkpoint would keep.
+    and nothing else we use), and swallowed the signal until the training loop installed its own
+    (training/preemption.py): a job told to stop before that trained on to its last step. With the
+    previous action back, SIGTERM in between (the planner's preflight, imports) ends the process
+    as it does with one process: nothing has been trained yet that a checkpoint would keep.
     """
     if action is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, action)

@@ -54,7 +54,10 @@ class _QuietOrbax(pylogging.Filter):
         if record.levelno < pylogging.WARNING:
             return False
         exception = record.exc_info[1] if record.exc_info else None
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # arguments that do not fit: the handler reports that itself
+            message = str(record.msg)
         return errors.disk_full(exception) is None and not any(t in message for t in errors.DISK_FULL_TEXTS)
 
 
