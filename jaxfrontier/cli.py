@@ -31,6 +31,10 @@ def run_app(main, flags_parser=None) -> None:
     Python's advice (the `signal` module's notes on SIGPIPE): point stdout at /dev/null, so the
     interpreter's final flush cannot raise again, and exit 1. SIGPIPE itself is left ignored
     (Python's default), so a socket or file whose reader goes away is an error, not a kill.
+
+    Ctrl-C that reaches here (the training loop handles its own from validation on and stops
+    with a checkpoint) ends the command with one line and the shell's 130, not a traceback:
+    every writer here commits by rename, so an interrupted one leaves no half-written result.
     """
     parser = {'flags_parser': flags_parser or parse_flags}
     try:
@@ -38,6 +42,9 @@ def run_app(main, flags_parser=None) -> None:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+    except KeyboardInterrupt:
+        print('interrupted (Ctrl-C): stopped before finishing; nothing half-written was committed', file=sys.stderr)
+        sys.exit(130)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

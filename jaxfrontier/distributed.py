@@ -33,7 +33,9 @@ import dataclasses
 import errno
 import os
 import re
+import signal
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -287,6 +289,7 @@ def initialize(settings: ProcessSettings, d: Any) -> None:
     import jax  # pylint: disable=g-import-not-at-top  (importing this module must not start JAX)
 
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    sigterm = signal.getsignal(signal.SIGTERM)
     try:
         jax.distributed.initialize(
             coordinator_address=settings.coordinator_address, num_processes=settings.num_processes,
@@ -303,6 +306,21 @@ def initialize(settings: ProcessSettings, d: Any) -> None:
             f'timeout {d.initialization_timeout_s} s): {str(e).splitlines()[0] if str(e) else type(e).__name__}. '
             'Fix: check that every process started and that this host can reach the coordinator '
             "(process 0's host and port)") from e
+    finally:
+        _take_back_sigterm(sigterm)
+
+
+def _take_back_sigterm(action: Any) -> None:
+    """Gives SIGTERM back the action it had before `jax.distributed.initialize`.
+
+    JAX's preemption notifier takes SIGTERM over there (a C++ handler that logs "SIGTERM caught"
+    and nothing else we use), and swallowed the signal until the training loop installed its own
+    (training/preemption.py): a job told to stop before that trained on to its last step. With the
+    previous action back, SIGTERM in between (the planner's preflight, imports) ends the process
+    as it does with one process: nothing has been trained yet that a checkpoint would keep.
+    """
+    if action is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, action)
 
 
 def check_port_free(settings: ProcessSettings) -> None:

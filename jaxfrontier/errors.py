@@ -24,6 +24,8 @@ traceback, exit 1. A malformed flag or `--config.*` override is `cli.fail`: one 
 
 from __future__ import annotations
 
+import errno
+import re
 from typing import Any
 
 
@@ -62,6 +64,32 @@ class DiskFullError(UserError):
     (`cli.exit_code`'s `abandon_threads`); what was committed before is on disk already."""
 
     abandon_threads = True
+
+
+# The texts a full disk or quota leaves in an exception that only says it: strerror(ENOSPC) and
+# strerror(EDQUOT) on Linux, which TensorStore's RESOURCE_EXHAUSTED status quotes (followed by
+# [os_error_code='28'] or '122'), and Orbax passes on as a ValueError or RuntimeError.
+DISK_FULL_TEXTS = ('No space left on device', 'Disk quota exceeded')
+
+
+def disk_full(e: BaseException | None) -> OSError | None:
+    """The OSError(ENOSPC / EDQUOT) behind `e` (Orbax and TensorStore wrap it, or only say it), if any.
+
+    Of several in the chain (`__cause__`, else `__context__`), the first that names a file. Here,
+    below every layer, because the trainer turns it into DiskFullError and the checkpoint manager
+    silences Orbax's logged tracebacks of the same failure (checkpoint/manager.py).
+    """
+    seen, found = set(), []
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            found.append(e)
+        elif any(text in str(e) for text in DISK_FULL_TEXTS):
+            named = re.search(r'local file "(/[^"]+)"|"(/[^"]+)"', str(e))  # TensorStore names the file
+            path = getattr(e, 'filename', None) or (named and (named.group(1) or named.group(2)))
+            found.append(OSError(errno.ENOSPC, 'No space left on device', path or None))
+        e = e.__cause__ or e.__context__
+    return next((f for f in found if f.filename), found[0] if found else None)
 
 
 class CheckpointError(UserError):

@@ -80,6 +80,20 @@ def test_help_into_a_closed_pipe_is_quiet(module):
     assert proc.stderr == '', proc.stderr[-3000:]
 
 
+def test_ctrl_c_outside_the_training_loop_is_one_line():
+    """Ctrl-C before the loop's own handler (flags, imports, preflight): one line and 130, no traceback."""
+    script = ('import os, signal\n'
+              'from jaxfrontier import cli\n'
+              'def main(argv):\n'
+              '    os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt here\n'
+              '    return 0\n'
+              'cli.run_app(main)\n')
+    proc = subprocess.run([sys.executable, '-c', script], cwd=processes.REPO, env=processes.subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
+    assert 'Traceback' not in proc.stderr and proc.stderr.strip().startswith('interrupted (Ctrl-C)'), proc.stderr
+
+
 @pytest.mark.parametrize('override, field', [('--config.mesh.cpu_devices=-3', 'mesh.cpu_devices'),
                                              ('--config.optim.lr=inf', 'optim.lr'),
                                              ('--config.optim.lr=nan', 'optim.lr')])

@@ -8,9 +8,12 @@ which `Checkpointer` inherits.
 
 from __future__ import annotations
 
+import asyncio.base_events
 import json
 import logging as pylogging
 import os
+import sys
+import traceback
 from typing import Any
 
 import jax
@@ -34,17 +37,65 @@ log = logs.process0(__name__).info  # process 0 only
 
 
 class _QuietOrbax(pylogging.Filter):
-    """Drops Orbax's INFO chatter (about 20 lines per save); its warnings and errors pass."""
+    """Drops Orbax's INFO chatter (about 20 lines per save), and its error records of a write that
+    failed for lack of space; its other warnings and errors pass.
+
+    A save that fills the disk is logged by Orbax with a traceback from each thread it passes
+    through (`_SignalingThread.run()` in futures/future.py, the background commit in
+    async_checkpointer.py, `wait_until_finished` in checkpoint_manager.py), then raised to the
+    training loop, which ends the run with one `error: no space left ...` line (training/disk.py).
+    Only records whose exception or text `errors.disk_full` recognises are dropped (an OSError
+    ENOSPC / EDQUOT in the chain, or errors.DISK_FULL_TEXTS), so any other failure still shows.
+    """
 
     def filter(self, record) -> bool:
-        return record.levelno >= pylogging.WARNING or f'{os.sep}orbax{os.sep}' not in record.pathname
+        if f'{os.sep}orbax{os.sep}' not in record.pathname:
+            return True
+        if record.levelno < pylogging.WARNING:
+            return False
+        exception = record.exc_info[1] if record.exc_info else None
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # arguments that do not fit: the handler reports that itself
+            message = str(record.msg)
+        return errors.disk_full(exception) is None and not any(t in message for t in errors.DISK_FULL_TEXTS)
+
+
+def _closed_loop_wakeup(unraisable) -> bool:
+    """Whether an unraisable exception is a TensorStore callback waking an event loop Orbax closed.
+
+    Orbax runs a save's coroutine on a fresh asyncio loop and closes it as soon as the coroutine
+    ends (asyncio_utils.run_sync). When one TensorStore write fails (a full disk fails them all),
+    the `gather` raises at once; the writes still in flight finish later on TensorStore's C++
+    threads, whose done-callbacks call `loop.call_soon_threadsafe` on the closed loop and print
+    `RuntimeError: Event loop is closed` (one traceback per write, dozens per save). Nobody awaits
+    those results any more and the first failure is raised to the loop, so they carry nothing.
+    Keeping the loop open would mean changing Orbax; instead exactly this is recognised: a
+    RuntimeError with that text, not tied to an object, whose every frame is asyncio's own
+    `call_soon_threadsafe` (called from native code, so no Python frame of any caller).
+    """
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    return (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == 'Event loop is closed'
+            and unraisable.object is None and bool(frames) and frames[0].name == 'call_soon_threadsafe'
+            and all(f.filename == asyncio.base_events.__file__ for f in frames))
+
+
+def _unraisable_hook(previous):
+    def hook(unraisable) -> None:
+        if not _closed_loop_wakeup(unraisable):
+            previous(unraisable)
+    hook.drops_closed_loop_wakeups = True
+    return hook
 
 
 def quiet_orbax_logs() -> None:
-    """Installs _QuietOrbax on the absl logger once per process."""
+    """Installs _QuietOrbax on the absl logger, and the closed-loop filter on sys.unraisablehook
+    (_closed_loop_wakeup), once per process."""
     logger = logging.get_absl_logger()
     if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
         logger.addFilter(_QuietOrbax())
+    if not getattr(sys.unraisablehook, 'drops_closed_loop_wakeups', False):
+        sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
 
 
 class Checkpointer(restore.Restoring):

@@ -2,37 +2,18 @@
 
 Orbax's asynchronous save reports ENOSPC from a background thread, re-raised (sometimes only
 as text) at the next save or wait; building the built-in corpus raises a plain OSError. Both
-end the run with `error: no space left ...` (exit 2) instead of tracebacks; nothing committed
-before is touched (Orbax writes a step into a temporary directory and renames it when done).
+are found by `errors.disk_full` and end the run with `error: no space left ...` (exit 2) instead
+of tracebacks (Orbax's own logged tracebacks of it are dropped: checkpoint/manager.py); nothing
+committed before is touched (Orbax writes a step into a temporary directory and renames it when
+done).
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import re
 import shutil
 
 from jaxfrontier.errors import DiskFullError, UserError
-
-
-
-def disk_full(e: BaseException | None) -> OSError | None:
-    """The OSError(ENOSPC / EDQUOT) behind `e` (Orbax and TensorStore wrap it, or only say it), if any.
-
-    Of several in the chain, the first that names a file.
-    """
-    seen, found = set(), []
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            found.append(e)
-        elif 'No space left on device' in str(e) or 'Disk quota exceeded' in str(e):
-            named = re.search(r'local file "(/[^"]+)"|"(/[^"]+)"', str(e))  # TensorStore names the file
-            path = getattr(e, 'filename', None) or (named and (named.group(1) or named.group(2)))
-            found.append(OSError(errno.ENOSPC, 'No space left on device', path or None))
-        e = e.__cause__ or e.__context__
-    return next((f for f in found if f.filename), found[0] if found else None)
 
 
 def _size(n: int) -> str:

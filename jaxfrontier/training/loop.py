@@ -8,6 +8,7 @@ lock, checkpoints, metrics, profiling, preemption.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -24,6 +25,7 @@ from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
+from jaxfrontier import errors
 from jaxfrontier import logs
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import NonFiniteLossError
@@ -58,7 +60,13 @@ def _memory_summary(compiled) -> dict[str, float]:
 
 
 class _Reporter:
-    """Turns fetched step metrics into log records: perf numbers, NaN check, writer output."""
+    """Turns fetched step metrics into log records: perf numbers, NaN check, writer output.
+
+    A row's step time is the time between seeing two steps finished (their metrics fetched),
+    divided by the steps between them; the first row after start-up or a restore only starts
+    the clock. That holds only if nothing else waited for the newer step before: the loop
+    reports a step right after dispatching the next one, before a save or an evaluation syncs.
+    """
 
     def __init__(self, c: ml_collections.ConfigDict, writer: metrics_lib.MetricsWriter, n_devices: int,
                  pipeline_schedule=None, first_row: dict[str, float] | None = None):
@@ -164,11 +172,12 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
     """
     locks: list[workdir_lock.WorkdirLock] = []
     try:
-        return _train_and_evaluate(c, workdir, locks, validated, dict(startup or {}))
+        with contextlib.ExitStack() as handlers:  # the preemption handlers, restored on the way out
+            return _train_and_evaluate(c, workdir, locks, validated, dict(startup or {}), handlers)
     except Exception as e:  # pylint: disable=broad-except  (a full disk or device: one line, not tracebacks)
         if memory_check.is_out_of_memory(e):
             raise memory_check.out_of_memory_error(e) from e
-        full = disk.disk_full(e)
+        full = errors.disk_full(e)
         if full is not None:
             raise disk.disk_full_error(full, workdir) from e
         raise
@@ -178,13 +187,19 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
 
 
 def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list, validated: bool,
-                        startup: dict[str, float]) -> dict[str, float]:
+                        startup: dict[str, float], handlers: contextlib.ExitStack) -> dict[str, float]:
     phase = _PhaseTimer(startup)
     # 1. validate everything before writing or compiling anything
     if validated:
         config_lib.check_device_count(c, jax.device_count())
     else:
         validation.validate_run(c, jax.device_count())
+    # Preemption signals and Ctrl-C are handled from here, not from the first step: one that arrives
+    # while the run starts (mesh, data, restore, compile: minutes for a large model) stops it after
+    # its first step with a committed checkpoint, like one that arrives later (was: SIGTERM swallowed
+    # by JAX's notifier with several processes, Ctrl-C a KeyboardInterrupt traceback).
+    preemption = handlers.enter_context(preemption_lib.PreemptionWatcher(c.checkpoint))
+    handlers.enter_context(interrupt.first_interrupt_stops(preemption))
     checkpoint_lib.ensure_writable(workdir, f'--workdir={workdir!r}')
     locks.append(workdir_lock.acquire_for_job(workdir, c.train.workdir_lease_s))
 
@@ -235,17 +250,20 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count(), layout.pipeline_schedule,
                          first_row={'compile/time_s': compile_s, **memory, **phase.metrics()})
-    preemption = preemption_lib.PreemptionWatcher(c.checkpoint)
     profiler = profile_lib.StepProfiler(c, workdir)
     pending, stop, step_metrics = None, False, None
     commits = _CommitLog(checkpointer)
     try:
-        with preemption, interrupt.first_interrupt_stops(preemption), jax.set_mesh(mesh), \
-                mesh_lib.use_rules(layout.rules):
+        with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
             for step in range(done, c.train.steps):
                 batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
                 with profiler.step(step):
                     state, step_metrics = train_step(state, batch)
+                # The previous step's metrics, fetched first while this step runs: the reporter's clock
+                # reads when that step is seen finished. After a save (which waits for this step) the
+                # next fetch would return at once, and the step time of one row would be that gap.
+                if pending is not None:
+                    reporter.report(*pending)
                 step_metrics = {**step_metrics, **train_source.epochs(step, c.train.global_batch)}
                 done = step + 1
                 profiler.after(done, step_metrics)
@@ -257,8 +275,6 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
                 eval_loss = (evaluate(eval_step, state['params'], val_source, c, batch_sharding)
                              if eval_due and not stop else None)
-                if pending is not None:
-                    reporter.report(*pending)
                 pending = (done, step_metrics, eval_loss)
                 if stop:
                     break
