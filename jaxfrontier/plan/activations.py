@@ -71,7 +71,7 @@ def local_sizes(*, micro_batch: int, seq_len: int, num_heads: int, head_dim: int
 
     Activations keep the whole model dimension; weight copies are split over fsdp there.
     Key/value heads (`kv_heads`, 0: as many as query heads) split over tensor where they
-    divide it and are whole otherwise (`layout.kv_rules`).
+    divide it and are whole otherwise (`config.resolve_rules`).
     """
     g = kv_heads or num_heads
     g_local = g // tensor if g % tensor == 0 else g
