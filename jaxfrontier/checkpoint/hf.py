@@ -181,7 +181,8 @@ def check_matches(fields: dict[str, Any], c: ml_collections.ConfigDict, where: s
             continue  # a shorter context takes the first positions; rotary positions have no table
         same = math.isclose(ours, theirs, rel_tol=1e-9) if isinstance(theirs, float) else ours == theirs
         if not same:
-            raise ConfigError(f'model.{key}', ours, f'the Hugging Face model {where} has {theirs!r}',
+            rule = f' (ours: {ours}, by the family\'s rule)' if ours != c.model[key] else ''
+            raise ConfigError(f'model.{key}', c.model[key], f'the Hugging Face model {where} has {theirs!r}{rule}',
                               f'set --config.model.{key}={theirs} (or start from --config=configs/hf.py:path={where})')
 
 
