@@ -4,14 +4,20 @@
 attention (4 heads, 2 kv heads), an untied head and Llama 3.1 RoPE scaling, and a Qwen2 with
 q/k/v biases and a tied head. Checked here: config.json <-> model.* both ways (what we write,
 transformers reads back as the same model), every tensor HF -> ours -> HF bit for bit on a
-data 2 x fsdp 2 x tensor 2 mesh and on an interleaved pipeline, and each mismatch as one line.
+data 2 x fsdp 2 x tensor 2 mesh and on an interleaved pipeline, each mismatch as one line;
+then our forward: imported logits equal transformers' (1e-4, fp32), and through the CLIs
+(configs/hf.py:path=<dir>) greedy sampling equals `generate`, 20 training steps on our tokens
+export to a directory transformers loads with our logits and our greedy continuation.
 """
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -20,6 +26,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 safetensors_numpy = pytest.importorskip('safetensors.numpy')
 
+from configs import tiny  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier.checkpoint import hf  # noqa: E402
@@ -28,8 +35,10 @@ from jaxfrontier.checkpoint import hf_llama  # noqa: E402
 from jaxfrontier.checkpoint import init_from  # noqa: E402
 from jaxfrontier.checkpoint import readers  # noqa: E402
 from jaxfrontier.errors import UserError  # noqa: E402
+from jaxfrontier.inference import load as load_lib  # noqa: E402
 from jaxfrontier.model import llama  # noqa: E402
 from jaxfrontier.model import params as params_lib  # noqa: E402
+from test_hf import write_corpus  # noqa: E402
 from tests import processes  # noqa: E402
 
 CONFIG_FILE = os.path.join(processes.REPO, 'configs', 'hf.py')
@@ -307,3 +316,90 @@ def test_longer_context_than_max_position_embeddings_loads(dirs):
     c = hf_config_of(dirs['qwen2'], 'seq_len=128,data=8')
     assert c.model.seq_len == 128
     assert init_from.load_params(dirs['qwen2'], c, target_of(c))['wte'].shape[1] == 48
+
+
+# --------------------------------------------------------------------------- our forward against transformers'
+
+
+def our_logits(loaded, tokens_bt):
+    """Logits of loaded parameters on their mesh, real vocabulary only."""
+    with jax.set_mesh(loaded.layout.mesh), mesh_lib.use_rules(loaded.layout.rules):
+        logits = jax.jit(lambda p, t: loaded.layout.model_def.bind(p)(t))(loaded.params, jnp.asarray(tokens_bt))
+    return np.asarray(logits)[..., :VOCAB]
+
+
+def their_logits(path, tokens_bt):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens_bt)).logits.numpy(), model
+
+
+@pytest.mark.parametrize('name', ['llama', pytest.param('qwen2', marks=pytest.mark.slow)])
+def test_import_gives_transformers_logits(dirs, tmp_path, name):
+    c = tiny.get_config()  # data 2 x fsdp 2 x tensor 2, fp32: the model comes from config.json
+    c.checkpoint.init_params_from = dirs[name]
+    loaded = load_lib.load(c, str(tmp_path / 'no_run'))
+    assert loaded.config.model.family == 'llama' and loaded.config.model.num_kv_heads == 2
+    tokens_bt = np.random.RandomState(3).randint(0, VOCAB, (4, 48))  # past original_max_position_embeddings
+    theirs, _ = their_logits(dirs[name], tokens_bt)
+    np.testing.assert_allclose(our_logits(loaded, tokens_bt), theirs, atol=1e-4, rtol=0)
+
+
+def run_main(*args):
+    """stdout of `python -m jaxfrontier.main`; it must succeed."""
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *args], cwd=processes.REPO,
+                          env=processes.subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def greedy_sample(*args, prompt):
+    stdout = run_main(*args, '--mode=sample', f'--prompt={prompt}', '--temperature=0', '--max_new_tokens=10')
+    return json.loads(stdout.strip().splitlines()[-1].removeprefix('sample: '))['tokens'][0]
+
+
+def their_greedy(model, tokenizer, prompt):
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['llama', 'qwen2'])
+def test_continue_training_then_export_through_the_clis(dirs, tmp_path, name):
+    """configs/hf.py:path=<dir> samples as transformers does, trains 20 steps on our tokens, exports a directory
+    transformers loads as the same architecture with our logits and our greedy continuation."""
+    corpus, vocab = write_corpus(tmp_path)
+    assert vocab <= VOCAB
+    source = tmp_path / 'source'
+    shutil.copytree(dirs[name], source)
+    shutil.copyfile(tmp_path / 'corpus.tokenizer.json', source / 'tokenizer.json')  # the tokenizer found beside it
+    workdir, out = tmp_path / 'run', tmp_path / 'exported'
+    common = (f'--config=configs/hf.py:path={source},seq_len=32,data=2,fsdp=2,tensor=2', '--config.mesh.cpu_devices=8',
+              '--config.model.dtype=float32', f'--config.data.path={corpus}', '--config.train.progress=False',
+              '--config.train.eval_every=0', '--config.train.log_every=5', f'--workdir={workdir}')
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(source / 'tokenizer.json'))
+    prompt = 'the cat sat'
+    if name == 'llama':  # sampling from the directory itself (init_params_from, no checkpoint yet)
+        _, original = their_logits(source, np.zeros((1, 1), np.int64))
+        assert greedy_sample(*common, prompt=prompt) == their_greedy(original, tokenizer, prompt)
+
+    log = run_main(*common, '--config.train.steps=20', '--config.optim.lr=1e-3', '--config.optim.warmup_steps=2')
+    assert f'parameters from {source}' in log
+    run_main(*common, '--mode=export', '--export_format=hf', f'--export_path={out}')
+    assert {'config.json', 'model.safetensors', 'tokenizer.json'} <= set(os.listdir(out))
+
+    tokens_bt = np.random.RandomState(4).randint(0, vocab, (4, 32))
+    theirs, model = their_logits(out, tokens_bt)
+    assert type(model).__name__ == ('Qwen2ForCausalLM' if name == 'qwen2' else 'LlamaForCausalLM')
+    assert model.config.vocab_size == VOCAB  # the padded rows are not exported
+    c = tiny.get_config()
+    loaded = load_lib.load(c, str(workdir))
+    assert loaded.step == 20
+    ours = our_logits(loaded, tokens_bt)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    before, _ = their_logits(source, tokens_bt)
+    assert np.abs(ours - before).max() > 1e-2  # 20 steps changed the model
+
+    assert greedy_sample(*common, prompt=prompt) == their_greedy(model, tokenizer, prompt)
