@@ -13,8 +13,9 @@ whatever the depth:
   (checkpoints store block arrays in one-layer chunks, checkpoint/manager.py;
   readers.ParamReader), converts it and writes it to the safetensors file before reading the
   next (safetensors.write_safetensors takes a generator; the header is computed from shapes).
-- Import reads one layer of one HF tensor with `safe_open`, places that layer on the devices in
-  the parameter's sharding minus its layer axes, and writes it into the stacked parameter on the
+- Import reads one layer of one HF tensor (hf_files.read_tensor: a seek and a read, from
+  model.safetensors or the shard its index names; F32, F16, BF16 or F64), places that layer on
+  the devices in the parameter's sharding minus its layer axes, and writes it into the stacked parameter on the
   devices (a jitted, donated update), so no host array holds more than one layer.
 The embedding and head (vocabulary x width) are read whole; the padded vocabulary rows are
 dropped on export and zero on import.
@@ -186,14 +187,14 @@ def check_matches(fields: dict[str, Any], c: ml_collections.ConfigDict, where: s
                               f'set --config.model.{key}={theirs} (or start from --config=configs/hf.py:path={where})')
 
 
-def _hf_reader(f, keys: set[str], prefix: str):
-    """name -> array of a HF safetensors file, with or without the base model's prefix."""
-    def get(name: str):
-        key = name if name in keys else name.removeprefix(prefix)
-        if key not in keys:
+def _hf_reader(tensors: dict[str, hf_files.Tensor], prefix: str):
+    """name -> fp32 array of a HF directory's tensors, with or without the base model's prefix."""
+    def get(name: str) -> np.ndarray:
+        key = name if name in tensors else name.removeprefix(prefix)
+        if key not in tensors:
             raise CheckpointError(f'the Hugging Face model has no tensor {name!r}. Fix: save the model with '
                                   'transformers\' save_pretrained.')
-        return f.get_tensor(key)
+        return hf_files.read_tensor(tensors[key])
     return get
 
 
@@ -227,33 +228,30 @@ def _stacked(leaf, lead: int, read_layer: Callable[[int], np.ndarray]) -> jax.Ar
 def load_hf(hf_dir: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:
     """Reads a `transformers` directory into the shardings of `target`, the abstract parameters
     (checkpoint.init_params_from); its config must match `c`'s model (one line names the field)."""
-    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-
     hf = read_hf_config(hf_dir)
     converter = hf_files.converter_of(hf, hf_dir)
     check_matches(model_fields(hf, hf_dir), c, hf_dir, converter.POSITION_TABLE)
     v, prefix, blocks = c.model.vocab_size, converter.PREFIX, _block_names(converter)
     lead = 2 if c.mesh.pipeline > 1 and c.pipeline.virtual_stages > 1 else 1  # [V, L / V, ...] or [L, ...]
     top = {ours: prefix + theirs for ours, theirs in converter.TOP_FIRST + converter.TOP_LAST}
-    with safe_open(os.path.join(hf_dir, 'model.safetensors'), framework='numpy') as f:
-        get = _hf_reader(f, set(f.keys()), prefix)
+    get = _hf_reader(hf_files.weights(hf_dir), prefix)
 
-        def load(path, leaf):
-            name = format_lib.path_name(path)
-            if name.startswith('blocks/'):
-                ours = name.removeprefix('blocks/')
-                per_layer = tuple(leaf.shape[lead:])
-                return _stacked(leaf, lead, lambda layer: converter.from_hf(ours, [
-                    get(converter.NAMES.layer_prefix.format(layer=layer) + t) for t in blocks[ours]], per_layer))
-            if name in ('wte', 'head'):
-                full = np.zeros(leaf.shape, np.float32)
-                if name == 'wte':
-                    full[:v] = get(prefix + converter.EMBED)[:v]
-                else:
-                    full[:, :v] = get(HEAD)[:v].T
-            else:  # a position table keeps its first seq_len rows
-                full = get(top[name])[:leaf.shape[0]]
-            return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: full[index],
-                                                dtype=leaf.dtype)
+    def load(path, leaf):
+        name = format_lib.path_name(path)
+        if name.startswith('blocks/'):
+            ours = name.removeprefix('blocks/')
+            per_layer = tuple(leaf.shape[lead:])
+            return _stacked(leaf, lead, lambda layer: converter.from_hf(ours, [
+                get(converter.NAMES.layer_prefix.format(layer=layer) + t) for t in blocks[ours]], per_layer))
+        if name in ('wte', 'head'):
+            full = np.zeros(leaf.shape, np.float32)
+            if name == 'wte':
+                full[:v] = get(prefix + converter.EMBED)[:v]
+            else:
+                full[:, :v] = get(HEAD)[:v].T
+        else:  # a position table keeps its first seq_len rows
+            full = get(top[name])[:leaf.shape[0]]
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: full[index],
+                                            dtype=leaf.dtype)
 
-        return jax.tree_util.tree_map_with_path(load, target)
+    return jax.tree_util.tree_map_with_path(load, target)

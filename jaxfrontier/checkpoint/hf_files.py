@@ -15,11 +15,16 @@ and the fuzz suite feeds it anything.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import os
+import re
 from typing import Any
+
+import ml_dtypes
+import numpy as np
 
 from jaxfrontier.errors import CheckpointError
 from jaxfrontier.checkpoint import hf_gpt2
@@ -27,17 +32,21 @@ from jaxfrontier.checkpoint import hf_llama
 
 ITEMSIZE = {'F64': 8, 'F32': 4, 'F16': 2, 'BF16': 2, 'I64': 8, 'I32': 4, 'I16': 2, 'I8': 1, 'U8': 1, 'BOOL': 1,
             'U16': 2, 'U32': 4, 'U64': 8, 'F8_E4M3': 1, 'F8_E5M2': 1}
-READABLE = ('F64', 'F32', 'F16')  # what the numpy reader gives as floats
+DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16}  # read_tensor
+READABLE = tuple(DTYPES)
+INDEX = 'model.safetensors.index.json'  # a model saved in shards: {"weight_map": {tensor: file}}
+SHARD = re.compile(r'[\w-][\w.-]*\.safetensors')  # a shard the index may name: a file beside it, no path
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 CONVERTERS = (hf_gpt2, hf_llama)  # one module per model family (model/registry.py)
 SAVE_FIX = 'save the model again with transformers\' save_pretrained (safe_serialization=True, float32)'
 
 
 def looks_like_hf(path: str) -> bool:
-    """A directory that is meant as a Hugging Face model: model.safetensors, or a config.json with a model_type."""
+    """A directory meant as a Hugging Face model: model.safetensors (or its shards' index), or a config.json with a
+    model_type."""
     if not os.path.isdir(path):
         return False
-    if os.path.isfile(os.path.join(path, 'model.safetensors')):
+    if any(os.path.isfile(os.path.join(path, f)) for f in ('model.safetensors', INDEX)):
         return True
     try:
         with open(os.path.join(path, 'config.json'), 'rb') as f:
@@ -54,8 +63,23 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where one tensor of a directory's safetensors files lies (read_tensor reads it)."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+
 def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (dtype, shape)} of a safetensors file, every entry checked against the file's bytes.
+    """{tensor name: (dtype, shape)} of a safetensors file, every entry checked against the file's bytes."""
+    return {name: (t.dtype, t.shape) for name, t in read_safetensors_entries(path).items()}
+
+
+def read_safetensors_entries(path: str) -> dict[str, Tensor]:
+    """{tensor name: Tensor} of a safetensors file, every entry checked against the file's bytes.
 
     Raises:
       CheckpointError: the file is missing, truncated, or its header is not a valid safetensors header.
@@ -102,7 +126,7 @@ def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]
             raise bad(f'tensor {name!r} ({dtype} {list(shape)}) has data_offsets {offsets} in {data:,} bytes of '
                       'data (truncated?)')
         spans.append((start, stop, name))
-        out[name] = (dtype, shape)
+        out[name] = Tensor(path, dtype, shape, 8 + n + start)
     end = 0
     for start, stop, name in sorted(spans):  # the tensors tile the data, as the library requires
         if start != end:
@@ -174,16 +198,54 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
-    """(config, safetensors header) of a Hugging Face model directory, or one CheckpointError line."""
-    weights = os.path.join(path, 'model.safetensors')
-    if not os.path.isfile(weights):
+def weights(path: str) -> dict[str, Tensor]:
+    """Every tensor of a directory's weights: model.safetensors, or the shards model.safetensors.index.json maps.
+
+    Raises:
+      CheckpointError: no weights, an index that is not {"weight_map": {tensor: file beside it}}, a damaged
+        shard, or a tensor its shard does not hold.
+    """
+    single, index = os.path.join(path, 'model.safetensors'), os.path.join(path, INDEX)
+    if os.path.isfile(single):
+        return read_safetensors_entries(single)
+    if not os.path.isfile(index):
         others = sorted(f for f in os.listdir(path) if f.endswith(('.bin', '.pt', '.h5', '.msgpack', '.index.json')))
         found = f' (it has {", ".join(others[:3])}: not read)' if others else ''
-        raise CheckpointError(f'{path} has a config.json but no model.safetensors{found}. Fix: {SAVE_FIX}')
+        raise CheckpointError(f'{path} has a config.json but no model.safetensors{found} nor {INDEX}. Fix: {SAVE_FIX}')
+    try:
+        with open(index, 'rb') as f:
+            weight_map = json.loads(f.read(MAX_HEADER_BYTES).decode('utf-8')).get('weight_map')
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and SHARD.fullmatch(v) for v in weight_map.values()):
+        raise CheckpointError(f'{index} is not an object whose weight_map maps tensors to .safetensors files beside it. '
+                              f'Fix: {SAVE_FIX}')
+    shards = {file: read_safetensors_entries(os.path.join(path, file)) for file in sorted(set(weight_map.values()))}
+    for name, file in weight_map.items():
+        if name not in shards[file]:
+            raise CheckpointError(f'{index} maps tensor {name!r} to {file}, which does not hold it. Fix: {SAVE_FIX}')
+    return {name: shards[file][name] for name, file in weight_map.items()}
+
+
+def read_tensor(t: Tensor) -> np.ndarray:
+    """One tensor (checked by read_safetensors_entries) as fp32; little-endian, as safetensors stores it."""
+    with open(t.file, 'rb') as f:
+        f.seek(t.offset)
+        data = f.read(math.prod(t.shape) * ITEMSIZE[t.dtype])
+    return np.frombuffer(data, DTYPES[t.dtype]).reshape(t.shape).astype(np.float32)
+
+
+def names_where(path: str) -> str:
+    """The file that lists a directory's tensors: model.safetensors, else the shards' index."""
+    single = os.path.join(path, 'model.safetensors')
+    return single if os.path.isfile(single) else os.path.join(path, INDEX)
+
+
+def check(path: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(config, its tensors) of a Hugging Face model directory, or one CheckpointError line."""
     config = read_config(path)
     converter = converter_of(config, path)
-    header = read_safetensors_header(weights)
+    header = weights(path)
     names = {name.removeprefix(converter.PREFIX): entry for name, entry in header.items()}
     layers = converter.num_layers(config)
     prefix = converter.NAMES.layer_prefix.removeprefix(converter.PREFIX)
@@ -193,14 +255,14 @@ def check(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ..
         (prefix.format(layer=layer) + name, shape) for layer in range(layers) for name, shape in per_layer.items()))
     for name, shape in expected:
         if name not in names:
-            raise CheckpointError(f'{weights} has no tensor {name!r} (nor {converter.PREFIX}{name}) that its '
+            raise CheckpointError(f'{names_where(path)} has no tensor {name!r} (nor {converter.PREFIX}{name}) that its '
                                   f'config.json ({layers} layers) needs. Fix: {SAVE_FIX}')
-        dtype, saved = names[name]
+        dtype, saved = names[name].dtype, names[name].shape
         vocab_rows = name in (converter.EMBED, 'lm_head.weight')
         if saved != shape and not (vocab_rows and len(saved) == 2 and saved[0] >= shape[0] and saved[1] == shape[1]):
-            raise CheckpointError(f'{weights}: tensor {name!r} has shape {list(saved)}, its config.json needs '
+            raise CheckpointError(f'{names[name].file}: tensor {name!r} has shape {list(saved)}, its config.json needs '
                                   f'{list(shape)}. Fix: {SAVE_FIX}')
         if dtype not in READABLE:
-            raise CheckpointError(f'{weights}: tensor {name!r} is {dtype}; jaxfrontier reads F32, F16 or F64. Fix: '
-                                  f'{SAVE_FIX}')
+            raise CheckpointError(f'{names[name].file}: tensor {name!r} is {dtype}; jaxfrontier reads '
+                                  f'{", ".join(READABLE)}. Fix: {SAVE_FIX}')
     return config, header

@@ -223,6 +223,20 @@ def test_tensors_round_trip_exactly(dirs, name, arg):
         np.testing.assert_array_equal(value, theirs[tensor], err_msg=tensor)
 
 
+def test_sharded_bfloat16_directory_imports(dirs, tmp_path):
+    """As large models are published: bf16 tensors in shards named by model.safetensors.index.json."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs['llama']).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / 'bf16', max_shard_size='40KB')
+    assert not (tmp_path / 'bf16' / 'model.safetensors').exists()
+    assert len([f for f in os.listdir(tmp_path / 'bf16') if f.endswith('.safetensors')]) > 2
+    c = hf_config_of(dirs['llama'], 'data=2,fsdp=2,tensor=2')
+    ours = ParamsReader(init_from.load_params(str(tmp_path / 'bf16'), c, target_of(c)), c.model.num_layers)
+    theirs = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    np.testing.assert_array_equal(ours.read('wte')[:VOCAB], theirs['model.embed_tokens.weight'])
+    np.testing.assert_array_equal(ours.layer('mlp/w_up', 2), theirs['model.layers.2.mlp.up_proj.weight'].T)
+    np.testing.assert_array_equal(ours.read('norm_f/scale'), theirs['model.norm.weight'])
+
+
 # --------------------------------------------------------------------------- mismatches: one line each
 
 

@@ -37,10 +37,28 @@ def llama_directory(path):
     return path
 
 
+def sharded(path, source):
+    """`source`'s tensors in two shards and model.safetensors.index.json, as save_pretrained writes a large model."""
+    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+    tensors = load_file(str(source / 'model.safetensors'))
+    names = sorted(tensors)
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source / 'config.json', path / 'config.json')
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        file = f'model-0000{i + 1}-of-00002.safetensors'
+        save_file({n: tensors[n] for n in part}, str(path / file))
+        weight_map |= {n: file for n in part}
+    (path / hf_dir.INDEX).write_text(json.dumps({'metadata': {}, 'weight_map': weight_map}))
+    return path
+
+
 _ROOT = pathlib.Path(tempfile.mkdtemp(prefix='jf_fuzz_hf_'))
 PRISTINE = {'gpt2': hf_directory(_ROOT / 'gpt2', layers=2), 'llama': llama_directory(_ROOT / 'llama')}
 CONFIG = {k: json.loads((p / 'config.json').read_text()) for k, p in PRISTINE.items()}
 WEIGHTS = {k: (p / 'model.safetensors').read_bytes() for k, p in PRISTINE.items()}
+SHARDED = sharded(_ROOT / 'sharded', PRISTINE['llama'])
+INDEX = json.loads((SHARDED / hf_dir.INDEX).read_text())
 
 
 def cases_of(kind):
@@ -99,6 +117,34 @@ def test_hf_llama_directory(budget):
                    (json.dumps(llama | {'rms_norm_eps': float('nan')}, allow_nan=True).encode(), weights),
                    (json.dumps(llama | {'model_type': None}).encode(), weights),
                    (json.dumps({k: v for k, v in llama.items() if k != 'model_type'}).encode(), weights)])
+
+
+def check_index(index: bytes):
+    """A sharded directory whose index is mutated: one line, or the same tensors as the intact one."""
+    with tempfile.TemporaryDirectory() as d:
+        for f in os.listdir(SHARDED):
+            shutil.copyfile(SHARDED / f, os.path.join(d, f))
+        with open(os.path.join(d, hf_dir.INDEX), 'wb') as f:
+            f.write(index)
+        before = snapshot(d)
+        out = user_error_or(lambda: hf_dir.check(d))
+        if isinstance(out, tuple):
+            assert all(os.path.dirname(t.file) == d for t in out[1].values())  # nothing read outside it
+            assert set(out[1]) <= set(INDEX['weight_map'])
+        assert snapshot(d) == before
+
+
+@tiers(fast=100)
+def test_hf_sharded_index(budget):
+    indexes = st.one_of(mutated_dict(INDEX).map(lambda c: json.dumps(c, allow_nan=True).encode()),
+                        mutated_bytes(json.dumps(INDEX).encode()), json_values.map(lambda v: json.dumps(v).encode()))
+    first = sorted(INDEX['weight_map'])[0]
+    fuzz('Hugging Face shard index (hf_dir.weights)', indexes, check_index, budget,
+         examples=[json.dumps({'weight_map': INDEX['weight_map'] | {first: '../model-00001-of-00002.safetensors'}}).encode(),
+                   json.dumps({'weight_map': INDEX['weight_map'] | {first: '/etc/passwd'}}).encode(),
+                   json.dumps({'weight_map': INDEX['weight_map'] | {first: 'model-00002-of-00002.safetensors'}}).encode(),
+                   json.dumps({'weight_map': INDEX['weight_map'] | {first: 'missing.safetensors'}}).encode(),
+                   json.dumps({'weight_map': []}).encode(), b'[]'])
 
 
 def teardown_module():
