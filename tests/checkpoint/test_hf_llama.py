@@ -302,6 +302,18 @@ def test_mismatch_is_one_line(dirs, tmp_path, what):
     assert said in str(e.value) and '\n' not in str(e.value), str(e.value)
 
 
+def test_cli_refusal_is_one_line(dirs, tmp_path):
+    """configs/hf.py reads config.json while the flags are parsed: a Mistral with a sliding window exits 2, one line."""
+    source = _edit(dirs['llama'], tmp_path / 'hf', MISMATCHES['mistral_sliding_window'][0])
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', f'--config=configs/hf.py:path={source}',
+                           f'--workdir={tmp_path / "run"}'], cwd=processes.REPO, env=processes.subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+    assert proc.returncode == 2 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+    assert 'sliding_window = 16' in errors[0] and 'Fix:' in errors[0]
+    assert not (tmp_path / 'run').exists()
+
+
 def test_head_dim_other_than_width_over_heads_is_refused(dirs, tmp_path):
     """A consistent directory (tensors of head_dim 16) that our Llama cannot compute: d / H is 12."""
     source = _edit(dirs['llama'], tmp_path / 'hf', _set(head_dim=16), lambda t: t.update({
