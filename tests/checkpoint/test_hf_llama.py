@@ -30,6 +30,7 @@ from configs import tiny  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier.checkpoint import hf  # noqa: E402
+from jaxfrontier.checkpoint import manager as ckpt_lib  # noqa: E402
 from jaxfrontier.checkpoint import hf_files  # noqa: E402
 from jaxfrontier.checkpoint import hf_llama  # noqa: E402
 from jaxfrontier.checkpoint import init_from  # noqa: E402
@@ -221,6 +222,29 @@ def test_tensors_round_trip_exactly(dirs, name, arg):
     assert set(written) == set(theirs)
     for tensor, value in written.items():
         np.testing.assert_array_equal(value, theirs[tensor], err_msg=tensor)
+
+
+@pytest.mark.parametrize('name', ['llama', 'qwen2'])
+def test_checkpoint_exports_as_the_same_transformers_model(dirs, tmp_path, name):
+    """HF -> a real checkpoint (Orbax, one-layer chunks) -> export_hf: transformers loads the same model back."""
+    c = hf_config_of(dirs[name], 'data=2,fsdp=2,tensor=2')
+    c.checkpoint.async_save = False
+    params = init_from.load_params(dirs[name], c, target_of(c))
+    ckpt = ckpt_lib.Checkpointer(c, str(tmp_path / 'run'))
+    ckpt.save(1, {'step': jnp.ones((), jnp.int32), 'params': params, 'opt_state': jnp.zeros((), jnp.float32)},
+              force=True)
+    ckpt.close()
+    summary = hf.export_hf(str(tmp_path / 'run'), str(tmp_path / 'out'))
+    assert summary['architecture'] == {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM'}[name]
+    exported = safetensors_numpy.load_file(str(tmp_path / 'out' / 'model.safetensors'))
+    original = safetensors_numpy.load_file(os.path.join(dirs[name], 'model.safetensors'))
+    assert set(exported) == set(original)
+    for tensor, value in original.items():
+        np.testing.assert_array_equal(exported[tensor], value, err_msg=tensor)
+    tokens_bt = np.random.RandomState(5).randint(0, VOCAB, (2, 40))
+    after, model = their_logits(str(tmp_path / 'out'), tokens_bt)
+    assert type(model).__name__ == summary['architecture']
+    np.testing.assert_array_equal(after, their_logits(dirs[name], tokens_bt)[0])
 
 
 def test_sharded_bfloat16_directory_imports(dirs, tmp_path):
