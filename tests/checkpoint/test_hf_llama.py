@@ -396,15 +396,15 @@ def test_import_gives_transformers_logits(dirs, tmp_path, name):
 
 
 def run_main(*args):
-    """stdout of `python -m jaxfrontier.main`; it must succeed."""
+    """(stdout, log on stderr) of `python -m jaxfrontier.main`; it must succeed."""
     proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *args], cwd=processes.REPO,
                           env=processes.subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
+    return proc.stdout, proc.stderr
 
 
 def greedy_sample(*args, prompt):
-    stdout = run_main(*args, '--mode=sample', f'--prompt={prompt}', '--temperature=0', '--max_new_tokens=10')
+    stdout, _ = run_main(*args, '--mode=sample', f'--prompt={prompt}', '--temperature=0', '--max_new_tokens=10')
     return json.loads(stdout.strip().splitlines()[-1].removeprefix('sample: '))['tokens'][0]
 
 
@@ -435,7 +435,7 @@ def test_continue_training_then_export_through_the_clis(dirs, tmp_path, name):
         _, original = their_logits(source, np.zeros((1, 1), np.int64))
         assert greedy_sample(*common, prompt=prompt) == their_greedy(original, tokenizer, prompt)
 
-    log = run_main(*common, '--config.train.steps=20', '--config.optim.lr=1e-3', '--config.optim.warmup_steps=2')
+    _, log = run_main(*common, '--config.train.steps=20', '--config.optim.lr=1e-3', '--config.optim.warmup_steps=2')
     assert f'parameters from {source}' in log
     run_main(*common, '--mode=export', '--export_format=hf', f'--export_path={out}')
     assert {'config.json', 'model.safetensors', 'tokenizer.json'} <= set(os.listdir(out))
