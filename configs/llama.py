@@ -39,9 +39,12 @@ def get_config(arg=None):
                    rope_original_max_len=8192, init_std=0.02, remat='full')
     if a.size == 'tiny':
         c.model.update(seq_len=128, vocab_size=256, vocab_multiple=128, dtype='float32', remat='none')
-        c.train.update(steps=300, global_batch=16, micro_batch=4, log_every=25, eval_every=100)
-        c.optim.update(lr=3e-3, min_lr=3e-4, warmup_steps=30)
         c.mesh.update(data=a.data or 1, fsdp=a.fsdp, tensor=a.tensor, pipeline=a.pipeline)
+        dp = c.mesh.data * c.mesh.fsdp  # 16 sequences a step: micro-batches of 4 accumulated where dp < 4
+        accum = max(1, 16 // (4 * dp))
+        c.train.update(steps=300, global_batch=16, micro_batch=16 // (accum * dp), accum_steps=accum,
+                       log_every=25, eval_every=100)
+        c.optim.update(lr=3e-3, min_lr=3e-4, warmup_steps=30)
         return c
     c.model.update(seq_len=8192, vocab_size=128256, vocab_multiple=128, dtype='bfloat16')
     c.mesh.update(data=a.data or 1, fsdp=a.fsdp, tensor=a.tensor, pipeline=a.pipeline)

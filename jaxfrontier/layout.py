@@ -20,6 +20,7 @@ import ml_collections
 
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 
 DATA = 'data'
@@ -139,7 +140,7 @@ class Layout:
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
         """The config's layout, made once per run and handed to the trainer, the pipeline and the planner."""
-        data_in_batch, params_over_data = data_placement(c.sharding.rules)
+        data_in_batch, params_over_data = data_placement(config_lib.sharding_rules(c))
         return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
                    micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,

@@ -37,6 +37,9 @@ FROM_A_DIRECTORY = {'hf.py'}  # builds its model from a Hugging Face directory: 
 CONFIGS = [('tiny.py', None)] + [('gpt.py', f'size={s}') for s in ('125m', '350m', '1.3b', '6.7b')] + [
     ('22b.py', None), ('175b.py', None), ('1t.py', None)]
 
+# llama.py's sizes: Meta's published shapes (their parameter counts: tests/model/test_llama.py).
+LLAMA_CONFIGS = [('llama.py', f'size={s}') for s in ('tiny', '1b', '3b', '8b', '70b', '405b')]
+
 # FRONTIER.md's parameter counts of the paper's models.
 PAPER_PARAMS = {'22b.py': 22.1e9, '175b.py': 174.6e9, '1t.py': 1.008e12}
 
@@ -62,7 +65,7 @@ def closed_form_params(c):
 
 def test_every_config_file_is_covered():
     files = {f for f in os.listdir(CONFIG_DIR) if f.endswith('.py')}
-    assert files - HELPERS - FROM_A_DIRECTORY == {name for name, _ in CONFIGS}
+    assert files - HELPERS - FROM_A_DIRECTORY == {name for name, _ in CONFIGS + LLAMA_CONFIGS}
     for helper in HELPERS:  # a helper must not pretend to be a config
         assert not hasattr(_load_module(helper), 'get_config')
 
@@ -98,6 +101,82 @@ def test_config_validates_and_shapes(name, arg):
     assert n_opt == 2 * n_params, 'Adam keeps two fp32 moments per parameter'
     assert all(x.dtype == jnp.float32 for x in opt_leaves if x.ndim > 0)
     assert jax.tree.structure(state['params']) == jax.tree.structure(params)
+
+
+# Hugging Face config.json of each: (layers, hidden, heads, kv heads, intermediate, tied, rope factor).
+LLAMA_PUBLISHED = {'1b': (16, 2048, 32, 8, 8192, True, 32.0), '3b': (28, 3072, 24, 8, 8192, True, 32.0),
+                   '8b': (32, 4096, 32, 8, 14336, False, 8.0), '70b': (80, 8192, 64, 8, 28672, False, 8.0),
+                   '405b': (126, 16384, 128, 8, 53248, False, 8.0)}
+
+
+@pytest.mark.parametrize('name,arg', LLAMA_CONFIGS, ids=[f'{n}:{a}' for n, a in LLAMA_CONFIGS])
+def test_llama_config_validates_and_shapes(name, arg):
+    c = load_config(name, arg)
+    config_lib.validate(c, config_lib.num_devices(c))
+    shape = config_lib.model_shape(c)
+    assert shape.family == 'llama'
+    model_def = params_lib.ModelDef.create(shape)
+    params = model_def.abstract_params()
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    from jaxfrontier.model import registry  # pylint: disable=g-import-not-at-top
+    assert params_lib.count_params(params) == sum(p.size for p in registry.get('llama').param_specs(shape))
+    m, size = c.model, arg.removeprefix('size=')
+    k = m.d_model // m.num_heads
+    assert params['blocks']['attn']['w_kv'].shape == (m.num_layers, m.d_model, 2, shape.kv_heads, k)
+    assert ('head' in params) == (not m.tied_embeddings)
+    if size in LLAMA_PUBLISHED:
+        assert (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, shape.mlp_dim, m.tied_embeddings,
+                m.rope_factor) == LLAMA_PUBLISHED[size]
+        assert (m.vocab_size, m.rope_theta, m.rope_scaling, m.rope_original_max_len, m.norm_eps) == (
+            128256, 500000.0, 'llama3', 8192, 1e-5)
+    tx, _ = ts.make_optimizer(c)
+    state = jax.eval_shape(lambda p: {'params': p, 'opt_state': tx.init(p)}, params)
+    assert sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(state['opt_state']) if x.ndim > 0) == (
+        2 * params_lib.count_params(params))
+
+
+@pytest.mark.parametrize('field,value', [('num_kv_heads', 2), ('qkv_bias', True), ('rope_scaling', 'llama3'),
+                                         ('rope_theta', 500000.0), ('norm_eps', 1e-6), ('ffn_dim_multiplier', 1.3)])
+def test_llama_fields_on_a_gpt_config_are_refused(field, value):
+    c = config_lib.base_config()
+    c.model[field] = value
+    with pytest.raises(ConfigError, match=rf"model.{field} = .*only the llama family uses it.*model.family='llama'"):
+        config_lib.validate(c)
+
+
+def test_gpt_may_name_its_kv_heads_as_its_heads():
+    c = config_lib.base_config()
+    c.model.num_kv_heads = c.model.num_heads
+    config_lib.validate(c)
+
+
+@pytest.mark.parametrize('fields,match', [
+    (dict(num_kv_heads=3), r'model.num_kv_heads = 3: must divide model.num_heads = 4'),
+    (dict(num_kv_heads=8), r'model.num_kv_heads = 8: must divide model.num_heads = 4'),
+    (dict(d_model=12, num_heads=4), r'model.d_model = 12: the head dimension .* = 3 must be even'),
+    (dict(rope_scaling='yarn'), r"model.rope_scaling = 'yarn': unknown RoPE scaling"),
+    (dict(rope_scaling='llama3', rope_low_freq_factor=4.0), r'rope_high_freq_factor = 4.0: must be finite and above'),
+    (dict(rope_scaling='llama3', rope_factor=0.5), r'model.rope_factor = 0.5: must be'),
+    (dict(norm_eps=0.0), r'model.norm_eps = 0.0: must be a finite number > 0'),
+    (dict(multiple_of=0), r'model.multiple_of = 0: must be a positive integer'),
+    (dict(mlp_dim=-1), r'model.mlp_dim = -1: must be an integer >= 0'),
+])
+def test_impossible_llama_configs_are_one_line_errors(fields, match):
+    c = config_lib.base_config()
+    c.model.update(family='llama', **fields)
+    with pytest.raises(ConfigError, match=match):
+        config_lib.validate(c)
+
+
+def test_kv_heads_not_dividing_tensor_are_replicated_not_refused():
+    """Megatron's GQA: 2 kv heads on tensor 4 are kept whole on every tensor rank (resolve_rules)."""
+    c = config_lib.base_config()
+    c.model.update(family='llama', num_heads=8, num_kv_heads=2, d_model=128)
+    c.mesh.tensor, c.train.global_batch = 4, 8
+    config_lib.validate(c)
+    assert dict(config_lib.sharding_rules(c))['kv_heads'] is None
+    c.mesh.tensor = 2
+    assert dict(config_lib.sharding_rules(c))['kv_heads'] == 'tensor'
 
 
 @pytest.mark.parametrize('name', sorted(PAPER_PARAMS))

@@ -36,6 +36,8 @@ from jaxfrontier.config.schema import (  # noqa: F401
     num_devices,
     padded_vocab,
     parse_arg,
+    resolve_rules,
     resolve_scan_unroll,
+    sharding_rules,
     set_cpu_device_count,
 )

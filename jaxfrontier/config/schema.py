@@ -24,6 +24,9 @@ DEFAULT_RULES = (
     ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
     ('mlp', 'tensor'),  # Megatron column/row split of the MLP
     ('heads', 'tensor'),  # Megatron split of attention by heads
+    # llama's key/value heads: split like the query heads where their count divides the
+    # axes, replicated where it does not (Megatron's GQA; `resolve_rules`)
+    ('kv_heads', 'tensor'),
     ('vocab', 'tensor'),  # vocabulary-parallel embedding and head
     ('qkv', None),
     ('head_dim', None),
@@ -31,7 +34,7 @@ DEFAULT_RULES = (
     ('act_embed', None),  # activations' model dimension stays whole
 )
 
-MODEL_FAMILIES = ('gpt',)  # model/registry.py declares each (a test holds the two equal)
+MODEL_FAMILIES = ('gpt', 'llama')  # model/registry.py declares each (a test holds the two equal)
 ROPE_SCALINGS = ('none', 'llama3')  # llama: model.rope_scaling (model/rope.py)
 ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn', 'blockwise')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
@@ -275,6 +278,32 @@ def set_cpu_device_count(n: int) -> None:
 
 
 # --------------------------------------------------------------------------- derived values
+
+
+def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int]) -> tuple[tuple[str, Any], ...]:
+    """The logical rules for this model on this mesh: what every consumer of the rules uses.
+
+    The rules name axes per logical dimension whatever the model; a grouped-query model's g
+    key/value heads can only be split over `kv_heads`' axes where g divides their size (JAX
+    shards evenly). Where it does not (8 kv heads on tensor 16, 2 on tensor 4), each tensor
+    rank keeps every kv head, as Megatron-LM does for GQA, and still slices its own query
+    heads' share after the repeat (model/attention.py). Lists become tuples (a resolved config
+    file holds lists).
+    """
+    out = []
+    for name, target in rules:
+        target = tuple(target) if isinstance(target, list) else target
+        if name == 'kv_heads' and target is not None:
+            axes = (target,) if isinstance(target, str) else target
+            if shape.kv_heads % math.prod(int(mesh_sizes.get(a, 1)) for a in axes):
+                target = None
+        out.append((name, target))
+    return tuple(out)
+
+
+def sharding_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
+    """`resolve_rules` of config `c` on its own mesh."""
+    return resolve_rules(c.sharding.rules, model_shape(c), mesh_shape(c))
 
 
 def data_parallel_size(c: ml_collections.ConfigDict) -> int:

@@ -1,7 +1,9 @@
-"""Causal self-attention: the projections, and the kernels behind one dispatch function.
+"""Causal self-attention: GPT's projections, and the kernels and KV cache every family uses.
 
-With a KV cache (decoding, model/decode.py) the same projections run and the queries attend
-to the cached keys (`cached_attention`, fp32 scores as in `reference_attention`).
+A family projects queries [B, T, H, K] and keys/values of G <= H heads (grouped-query
+attention; GPT: G = H) and calls `attend`, which repeats kv heads to the query heads before
+the kernel. With a KV cache (decoding, model/decode.py) the cache holds the G kv heads and
+the queries attend to it (`cached_attention`, fp32 scores as in `reference_attention`).
 
 Kernels (config.model.attention):
   reference  einsum + causal mask + fp32 softmax, written out here; runs everywhere.
@@ -28,8 +30,9 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.blockwise import blockwise_attention
 from jaxfrontier.model.layers import ACT_ND, param
 
-ACT_BTHK = ('batch', None, 'heads', None)  # also one layer's KV cache [B, S, H, K]
-KVCache = dict[str, jax.Array]  # one layer's {'k', 'v'} [B, S, H, K] (model/decode.py)
+ACT_BTHK = ('batch', None, 'heads', None)
+ACT_BTGK = ('batch', None, 'kv_heads', None)  # keys and values, also one layer's KV cache [B, S, G, K]
+KVCache = dict[str, jax.Array]  # one layer's {'k', 'v'} [B, S, G, K] (model/decode.py)
 
 
 def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str:
@@ -72,6 +75,40 @@ def write_cache(cache_bshk: jax.Array, new_bthk: jax.Array, pos_bt: jax.Array) -
     return jnp.where(at_bs[:, :, None, None], new_bthk, cache_bshk)
 
 
+def repeat_kv(x_bsgk: jax.Array, num_heads: int) -> jax.Array:
+    """Grouped-query attention: G key/value heads -> H, query head i reading kv head i // (H/G).
+
+    transformers' `repeat_kv` order, so Hugging Face weights need no permutation. Contiguous
+    groups also keep a tensor split local: rank r's query heads use exactly rank r's kv heads
+    where G divides the tensor size, and where kv heads are replicated each rank slices the
+    repeat to its own query heads.
+    """
+    groups = num_heads // x_bsgk.shape[2]
+    return x_bsgk if groups == 1 else jnp.repeat(x_bsgk, groups, axis=2)
+
+
+def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, blocks: tuple[int, int],
+           cache: KVCache | None = None, positions_bt: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    """Attention of projected queries [B, T, H, K] over keys/values of G <= H heads [B, T, G, K].
+
+    Training (no cache): causal attention among the T tokens with the configured kernel, kv
+    heads repeated to the query heads first. Decoding: the new keys and values are written to
+    this layer's cache {'k', 'v'} [B, S, G, K] at `positions_bt` (the cache holds G heads) and
+    each query attends to the cached keys up to its own position. Returns (output [B, T, H, K],
+    the cache or None).
+    """
+    h = q_bthk.shape[2]
+    q_bthk = mesh_lib.constrain(q_bthk, ACT_BTHK)
+    k_btgk, v_btgk = (mesh_lib.constrain(x, ACT_BTGK) for x in (k_btgk, v_btgk))
+    if cache is None:
+        k_bthk, v_bthk = (mesh_lib.constrain(repeat_kv(x, h), ACT_BTHK) for x in (k_btgk, v_btgk))
+        return mesh_lib.constrain(dot_product_attention(q_bthk, k_bthk, v_bthk, impl, *blocks), ACT_BTHK), None
+    cache = {name: mesh_lib.constrain(write_cache(cache[name], new, positions_bt), ACT_BTGK)
+             for name, new in (('k', k_btgk), ('v', v_btgk))}
+    k_bshk, v_bshk = (mesh_lib.constrain(repeat_kv(cache[name], h), ACT_BTHK) for name in ('k', 'v'))
+    return mesh_lib.constrain(cached_attention(q_bthk, k_bshk, v_bshk, positions_bt), ACT_BTHK), cache
+
+
 def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str, block_q: int = 64, block_kv: int = 64) -> jax.Array:
     """Causal attention with the named kernel (see the module docstring); block sizes: blockwise only."""
     impl = resolve_impl(impl, q_bthk.dtype)
@@ -106,23 +143,16 @@ class Attention(nnx.Module):
                  positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
         """Attention of `x_nd` ([B*T, d], T = seq_len); with `cache`, also the extended cache.
 
-        Training passes no cache: causal attention among the T tokens, with the configured
-        kernel. Decoding passes this layer's cache {'k', 'v'} [B, S, H, K] and the tokens'
-        positions [B, T]: their keys and values are written there, and each query attends
-        to the cached keys up to its own position.
+        Training passes no cache; decoding passes this layer's cache {'k', 'v'} [B, S, H, K]
+        and the tokens' positions [B, T] (`attend`).
         """
         dtype = x_nd.dtype
         qkv_n3hk = jnp.einsum('nd,dahk->nahk', x_nd, self.w_qkv[...].astype(dtype)) + self.b_qkv[...].astype(dtype)
         n, _, h, k = qkv_n3hk.shape
         qkv_bt3hk = qkv_n3hk.reshape(n // seq_len, seq_len, 3, h, k)  # [B, T, 3, H, K]
-        q, kk, v = (mesh_lib.constrain(qkv_bt3hk[:, :, i], ACT_BTHK) for i in range(3))
-        if cache is None:
-            o_bthk = dot_product_attention(q, kk, v, self.impl, *self.blocks)
-        else:
-            cache = {name: mesh_lib.constrain(write_cache(cache[name], new, positions_bt), ACT_BTHK)
-                     for name, new in (('k', kk), ('v', v))}
-            o_bthk = cached_attention(q, cache['k'], cache['v'], positions_bt)
-        o_nhk = mesh_lib.constrain(o_bthk, ACT_BTHK).reshape(n, h, k)  # [B*T, H, K]
+        o_bthk, cache = attend(qkv_bt3hk[:, :, 0], qkv_bt3hk[:, :, 1], qkv_bt3hk[:, :, 2], self.impl, self.blocks,
+                               cache, positions_bt)
+        o_nhk = o_bthk.reshape(n, h, k)  # [B*T, H, K]
         y_nd = jnp.einsum('nhk,hkd->nd', o_nhk, self.w_out[...].astype(dtype)) + self.b_out[...].astype(dtype)
         y_nd = mesh_lib.constrain(y_nd, ACT_ND)
         return y_nd if cache is None else (y_nd, cache)

@@ -4,9 +4,11 @@ Decoding runs the model's own blocks (`Block.__call__` with a cache and position
 `Attention` writes to and attends over); this module holds only the cache and the two
 drivers. A query at position p sees the cached keys 0..p.
 
-The cache is `{'k', 'v'}` of shape [L, B, S, H, K] (S = model.seq_len, the learned positions'
-length), heads over `tensor` and batch rows over the batch axes like the activations, so a
-tensor-parallel decode keeps each device's heads local (Megatron's split, as in training).
+The cache is `{'k', 'v'}` of shape [L, B, S, G, K]: S = model.seq_len (the longest sequence
+the model was built for), G the key/value heads (llama's `num_kv_heads`, a grouped-query
+cache H/G times smaller; GPT: G = H). Kv heads lie over `tensor` as in training (split where
+G divides it, replicated where not: config.resolve_rules) and batch rows over the batch axes
+like the activations, so a tensor-parallel decode keeps each device's heads local.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from flax import nnx
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import ModelShape
 
-CACHE_NAMES = (None, 'batch', None, 'heads', None)  # [L, B, S, H, K]
+CACHE_NAMES = (None, 'batch', None, 'kv_heads', None)  # [L, B, S, G, K]
 Cache = dict[str, jax.Array]
 
 
 def init_cache(s: ModelShape, batch: int) -> Cache:
-    """An empty cache [L, B, S, H, K] in the compute dtype."""
-    shape = (s.num_layers, batch, s.seq_len, s.num_heads, s.head_dim)
+    """An empty cache [L, B, S, G, K] in the compute dtype."""
+    shape = (s.num_layers, batch, s.seq_len, s.kv_heads, s.head_dim)
     zeros = mesh_lib.constrain(jnp.zeros(shape, jnp.dtype(s.dtype)), CACHE_NAMES)
     return {'k': zeros, 'v': zeros}
 

@@ -20,10 +20,9 @@ from jaxfrontier.config import ModelShape
 from jaxfrontier.model.attention import Attention, KVCache
 from jaxfrontier.model.family import Family, ParamSpec
 from jaxfrontier.model import hf_names
-from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, cross_entropy, dropout, embedding_lookup, param
+from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
+from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
 from jaxfrontier.model import stack
-
-EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes
 
 
 class Block(nnx.Module):
@@ -53,7 +52,7 @@ class Block(nnx.Module):
         return x_nd if cache is None else (x_nd, cache)
 
 
-class GPT(nnx.Module):
+class GPT(Decoder):
     """GPT-2 / Megatron-style decoder (FRONTIER.md): learned positions, GeLU MLP, biases."""
 
     def __init__(self, s: ModelShape, *, rngs: nnx.Rngs):
@@ -64,10 +63,6 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(s.d_model, rngs=rngs)
         if not s.tied_embeddings:
             self.head = param(rngs.params(), (s.d_model, s.vocab_size), ('embed', 'vocab'), s.init_std)
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.shape.dtype)
 
     def embed(self, tokens_bt: jax.Array, dropout_key: jax.Array | None = None,
               positions_bt: jax.Array | None = None) -> jax.Array:
@@ -83,32 +78,8 @@ class GPT(nnx.Module):
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
 
-    def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Applies the blocks this module holds with the model's remat policy and unroll."""
-        graphdef, stacked = nnx.split(self.blocks)
-        return stack.apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
-                                 dropout_key=dropout_key, unroll=self.shape.scan_unroll)
-
-    def logits(self, x_nd: jax.Array) -> jax.Array:
-        """Final LayerNorm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""
-        w, letters = (self.wte, 'nd,vd->nv') if self.shape.tied_embeddings else (self.head, 'nd,dv->nv')
-        logits_nv = jnp.einsum(letters, self.ln_f(x_nd), w[...].astype(self.dtype), preferred_element_type=jnp.float32)
-        return mesh_lib.constrain(logits_nv, ('batch', 'vocab'))
-
-    def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy (fp32) from the last block's output."""
-        return cross_entropy(self.logits(x_nd), targets_bt.reshape(-1), self.shape.real_vocab_size)
-
-    def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Mean next-token cross-entropy (fp32) of one micro-batch."""
-        x_nd = self.apply_blocks(self.embed(tokens_bt, dropout_key), tokens_bt.shape[1], dropout_key)
-        return self.head_loss(x_nd, targets_bt)
-
-    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-        """Logits [B, T, V] (fp32) for evaluation and inference."""
-        b, t = tokens_bt.shape
-        logits_nv = self.logits(self.apply_blocks(self.embed(tokens_bt), t))
-        return logits_nv.reshape(b, t, -1)
+    def final_norm(self, x_nd: jax.Array) -> jax.Array:
+        return self.ln_f(x_nd)
 
 
 # --------------------------------------------------------------------------- the family's declaration

@@ -1,4 +1,4 @@
-"""Building blocks of the models: parameters with logical axis names, LayerNorm, MLP, dropout, the loss.
+"""Building blocks of the models: parameters with logical axis names, norms, MLPs, dropout, the loss.
 
 Activations inside a block are kept flat, `x_nd` with n = batch x sequence tokens: XLA:CPU
 runs 2-D matmuls about twice as fast as [B, T, d] ones, and GPUs do not mind.
@@ -100,6 +100,40 @@ class MLP(nnx.Module):
         h_nf = mesh_lib.constrain(jax.nn.gelu(h_nf), ('batch', 'mlp'))
         y_nd = h_nf @ self.w_out[...].astype(dtype) + self.b_out[...].astype(dtype)
         return mesh_lib.constrain(y_nd, ACT_ND)
+
+
+class RMSNorm(nnx.Module):
+    """Llama's RMSNorm: x / rms(x) * scale, no mean and no bias; statistics in fp32."""
+
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs):
+        del rngs
+        self.eps = eps
+        self.scale = param(None, (dim,), ('embed',), None)
+
+    def __call__(self, x_nd: jax.Array) -> jax.Array:
+        x32 = x_nd.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x_nd.dtype)
+
+
+class SwiGLU(nnx.Module):
+    """Llama's gated MLP, silu(x W_gate) * (x W_up) W_down, no biases.
+
+    Gate and up are column-parallel over `mlp` (each tensor rank holds the same columns of
+    both, so the product stays local); down is row-parallel and ends in one all-reduce.
+    """
+
+    def __init__(self, d_model: int, mlp_dim: int, *, init_std: float, out_std: float, rngs: nnx.Rngs):
+        self.w_gate = param(rngs.params(), (d_model, mlp_dim), ('embed', 'mlp'), init_std)
+        self.w_up = param(rngs.params(), (d_model, mlp_dim), ('embed', 'mlp'), init_std)
+        self.w_down = param(rngs.params(), (mlp_dim, d_model), ('mlp', 'embed'), out_std)
+
+    def __call__(self, x_nd: jax.Array) -> jax.Array:
+        dtype = x_nd.dtype
+        gate_nf = x_nd @ self.w_gate[...].astype(dtype)
+        up_nf = x_nd @ self.w_up[...].astype(dtype)
+        h_nf = mesh_lib.constrain(jax.nn.silu(gate_nf) * up_nf, ('batch', 'mlp'))
+        return mesh_lib.constrain(h_nf @ self.w_down[...].astype(dtype), ACT_ND)
 
 
 def cross_entropy(logits_nv: jax.Array, targets_n: jax.Array, real_vocab: int) -> jax.Array:

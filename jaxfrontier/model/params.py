@@ -71,7 +71,7 @@ def split_virtual(params: Params, virtual: int) -> Params:
 def merge_virtual(params: Params) -> Params:
     """Inverse of split_virtual: block leaves back to [L, ...] (model order)."""
     blocks = params['blocks']
-    if blocks['ln1']['scale'].ndim == 2:  # [L, d]: not split
+    if min(a.ndim for a in jax.tree.leaves(blocks)) == 2:  # the norms' scales are [L, d]: not split
         return params
     return {**params, 'blocks': jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), blocks)}
 

@@ -11,10 +11,10 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
-from jaxfrontier.model import gpt
+from jaxfrontier.model import gpt, llama
 from jaxfrontier.model.family import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, llama.FAMILY)}
 
 
 def get(name: str) -> Family:

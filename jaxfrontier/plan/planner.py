@@ -134,7 +134,7 @@ class Work:
 def layout_work(shape: config_lib.ModelShape, layout: layout_lib.Layout, hw: hw_lib.Hardware, *,
                 rules: Any = config_lib.DEFAULT_RULES) -> Work:
     """Parameters, memory, FLOPs, compute work and traffic of `shape` with `layout` (hw: topology only)."""
-    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+    rules = config_lib.resolve_rules(rules, shape, layout.mesh_shape)  # kv heads split or replicated
     virtual = layout.virtual
     specs = estimate.param_specs(shape, virtual)
     attention = estimate.attention_for(shape, hw)
@@ -173,7 +173,7 @@ def notes(p: Plan, rules: Any) -> tuple[str, ...]:
     lay, out = p.layout, []
     if lay.zero1 and lay.dp > 1:
         pls = estimate.planned_params(estimate.param_specs(p.shape, lay.virtual),
-                                       lay, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules))
+                                       lay, config_lib.resolve_rules(rules, p.shape, lay.mesh_shape))
         unsharded = sum(x.local for x in pls if x.update_local == x.local) / sum(x.local for x in pls)
         if unsharded > 0.01:
             out.append(f'ZeRO-1 leaves {unsharded:.0%} of the optimizer state unsharded: no dimension of those '

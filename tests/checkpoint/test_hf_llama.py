@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -35,10 +34,9 @@ from jaxfrontier.checkpoint import hf_files  # noqa: E402
 from jaxfrontier.checkpoint import hf_llama  # noqa: E402
 from jaxfrontier.checkpoint import init_from  # noqa: E402
 from jaxfrontier.checkpoint import readers  # noqa: E402
+from jaxfrontier.checkpoint import target as target_lib  # noqa: E402
 from jaxfrontier.errors import UserError  # noqa: E402
 from jaxfrontier.inference import load as load_lib  # noqa: E402
-from jaxfrontier.model import llama  # noqa: E402
-from jaxfrontier.model import params as params_lib  # noqa: E402
 from test_hf import write_corpus  # noqa: E402
 from tests import processes  # noqa: E402
 
@@ -101,16 +99,8 @@ def hf_config_of(path, arg=''):
 
 
 def target_of(c):
-    """The abstract parameters with their shardings, from the family's parameter table (as target.param_placement)."""
-    mesh = mesh_lib.mesh_from_config(c)
-    rules = tuple(tuple(r) for r in c.sharding.rules) + (('kv_heads', 'tensor'),)
-    specs = llama.param_specs(config_lib.model_shape(c))
-    abstract = readers.unflatten({s.path: jax.ShapeDtypeStruct(s.shape, np.float32) for s in specs})
-    logical = readers.unflatten({s.path: P(*s.names) for s in specs})
-    virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
-    abstract = params_lib.split_virtual(abstract, virtual)
-    shardings = mesh_lib.tree_shardings(params_lib.split_virtual_specs(logical, virtual), mesh, rules)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    """The abstract parameters with their shardings on the config's mesh (what init_params_from reads into)."""
+    return target_lib.param_placement(c, mesh_lib.mesh_from_config(c)).target()
 
 
 class ParamsReader:

@@ -23,9 +23,13 @@ from tests import processes
 SHAPE = dict(num_layers=3, d_model=32, num_heads=4, seq_len=40, vocab_size=259)
 
 
-def small_config(data=1, fsdp=1, tensor=1):
+# The Llama case: 2 kv heads for 4 query heads (the cache holds 2), q/k/v biases, RoPE.
+FAMILIES = {'gpt': {}, 'llama': dict(family='llama', num_kv_heads=2, qkv_bias=True, mlp_dim=48)}
+
+
+def small_config(data=1, fsdp=1, tensor=1, family='gpt'):
     c = config_lib.base_config()
-    c.model.update(dtype='float32', remat='none', attention='reference', **SHAPE)
+    c.model.update(dtype='float32', remat='none', attention='reference', **SHAPE, **FAMILIES[family])
     c.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
     return c
 
@@ -42,11 +46,12 @@ def prompts():
     return sample.batch_prompts(encoded, 1)
 
 
+@pytest.mark.parametrize('family', FAMILIES)
 @pytest.mark.parametrize('rule', [gen.Sampling(0.0), pytest.param(gen.Sampling(0.8, top_k=7, top_p=0.9),
                                                                    marks=pytest.mark.slow)], ids=['greedy', 'top'])
-def test_kv_cache_equals_recomputing_the_prefix(rule):
+def test_kv_cache_equals_recomputing_the_prefix(rule, family):
     """The cached decode picks the same tokens as re-running the whole sequence every step."""
-    c = small_config()
+    c = small_config(family=family)
     model_def, params = ModelDef.create(config_lib.model_shape(c)), sharp_params(c)
     prompt_bp, lengths_b = prompts()
     key = jax.random.key(3)
@@ -76,15 +81,16 @@ def test_eval_windows_score_every_token_once():
 
 
 @pytest.mark.slow
-def test_greedy_tokens_on_the_tiny_mesh_equal_one_device():
-    """data 2 x fsdp 2 x tensor 2 (heads and vocabulary split over tensor) decodes as one device does."""
-    one = small_config()
+@pytest.mark.parametrize('family', FAMILIES)
+def test_greedy_tokens_on_the_tiny_mesh_equal_one_device(family):
+    """data 2 x fsdp 2 x tensor 2 (heads, kv heads and vocabulary split over tensor) decodes as one device does."""
+    one = small_config(family=family)
     model_def, params = ModelDef.create(config_lib.model_shape(one)), sharp_params(one)
     prompt_bp, lengths_b = sample.batch_prompts([[5, 6, 7], [250, 1], [9, 9, 9, 9], [3]], 4)
     rule, key = gen.Sampling(0.0), jax.random.key(0)
     expected = gen.make_generate(model_def, max_new=10, rule=rule)(params, prompt_bp, lengths_b, key)
 
-    c = small_config(data=2, fsdp=2, tensor=2)  # vocabulary padded to 512 here, 384 above
+    c = small_config(data=2, fsdp=2, tensor=2, family=family)  # vocabulary padded to 512 here, 384 above
     layout = ts.make_placement(c, mesh_lib.mesh_from_config(c))
     vp = config_lib.padded_vocab(c)
     padded = {**params, 'wte': jnp.zeros((vp, 32)).at[:params['wte'].shape[0]].set(params['wte'])}

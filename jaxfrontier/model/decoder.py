@@ -1,0 +1,58 @@
+"""What every family's decoder shares: the stacked blocks' runner call, the head, the loss.
+
+A family's module subclasses `Decoder` and defines its parameters, `embed` and `final_norm`;
+the trainer, the pipeline executors, evaluation and decoding use only the methods here and
+`embed`, so they never ask which family they run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model import stack
+from jaxfrontier.model.layers import cross_entropy
+
+EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes
+
+
+class Decoder(nnx.Module):
+    """The shared half of a family's module (see the module docstring).
+
+    Subclasses set `shape` (config.ModelShape), `wte` [V, d], `blocks` (stack.create), `head`
+    [d, V] unless the shape ties the embeddings, and define `embed` and `final_norm`.
+    """
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.shape.dtype)
+
+    def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Applies the blocks this module holds with the model's remat policy and unroll."""
+        graphdef, stacked = nnx.split(self.blocks)
+        return stack.apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
+                                 dropout_key=dropout_key, unroll=self.shape.scan_unroll)
+
+    def logits(self, x_nd: jax.Array) -> jax.Array:
+        """Final norm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""
+        w, letters = (self.wte, 'nd,vd->nv') if self.shape.tied_embeddings else (self.head, 'nd,dv->nv')
+        logits_nv = jnp.einsum(letters, self.final_norm(x_nd), w[...].astype(self.dtype),
+                               preferred_element_type=jnp.float32)
+        return mesh_lib.constrain(logits_nv, ('batch', 'vocab'))
+
+    def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy (fp32) from the last block's output."""
+        return cross_entropy(self.logits(x_nd), targets_bt.reshape(-1), self.shape.real_vocab_size)
+
+    def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy (fp32) of one micro-batch."""
+        x_nd = self.apply_blocks(self.embed(tokens_bt, dropout_key), tokens_bt.shape[1], dropout_key)
+        return self.head_loss(x_nd, targets_bt)
+
+    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+        """Logits [B, T, V] (fp32) for evaluation and inference."""
+        b, t = tokens_bt.shape
+        logits_nv = self.logits(self.apply_blocks(self.embed(tokens_bt), t))
+        return logits_nv.reshape(b, t, -1)
