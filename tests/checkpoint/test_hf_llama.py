@@ -2,7 +2,7 @@
 
 `transformers` (CPU, fp32) builds tiny random models and saves them: a Llama with grouped-query
 attention (4 heads, 2 kv heads), an untied head and Llama 3.1 RoPE scaling, and a Qwen2 with
-q/k/v biases and a tied head. Checked here: config.json <-> model.* both ways (what we write,
+q/k/v biases and a tied head, a Mistral with one kv head (replicated over tensor 2). Checked here: config.json <-> model.* both ways (what we write,
 transformers reads back as the same model), every tensor HF -> ours -> HF bit for bit on a
 data 2 x fsdp 2 x tensor 2 mesh and on an interleaved pipeline, each mismatch as one line;
 then our forward: imported logits equal transformers' (1e-4, fp32), and through the CLIs
@@ -74,6 +74,18 @@ def save_qwen2(path, layers=2):
     return model
 
 
+def save_mistral(path):
+    """A random MistralForCausalLM without sliding window (v0.2 on): Llama's computation under another name."""
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+                                        max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False)
+    torch.manual_seed(2)
+    model = transformers.MistralForCausalLM(config).eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    return model
+
+
 def _randomize(model):
     """Norm scales and biases away from their init (ones, zeros), so a swapped or dropped one shows."""
     with torch.no_grad():
@@ -88,7 +100,8 @@ def dirs(tmp_path_factory):
     save_llama(root / 'llama')
     save_llama(root / 'llama4', layers=4)
     save_qwen2(root / 'qwen2')
-    return {name: str(root / name) for name in ('llama', 'llama4', 'qwen2')}
+    save_mistral(root / 'mistral')
+    return {name: str(root / name) for name in ('llama', 'llama4', 'qwen2', 'mistral')}
 
 
 def hf_config_of(path, arg=''):
@@ -374,12 +387,13 @@ def their_logits(path, tokens_bt):
         return model(torch.tensor(tokens_bt)).logits.numpy(), model
 
 
-@pytest.mark.parametrize('name', ['llama', pytest.param('qwen2', marks=pytest.mark.slow)])
+@pytest.mark.parametrize('name', ['llama', pytest.param('qwen2', marks=pytest.mark.slow),
+                                  pytest.param('mistral', marks=pytest.mark.slow)])
 def test_import_gives_transformers_logits(dirs, tmp_path, name):
     c = tiny.get_config()  # data 2 x fsdp 2 x tensor 2, fp32: the model comes from config.json
     c.checkpoint.init_params_from = dirs[name]
     loaded = load_lib.load(c, str(tmp_path / 'no_run'))
-    assert loaded.config.model.family == 'llama' and loaded.config.model.num_kv_heads == 2
+    assert loaded.config.model.family == 'llama' and loaded.config.model.num_kv_heads == (name != 'mistral') + 1
     tokens_bt = np.random.RandomState(3).randint(0, VOCAB, (4, 48))  # past original_max_position_embeddings
     theirs, _ = their_logits(dirs[name], tokens_bt)
     np.testing.assert_allclose(our_logits(loaded, tokens_bt), theirs, atol=1e-4, rtol=0)
