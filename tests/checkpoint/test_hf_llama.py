@@ -1,9 +1,9 @@
 """Hugging Face Llama / Qwen2 / Mistral interop (checkpoint/hf_llama.py through the driver checkpoint/hf.py).
 
 `transformers` (CPU, fp32) builds tiny random models and saves them: a Llama with grouped-query
-attention (4 heads, 2 kv heads), an untied head and Llama 3.1 RoPE scaling, and a Qwen2 with
-q/k/v biases and a tied head, a Mistral with one kv head (replicated over tensor 2). Checked here: config.json <-> model.* both ways (what we write,
-transformers reads back as the same model), every tensor HF -> ours -> HF bit for bit on a
+attention (4 heads, 2 kv heads), an untied head and Llama 3.1 RoPE scaling, a Qwen2 with q/k/v
+biases and a tied head, a Mistral with one kv head (replicated over tensor 2). Checked here:
+config.json <-> model.* both ways (what we write, transformers reads back as the same model), every tensor HF -> ours -> HF bit for bit on a
 data 2 x fsdp 2 x tensor 2 mesh and on an interleaved pipeline, each mismatch as one line;
 then our forward: imported logits equal transformers' (1e-4, fp32), and through the CLIs
 (configs/hf.py:path=<dir>) greedy sampling equals `generate`, 20 training steps on our tokens
