@@ -48,11 +48,6 @@ HEAD = 'lm_head.weight'  # every family's untied head: outside the base model's 
 BY_FAMILY = {c.FAMILY: c for c in hf_files.CONVERTERS}
 
 
-def is_hf_dir(path: str) -> bool:
-    """A Hugging Face model directory: config.json and model.safetensors."""
-    return all(os.path.isfile(os.path.join(path, f)) for f in ('config.json', 'model.safetensors'))
-
-
 def _block_names(converter) -> dict[str, list[str]]:
     """Our block parameter -> its HF tensors after the layer prefix, in the order of the converter's table."""
     out: dict[str, list[str]] = {}

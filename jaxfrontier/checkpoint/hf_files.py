@@ -217,9 +217,10 @@ def weights(path: str) -> dict[str, Tensor]:
             weight_map = json.loads(f.read(MAX_HEADER_BYTES).decode('utf-8')).get('weight_map')
     except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
         weight_map = None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and SHARD.fullmatch(v) for v in weight_map.values()):
-        raise CheckpointError(f'{index} is not an object whose weight_map maps tensors to .safetensors files beside it. '
-                              f'Fix: {SAVE_FIX}')
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and SHARD.fullmatch(v)
+                                                   for v in weight_map.values()):
+        raise CheckpointError(f'{index} is not an object whose weight_map maps tensors to .safetensors files beside '
+                              f'it. Fix: {SAVE_FIX}')
     shards = {file: read_safetensors_entries(os.path.join(path, file)) for file in sorted(set(weight_map.values()))}
     for name, file in weight_map.items():
         if name not in shards[file]:

@@ -3,8 +3,9 @@
 `transformers` (CPU, fp32) builds tiny random models and saves them: a Llama with grouped-query
 attention (4 heads, 2 kv heads), an untied head and Llama 3.1 RoPE scaling, a Qwen2 with q/k/v
 biases and a tied head, a Mistral with one kv head (replicated over tensor 2). Checked here:
-config.json <-> model.* both ways (what we write, transformers reads back as the same model), every tensor HF -> ours -> HF bit for bit on a
-data 2 x fsdp 2 x tensor 2 mesh and on an interleaved pipeline, each mismatch as one line;
+config.json <-> model.* both ways (what we write, transformers reads back as the same model),
+every tensor HF -> ours -> HF bit for bit on a data 2 x fsdp 2 x tensor 2 mesh and on an
+interleaved pipeline, a real checkpoint exported back bit for bit, each mismatch as one line;
 then our forward: imported logits equal transformers' (1e-4, fp32), and through the CLIs
 (configs/hf.py:path=<dir>) greedy sampling equals `generate`, 20 training steps on our tokens
 export to a directory transformers loads with our logits and our greedy continuation.
@@ -200,14 +201,16 @@ def test_tensors_round_trip_exactly(dirs, name, arg):
     # ours, from the HF tensors by hand (not through the converter)
     for layer in range(layers):
         hf_layer = lambda n: theirs[f'model.layers.{layer}.{n}']  # noqa: E731
-        np.testing.assert_array_equal(ours.layer('attn/w_q', layer), hf_layer('self_attn.q_proj.weight').T.reshape(d, h, k))
+        np.testing.assert_array_equal(ours.layer('attn/w_q', layer),
+                                      hf_layer('self_attn.q_proj.weight').T.reshape(d, h, k))
         for i, kv in enumerate('kv'):
             np.testing.assert_array_equal(ours.layer('attn/w_kv', layer)[:, i],
                                           hf_layer(f'self_attn.{kv}_proj.weight').T.reshape(d, g, k))
             if m.qkv_bias:
                 np.testing.assert_array_equal(ours.layer('attn/b_kv', layer)[i],
                                               hf_layer(f'self_attn.{kv}_proj.bias').reshape(g, k))
-        np.testing.assert_array_equal(ours.layer('attn/w_out', layer), hf_layer('self_attn.o_proj.weight').T.reshape(h, k, d))
+        np.testing.assert_array_equal(ours.layer('attn/w_out', layer),
+                                      hf_layer('self_attn.o_proj.weight').T.reshape(h, k, d))
         np.testing.assert_array_equal(ours.layer('mlp/w_down', layer), hf_layer('mlp.down_proj.weight').T)
         np.testing.assert_array_equal(ours.layer('mlp_norm/scale', layer), hf_layer('post_attention_layernorm.weight'))
     wte = ours.read('wte')
@@ -289,8 +292,10 @@ def _set(**values):
 
 
 MISMATCHES = {  # what is changed -> what the one line says
-    'architecture': (_set(model_type='bert', architectures=['BertModel']), None, "model_type 'bert' is not an architecture"),
-    'missing_tensor': (None, lambda t: t.pop('model.layers.2.mlp.up_proj.weight'), "no tensor 'layers.2.mlp.up_proj.weight'"),
+    'architecture': (_set(model_type='bert', architectures=['BertModel']), None,
+                     "model_type 'bert' is not an architecture"),
+    'missing_tensor': (None, lambda t: t.pop('model.layers.2.mlp.up_proj.weight'),
+                       "no tensor 'layers.2.mlp.up_proj.weight'"),
     'shape': (None, lambda t: t.update({'model.layers.0.self_attn.k_proj.weight': np.zeros((12, 48), np.float32)}),
               "'layers.0.self_attn.k_proj.weight' has shape [12, 48], its config.json needs [24, 48]"),
     'mistral_sliding_window': (_set(model_type='mistral', architectures=['MistralForCausalLM'], sliding_window=16),

@@ -139,11 +139,10 @@ def test_hf_sharded_index(budget):
     indexes = st.one_of(mutated_dict(INDEX).map(lambda c: json.dumps(c, allow_nan=True).encode()),
                         mutated_bytes(json.dumps(INDEX).encode()), json_values.map(lambda v: json.dumps(v).encode()))
     first = sorted(INDEX['weight_map'])[0]
+    mapped = lambda file: json.dumps({'weight_map': INDEX['weight_map'] | {first: file}}).encode()  # noqa: E731
     fuzz('Hugging Face shard index (hf_dir.weights)', indexes, check_index, budget,
-         examples=[json.dumps({'weight_map': INDEX['weight_map'] | {first: '../model-00001-of-00002.safetensors'}}).encode(),
-                   json.dumps({'weight_map': INDEX['weight_map'] | {first: '/etc/passwd'}}).encode(),
-                   json.dumps({'weight_map': INDEX['weight_map'] | {first: 'model-00002-of-00002.safetensors'}}).encode(),
-                   json.dumps({'weight_map': INDEX['weight_map'] | {first: 'missing.safetensors'}}).encode(),
+         examples=[mapped('../model-00001-of-00002.safetensors'), mapped('/etc/passwd'),
+                   mapped('model-00002-of-00002.safetensors'), mapped('missing.safetensors'),
                    json.dumps({'weight_map': []}).encode(), b'[]'])
 
 
