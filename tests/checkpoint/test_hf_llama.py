@@ -230,10 +230,14 @@ def test_tensors_round_trip_exactly(dirs, name, arg):
         np.testing.assert_array_equal(value, theirs[tensor], err_msg=tensor)
 
 
-@pytest.mark.parametrize('name', ['llama', 'qwen2'])
-def test_checkpoint_exports_as_the_same_transformers_model(dirs, tmp_path, name):
-    """HF -> a real checkpoint (Orbax, one-layer chunks) -> export_hf: transformers loads the same model back."""
-    c = hf_config_of(dirs[name], 'data=2,fsdp=2,tensor=2')
+@pytest.mark.parametrize('name,arg', [('llama', 'data=2,fsdp=2,tensor=2'), ('qwen2', 'data=2,fsdp=2,tensor=2'),
+                                      ('llama4', 'data=2,tensor=2,pipeline=2')])
+def test_checkpoint_exports_as_the_same_transformers_model(dirs, tmp_path, name, arg):
+    """HF -> a real checkpoint (Orbax, one-layer chunks; interleaved [2, 2, ...] blocks with the pipeline) ->
+    export_hf: transformers loads the same model back."""
+    c = hf_config_of(dirs[name], arg)
+    if c.mesh.pipeline > 1:
+        c.pipeline.update(schedule='interleaved', virtual_stages=2)
     c.checkpoint.async_save = False
     params = init_from.load_params(dirs[name], c, target_of(c))
     ckpt = ckpt_lib.Checkpointer(c, str(tmp_path / 'run'))
@@ -241,7 +245,7 @@ def test_checkpoint_exports_as_the_same_transformers_model(dirs, tmp_path, name)
               force=True)
     ckpt.close()
     summary = hf.export_hf(str(tmp_path / 'run'), str(tmp_path / 'out'))
-    assert summary['architecture'] == {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM'}[name]
+    assert summary['architecture'] == ('Qwen2ForCausalLM' if name == 'qwen2' else 'LlamaForCausalLM')
     exported = safetensors_numpy.load_file(str(tmp_path / 'out' / 'model.safetensors'))
     original = safetensors_numpy.load_file(os.path.join(dirs[name], 'model.safetensors'))
     assert set(exported) == set(original)
