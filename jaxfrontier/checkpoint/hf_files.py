@@ -143,7 +143,7 @@ def converter_of(config: dict[str, Any], where: str):
     if model_type is None and isinstance(config.get('architectures'), list):
         by_arch = {'GPT2LMHeadModel': 'gpt2', 'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'mistral',
                    'Qwen2ForCausalLM': 'qwen2'}
-        model_type = next((by_arch[a] for a in config['architectures'] if a in by_arch), None)
+        model_type = next((by_arch[a] for a in config['architectures'] if isinstance(a, str) and a in by_arch), None)
     for converter in CONVERTERS:
         if model_type in converter.MODEL_TYPES:
             return converter

@@ -116,7 +116,9 @@ def test_hf_llama_directory(budget):
                    (json.dumps(llama | {'head_dim': 0}).encode(), weights),
                    (json.dumps(llama | {'rms_norm_eps': float('nan')}, allow_nan=True).encode(), weights),
                    (json.dumps(llama | {'model_type': None}).encode(), weights),
-                   (json.dumps({k: v for k, v in llama.items() if k != 'model_type'}).encode(), weights)])
+                   (json.dumps({k: v for k, v in llama.items() if k != 'model_type'}).encode(), weights),
+                   (json.dumps({k: v for k, v in llama.items() if k != 'model_type'} | {'architectures': [[]]})
+                    .encode(), weights)])
 
 
 def check_index(index: bytes):
