@@ -172,6 +172,16 @@ def test_qwen2_config_both_ways(dirs, tmp_path):
         assert getattr(theirs, key) == getattr(original, key), key
 
 
+def test_configs_hf_imports_no_jax(dirs):
+    """main.py reads the config before JAX starts (XLA_FLAGS, the compilation cache): configs/hf.py must not import it."""
+    code = ('import importlib.util, sys; spec = importlib.util.spec_from_file_location("c", "configs/hf.py"); '
+            'm = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); '
+            f'm.get_config("path={dirs["llama"]}"); print(sorted(k for k in ("jax", "flax") if k in sys.modules))')
+    proc = subprocess.run([sys.executable, '-c', code], cwd=processes.REPO, env=processes.subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == '[]', proc.stdout + proc.stderr[-2000:]
+
+
 def test_transformers_4_spelling_of_rope_is_read():
     """`rope_theta` and `rope_scaling` at the top (transformers 4) mean what `rope_parameters` means (5)."""
     base = {'model_type': 'llama', 'hidden_size': 48, 'intermediate_size': 80, 'num_hidden_layers': 1,
