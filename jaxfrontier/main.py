@@ -46,8 +46,9 @@ _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export',
                           'sample: continue --prompt with the newest checkpoint. eval: loss, perplexity and bits '
                           'per byte over --eval_path or the validation split (docs/inference.md).')
 _EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors', 'hf'],
-                                   'mode=export: our safetensors names, or a Hugging Face GPT-2 directory '
-                                   '(--export_path=DIR, loads with transformers.AutoModelForCausalLM).')
+                                   'mode=export: our safetensors names, or a Hugging Face directory: GPT-2, '
+                                   'Llama or Qwen2 by the model (--export_path=DIR, loads with '
+                                   'transformers.AutoModelForCausalLM).')
 _PROMPT = flags.DEFINE_string('prompt', '', 'mode=sample: the text to continue.')
 _PROMPT_FILE = flags.DEFINE_string('prompt_file', '', 'mode=sample: a file of prompts, one per line (one batch).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'mode=sample: tokens to generate per prompt.')
@@ -171,8 +172,8 @@ def _run_inference(config) -> str:
         from jaxfrontier.checkpoint import hf
         out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'hf')
         summary = hf.export_hf(_WORKDIR.value, out)
-        return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face GPT-2 directory {out} ' \
-               f'({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]})'
+        return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face {summary["architecture"]} ' \
+               f'directory {out} ({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]})'
     if _MODE.value == 'eval':
         from jaxfrontier.inference import evaluate
         return evaluate.report(evaluate.evaluate(config, _WORKDIR.value, _EVAL_PATH.value))

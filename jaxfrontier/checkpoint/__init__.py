@@ -30,7 +30,9 @@ Modules, bottom to top (each imports only those above it in this list; nothing f
   manager     Checkpointer: the Orbax manager, saves and their health, wait, close
   readers     a step directory's meta and arrays without a manager (TensorStore slices)
   safetensors the safetensors writer, export_params and load_safetensors
-  hf          Hugging Face GPT-2 export and import, on top of readers and safetensors
+  hf_gpt2, hf_llama  one converter per family: HF config both ways, tensors ours <-> HF, refusals
+  hf_files    checks of a HF directory (config.json, safetensors header) against its converter
+  hf          Hugging Face export and import (the driver, one layer at a time), on top of readers and safetensors
   init_from   checkpoint.init_params_from: a safetensors file, a Hugging Face directory or a checkpoint
 
 Preemption (training/preemption.py): `PreemptionWatcher` turns the configured signals (SIGTERM from Slurm at the time

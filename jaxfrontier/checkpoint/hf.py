@@ -1,86 +1,69 @@
-"""Hugging Face GPT-2 interop: a checkpoint to a `transformers` directory, and such a directory back in.
+"""Hugging Face interop: a checkpoint to a `transformers` directory, and such a directory back in.
 
-Our GPT is GPT-2's architecture (model/gpt.py, layers.py): pre-LN blocks, LayerNorm eps 1e-5,
-tanh-approximated GeLU (`jax.nn.gelu`, HF `gelu_new`), learned positions, biases everywhere,
-attention scaled by 1/sqrt(head_dim), tied or untied head (HF `tie_word_embeddings`). Every
-parameter maps exactly; `transformers.GPT2LMHeadModel` computes the same logits (fp32).
+The driver, the same for every family; what differs lives in one converter module per family
+(hf_gpt2.py: GPT <-> GPT2LMHeadModel; hf_llama.py: Llama <-> LlamaForCausalLM / Qwen2ForCausalLM,
+and Mistral in). A converter declares the HF config from our model fields and back (refusing
+what the family cannot express), the tensor names and shapes (hf_files.expected_shapes), and
+one layer's tensors ours -> HF and HF -> ours. The converter is chosen by the saved config's
+`model.family` on export and by config.json's `model_type` (or `architectures`) on import.
 
-Names (HF Conv1D weights are [in, out], which is our layout after a reshape):
-
-  wte [Vp, d] (rows < V)       transformer.wte.weight [V, d]
-  wpe [S, d]                   transformer.wpe.weight [S, d]
-  blocks/ln1/{scale,bias} [l]  transformer.h.l.ln_1.{weight,bias}
-  blocks/attn/w_qkv [l] d,3,H,K transformer.h.l.attn.c_attn.weight [d, 3d]  (q | k | v, heads major)
-  blocks/attn/b_qkv [l]        transformer.h.l.attn.c_attn.bias [3d]
-  blocks/attn/w_out [l] H,K,d  transformer.h.l.attn.c_proj.weight [d, d]
-  blocks/attn/b_out [l]        transformer.h.l.attn.c_proj.bias
-  blocks/ln2 [l]               transformer.h.l.ln_2
-  blocks/mlp/w_in, b_in [l]    transformer.h.l.mlp.c_fc.{weight [d, F], bias}
-  blocks/mlp/w_out, b_out [l]  transformer.h.l.mlp.c_proj.{weight [F, d], bias}
-  ln_f                         transformer.ln_f
-  head [d, Vp] (untied)        lm_head.weight [V, d]
-
-Export reads the checkpoint with TensorStore one layer's slice at a time (checkpoints store
-block arrays in one-layer chunks, checkpoint/manager.py; readers.ParamReader), so host memory stays near one
-layer's tensors whatever the depth.
+Both directions stream one layer at a time, so host memory stays near one layer's tensors
+whatever the depth:
+- Export reads the checkpoint with TensorStore one layer's slice of one parameter at a time
+  (checkpoints store block arrays in one-layer chunks, checkpoint/manager.py;
+  readers.ParamReader), converts it and writes it to the safetensors file before reading the
+  next (safetensors.write_safetensors takes a generator; the header is computed from shapes).
+- Import reads one layer of one HF tensor (hf_files.read_tensor: a seek and a read, from
+  model.safetensors or the shard its index names; F32, F16, BF16 or F64), places that layer on
+  the devices in the parameter's sharding minus its layer axes, and writes it into the stacked parameter on the
+  devices (a jitted, donated update), so no host array holds more than one layer.
+The embedding and head (vocabulary x width) are read whole; the padded vocabulary rows are
+dropped on export and zero on import.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxfrontier import config as config_lib
 from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.checkpoint import format as format_lib
+from jaxfrontier.checkpoint import hf_files
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import run_files
 from jaxfrontier.checkpoint import safetensors as safetensors_lib
-from jaxfrontier.model import registry
 
-GPT2 = registry.get('gpt').hf  # the names GPT declares (model/gpt.py FAMILY); this module converts GPT-2
-LAYER_NORM_EPS = 1e-5
-
-
-def is_hf_dir(path: str) -> bool:
-    """A Hugging Face model directory: config.json and model.safetensors."""
-    return all(os.path.isfile(os.path.join(path, f)) for f in ('config.json', 'model.safetensors'))
+HEAD = 'lm_head.weight'  # every family's untied head: outside the base model's prefix
+BY_FAMILY = {c.FAMILY: c for c in hf_files.CONVERTERS}
 
 
-def _hf_2d(name: str, a: np.ndarray) -> np.ndarray:
-    """One layer's parameter in HF's shape (w_qkv [d,3,H,K] -> [d, 3d], w_out [H,K,d] -> [d, d], ...)."""
-    shapes = {'attn/w_qkv': (a.shape[0], -1), 'attn/b_qkv': (-1,), 'attn/w_out': (-1, a.shape[-1])}
-    return a.reshape(shapes[name]) if name in shapes else a
+def _block_names(converter) -> dict[str, list[str]]:
+    """Our block parameter -> its HF tensors after the layer prefix, in the order of the converter's table."""
+    out: dict[str, list[str]] = {}
+    for ours, theirs in converter.NAMES.block_names:
+        out.setdefault(ours, []).append(theirs)
+    return out
 
 
 # --------------------------------------------------------------------------- the checkpoint side
 
 
-def check_gpt2(config: dict[str, Any], where: str) -> None:
-    """Refuses, with one line, a model that GPT-2 cannot represent (none today: kept for new options)."""
-    m = config['model']
-    if m['d_model'] % m['num_heads']:
-        raise CheckpointError(
-            f'{where}: d_model {m["d_model"]} is not divisible by num_heads '
-            f'{m["num_heads"]}, GPT-2 cannot hold it. Fix: none; export safetensors.')
-
-
-def hf_config(config: dict[str, Any], eot_id: int | None) -> dict[str, Any]:
-    """transformers' GPT2Config fields for a saved config."""
-    m = config['model']
-    return {'architectures': [GPT2.architecture], 'model_type': GPT2.model_type, 'vocab_size': m['vocab_size'],
-            'n_positions': m['seq_len'], 'n_ctx': m['seq_len'], 'n_embd': m['d_model'], 'n_layer': m['num_layers'],
-            'n_head': m['num_heads'], 'n_inner': m['mlp_ratio'] * m['d_model'], 'activation_function': 'gelu_new',
-            'layer_norm_epsilon': LAYER_NORM_EPS, 'initializer_range': m['init_std'], 'resid_pdrop': 0.0,
-            'embd_pdrop': 0.0, 'attn_pdrop': 0.0, 'scale_attn_weights': True, 'use_cache': True,
-            'tie_word_embeddings': bool(m['tied_embeddings']), 'bos_token_id': eot_id, 'eos_token_id': eot_id,
-            'torch_dtype': 'float32'}
+def converter_of_family(family: str, where: str):
+    if family not in BY_FAMILY:
+        raise CheckpointError(f'{where}: model family {family!r} has no Hugging Face converter. Fix: export '
+                              'safetensors (--export_format=safetensors).')
+    return BY_FAMILY[family]
 
 
 def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -96,62 +79,71 @@ def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     return data_lib.tokenizer_path(token_file), token_file.header
 
 
-def _tensors(reader: readers.ParamReader, m: dict[str, Any]):
-    """(HF name, shape, read()) in file order: embeddings, layer by layer, final LayerNorm, head."""
-    v, d, s, f = m['vocab_size'], m['d_model'], m['seq_len'], m['mlp_ratio'] * m['d_model']
-    shapes = {'ln1/scale': (d,), 'ln1/bias': (d,), 'attn/w_qkv': (d, 3 * d), 'attn/b_qkv': (3 * d,),
-              'attn/w_out': (d, d), 'attn/b_out': (d,), 'ln2/scale': (d,), 'ln2/bias': (d,), 'mlp/w_in': (d, f),
-              'mlp/b_in': (f,), 'mlp/w_out': (f, d), 'mlp/b_out': (d,)}
-    yield 'transformer.wte.weight', (v, d), lambda: reader.read('wte', (slice(0, v),))
-    yield 'transformer.wpe.weight', (s, d), lambda: reader.read('wpe')
+def _tensors(converter, reader: readers.ParamReader, m: dict[str, Any], hf: dict[str, Any]):
+    """[((HF name, shape), ...), read()] in file order: the embedding, the converter's first tensors, layer by
+    layer, its last tensors, the head; read() gives that group's HF tensors from one read of ours."""
+    v, prefix = m['vocab_size'], converter.PREFIX
+    tops, per_layer = converter.top_shapes(hf), converter.layer_shapes(hf)
+    groups = [(((prefix + converter.EMBED, tops[converter.EMBED]),), lambda: [reader.read('wte', (slice(0, v),))])]
+    groups += [(((prefix + theirs, tops[theirs]),), lambda ours=ours: [reader.read(ours)])
+               for ours, theirs in converter.TOP_FIRST]
+    blocks = [(ours, theirs) for ours, theirs in _block_names(converter).items() if theirs[0] in per_layer]
     for layer in range(m['num_layers']):
-        for ours, theirs in GPT2.block_names:
-            yield (GPT2.layer_prefix.format(layer=layer) + theirs, shapes[ours],
-                   lambda ours=ours, layer=layer: _hf_2d(ours, reader.layer(ours, layer)))
-    for ours, theirs in GPT2.top_names:
-        yield theirs, (d,), lambda ours=ours: reader.read(ours)
+        names = converter.NAMES.layer_prefix.format(layer=layer)
+        groups += [(tuple((names + t, per_layer[t]) for t in theirs),
+                    lambda ours=ours, layer=layer: converter.to_hf(ours, reader.layer(ours, layer)))
+                   for ours, theirs in blocks]
+    groups += [(((prefix + theirs, tops[theirs]),), lambda ours=ours: [reader.read(ours)])
+               for ours, theirs in converter.TOP_LAST]
     if not m['tied_embeddings']:
-        yield 'lm_head.weight', (v, d), lambda: reader.read('head', (slice(None), slice(0, v))).T
+        groups.append((((HEAD, tops[HEAD]),), lambda: [reader.read('head', (slice(None), slice(0, v))).T]))
+    return groups
 
 
 def export_hf(source: str, out_dir: str) -> dict[str, Any]:
-    """Writes a checkpoint as a `transformers` GPT-2 directory (config.json, model.safetensors, tokenizer).
+    """Writes a checkpoint as a `transformers` directory (config.json, model.safetensors, tokenizer).
 
     Args:
       source: a training workdir (its newest checkpoint), its checkpoints/ directory or a step directory.
       out_dir: the directory to write; model.safetensors is replaced atomically.
 
     Returns:
-      A summary: step, tensors written, whether a tokenizer was copied.
+      A summary: step, tensors written, whether a tokenizer was copied, the architecture.
     """
     run_files.check_export_dir(out_dir)
     step_dir = readers.step_dir_of(source)
     meta = readers.read_meta(step_dir)
     config = meta['config']
-    check_gpt2(config, step_dir)
+    m = config['model']
+    converter = converter_of_family(m.get('family', 'gpt'), step_dir)
+    converter.check_exportable(m, step_dir)
     reader = readers.ParamReader(step_dir, config)
     tokenizer, header = _tokenizer_of(config)
+    hf = converter.hf_config(m, header.get('eot_id'))
+    groups = _tensors(converter, reader, m, hf)
+    shapes = {name: shape for names, _ in groups for name, shape in names}
     os.makedirs(out_dir, exist_ok=True)
-    tensors = list(_tensors(reader, config['model']))
 
     def arrays():
-        for name, shape, read in tensors:
-            value = read()
-            assert value.shape == shape, (name, value.shape, shape)
-            yield value
+        for names, read in groups:
+            values = read()  # one layer of one of our parameters: its HF tensors
+            for (name, shape), value in zip(names, values, strict=True):
+                assert value.shape == shape, (name, value.shape, shape)
+                yield value
 
-    shapes = {name: (shape, np.dtype('float32')) for name, shape, _ in tensors}
-    safetensors_lib.write_safetensors(os.path.join(out_dir, 'model.safetensors'), shapes, {'format': 'pt'}, arrays())
-    eot_id = header.get('eot_id')
+    safetensors_lib.write_safetensors(os.path.join(out_dir, 'model.safetensors'),
+                                      {name: (shape, np.dtype('float32')) for name, shape in shapes.items()},
+                                      {'format': 'pt'}, arrays())
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-        json.dump(hf_config(config, eot_id), f, indent=2)
+        json.dump(hf, f, indent=2)
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out_dir, 'tokenizer.json'))
         eot = header.get('eot_token')
         with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
-            json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': config['model']['seq_len'],
+            json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': m['seq_len'],
                        **({'eos_token': eot, 'bos_token': eot} if eot else {})}, f, indent=2)
-    return {'step': meta['step'], 'tensors': len(tensors), 'tokenizer': bool(tokenizer), 'source': step_dir}
+    return {'step': meta['step'], 'tensors': len(shapes), 'tokenizer': bool(tokenizer), 'source': step_dir,
+            'architecture': hf['architectures'][0]}
 
 
 # --------------------------------------------------------------------------- the Hugging Face side
@@ -163,88 +155,98 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
 
 
 def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """Our model.* fields for a HF GPT-2 config; refuses what our model cannot compute."""
-    def refuse(key, value, fix):
-        raise ConfigError('checkpoint.init_params_from', where,
-                                     f'its config.json has {key} = {value!r}, which jaxfrontier cannot compute', fix)
-
-    if hf.get('model_type') != GPT2.model_type:
-        refuse('model_type', hf.get('model_type'), 'use a GPT-2 model directory')
-    if hf.get('activation_function', 'gelu_new') not in GPT2.activations:
-        refuse('activation_function', hf.get('activation_function'), f'use one with {GPT2.activations}')
-    if abs(hf.get('layer_norm_epsilon', LAYER_NORM_EPS) - LAYER_NORM_EPS) > 1e-12:
-        refuse('layer_norm_epsilon', hf.get('layer_norm_epsilon'), f'use one with {LAYER_NORM_EPS}')
-    for key in ('scale_attn_by_inverse_layer_idx', 'reorder_and_upcast_attn'):
-        if hf.get(key):
-            refuse(key, hf[key], 'use a model without it')
-    if hf.get('scale_attn_weights', True) is not True:
-        refuse('scale_attn_weights', hf['scale_attn_weights'], 'use a model with scaled attention')
-    d = hf['n_embd']
-    inner = hf.get('n_inner') or 4 * d
-    if inner % d:
-        refuse('n_inner', inner, 'use a model whose n_inner is a multiple of n_embd')
-    return {'num_layers': hf['n_layer'], 'd_model': d, 'num_heads': hf['n_head'], 'vocab_size': hf['vocab_size'],
-            'mlp_ratio': inner // d, 'tied_embeddings': bool(hf.get('tie_word_embeddings', True)),
-            'seq_len': hf['n_positions']}
+    """Our model.* fields (`family` included) for a HF config.json; refuses what our model cannot compute."""
+    converter = hf_files.converter_of(hf, where)
+    return converter.model_fields({'model_type': converter.MODEL_TYPES[0]} | hf, where)
 
 
-def _check_matches(fields: dict[str, Any], c: ml_collections.ConfigDict, where: str) -> None:
+def _ours(key: str, c: ml_collections.ConfigDict) -> Any:
+    """Our value of model.`key` as the HF side states it (0 means a rule's value: the kv heads, the MLP width)."""
+    if key == 'num_kv_heads':
+        return c.model.num_kv_heads or c.model.num_heads
+    if key == 'mlp_dim':
+        return config_lib.mlp_dim(c)
+    return c.model[key]
+
+
+def check_matches(fields: dict[str, Any], c: ml_collections.ConfigDict, where: str, position_table: bool) -> None:
+    """One ConfigError line for the first model.* field of `c` that differs from the HF model's."""
     for key, theirs in fields.items():
-        ours = c.model[key]
-        if key == 'seq_len' and ours <= theirs:
-            continue  # a shorter context takes the first positions
-        if ours != theirs:
-            raise ConfigError(f'model.{key}', ours, f'the Hugging Face model {where} has {theirs}',
-                                         f'set --config.model.{key}={theirs}')
+        ours = _ours(key, c)
+        if key == 'seq_len' and (ours <= theirs or not position_table):
+            continue  # a shorter context takes the first positions; rotary positions have no table
+        same = math.isclose(ours, theirs, rel_tol=1e-9) if isinstance(theirs, float) else ours == theirs
+        if not same:
+            rule = f' (ours: {ours}, by the family\'s rule)' if ours != c.model[key] else ''
+            raise ConfigError(f'model.{key}', c.model[key], f'the Hugging Face model {where} has {theirs!r}{rule}',
+                              f'set --config.model.{key}={theirs} (or start from --config=configs/hf.py:path={where})')
 
 
-def _hf_reader(f, keys: set[str]):
-    """name -> array of a HF safetensors file, with or without the `transformer.` prefix."""
-    def get(name: str, index: tuple = ()):
-        key = name if name in keys else name.removeprefix('transformer.')
-        if key not in keys:
-            raise CheckpointError(
-                f'the Hugging Face model has no tensor {name!r}. Fix: save a '
-                'GPT2LMHeadModel with save_pretrained.')
-        return f.get_slice(key)[index] if index else f.get_tensor(key)
+def _hf_reader(tensors: dict[str, hf_files.Tensor], prefix: str):
+    """name -> fp32 array of a HF directory's tensors, with or without the base model's prefix."""
+    def get(name: str) -> np.ndarray:
+        key = name if name in tensors else name.removeprefix(prefix)
+        if key not in tensors:
+            raise CheckpointError(f'the Hugging Face model has no tensor {name!r}. Fix: save the model with '
+                                  'transformers\' save_pretrained.')
+        return hf_files.read_tensor(tensors[key])
     return get
 
 
-def _callback(name: str, target: tuple[int, ...], get, c: ml_collections.ConfigDict):
-    """make_array_from_callback's callback filling shards of our parameter `name` from HF tensors."""
-    v, d = c.model.vocab_size, c.model.d_model
-    if name.startswith('blocks/'):
-        theirs = dict(GPT2.block_names)[name.removeprefix('blocks/')]
-        lead = 2 if c.mesh.pipeline > 1 and c.pipeline.virtual_stages > 1 else 1  # [V, L / V, ...] or [L, ...]
-        per_layer = target[lead:]
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype, sharding) -> Callable[[], jax.Array]:
+    return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
 
-        def block(index):  # reads only the layers of this shard, one at a time
-            layers_ = np.arange(int(np.prod(target[:lead]))).reshape(target[:lead])[index[:lead]]
-            rows = [get(GPT2.layer_prefix.format(layer=l) + theirs).reshape(per_layer)[index[lead:]] for l in layers_.ravel()]
-            return np.stack(rows).reshape(*layers_.shape, *rows[0].shape)
-        return block
-    if name in ('wte', 'head'):
-        def vocab(index):
-            full = np.zeros((target[0], d) if name == 'wte' else (d, target[1]), np.float32)
-            if name == 'wte':
-                full[:v] = get('transformer.wte.weight')[:v]
-            else:
-                full[:, :v] = get('lm_head.weight')[:v].T
-            return full[index]
-        return vocab
-    if name == 'wpe':
-        return lambda index: get('transformer.wpe.weight')[:target[0]][index]
-    return lambda index: get(dict(GPT2.top_names)[name])[index]
+
+@functools.lru_cache(maxsize=None)
+def _set_layer(lead: int, sharding) -> Callable[..., jax.Array]:
+    """stacked, one layer, its index -> stacked with that layer written (donated: updated in place)."""
+    def update(stacked, layer, *index):
+        starts = (*index, *(0,) * layer.ndim)
+        return jax.lax.dynamic_update_slice(stacked, layer.reshape((1,) * lead + layer.shape), starts)
+    return jax.jit(update, donate_argnums=0, out_shardings=sharding)
+
+
+def _stacked(leaf, lead: int, read_layer: Callable[[int], np.ndarray]) -> jax.Array:
+    """A block parameter [L, ...] (or [V, L / V, ...]: lead 2) built on the devices one layer at a time."""
+    spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
+    one = NamedSharding(leaf.sharding.mesh, PartitionSpec(*spec[lead:]))
+    stacked = _zeros(tuple(leaf.shape), leaf.dtype, leaf.sharding)()
+    for layer in range(math.prod(leaf.shape[:lead])):
+        host = np.asarray(read_layer(layer), leaf.dtype)  # one layer of one parameter
+        value = jax.make_array_from_callback(host.shape, one, lambda index, host=host: host[index])
+        index = np.unravel_index(layer, leaf.shape[:lead])
+        stacked = _set_layer(lead, leaf.sharding)(stacked, value, *(np.int32(i) for i in index))
+    return stacked
 
 
 def load_hf(hf_dir: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:
-    """Reads a `transformers` GPT-2 directory into the shardings of `target`, the abstract parameters
-    (checkpoint.init_params_from)."""
-    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+    """Reads a `transformers` directory into the shardings of `target`, the abstract parameters
+    (checkpoint.init_params_from); its config must match `c`'s model (one line names the field)."""
+    hf = read_hf_config(hf_dir)
+    converter = hf_files.converter_of(hf, hf_dir)
+    check_matches(model_fields(hf, hf_dir), c, hf_dir, converter.POSITION_TABLE)
+    v, prefix, blocks = c.model.vocab_size, converter.PREFIX, _block_names(converter)
+    lead = 2 if c.mesh.pipeline > 1 and c.pipeline.virtual_stages > 1 else 1  # [V, L / V, ...] or [L, ...]
+    top = {ours: prefix + theirs for ours, theirs in converter.TOP_FIRST + converter.TOP_LAST}
+    get = _hf_reader(hf_files.weights(hf_dir), prefix)
 
-    _check_matches(model_fields(read_hf_config(hf_dir), hf_dir), c, hf_dir)
-    with safe_open(os.path.join(hf_dir, 'model.safetensors'), framework='numpy') as f:
-        get = _hf_reader(f, set(f.keys()))
-        return jax.tree_util.tree_map_with_path(lambda path, leaf: jax.make_array_from_callback(
-            leaf.shape, leaf.sharding, _callback(format_lib.path_name(path), tuple(leaf.shape), get, c),
-            dtype=leaf.dtype), target)
+    def load(path, leaf):
+        name = format_lib.path_name(path)
+        if name.startswith('blocks/'):
+            ours = name.removeprefix('blocks/')
+            per_layer = tuple(leaf.shape[lead:])
+            return _stacked(leaf, lead, lambda layer: converter.from_hf(ours, [
+                get(converter.NAMES.layer_prefix.format(layer=layer) + t) for t in blocks[ours]], per_layer))
+        if name in ('wte', 'head'):
+            full = np.zeros(leaf.shape, np.float32)
+            if name == 'wte':
+                full[:v] = get(prefix + converter.EMBED)[:v]
+            else:
+                full[:, :v] = get(HEAD)[:v].T
+        else:  # a position table keeps its first seq_len rows
+            full = get(top[name])[:leaf.shape[0]]
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: full[index],
+                                            dtype=leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(load, target)

@@ -1,4 +1,4 @@
-"""Checks of a Hugging Face GPT-2 directory and of safetensors headers, before anything reads the weights.
+"""Checks of a Hugging Face model directory and of safetensors headers, before anything reads the weights.
 
 `checkpoint.init_params_from=<dir>` (training, sample, eval) reads a directory someone else
 wrote. A truncated model.safetensors, a config.json that is not JSON or lacks a field, or a
@@ -7,31 +7,46 @@ a reshape; a directory with a config.json but no weights was taken for a checkpo
 committed checkpoint ... train first"). `check(path)` reads the config and the safetensors
 header (its JSON only: the 8-byte length, then the entries, each checked against the file's
 size) and raises one UserError line naming the file, the field or tensor, and the fix.
-No JAX and no numpy: it runs before either is needed, and the fuzz suite feeds it anything.
+The architecture is config.json's `model_type` (else its `architectures`): each family's
+converter (hf_gpt2.py, hf_llama.py, `CONVERTERS`) names the integer fields it needs and the
+tensors and shapes it expects. Only JSON and headers are read here (no weights, no JAX work),
+and the fuzz suite feeds it anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 import os
+import re
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
 from jaxfrontier.errors import CheckpointError
+from jaxfrontier.checkpoint import hf_gpt2
+from jaxfrontier.checkpoint import hf_llama
 
 ITEMSIZE = {'F64': 8, 'F32': 4, 'F16': 2, 'BF16': 2, 'I64': 8, 'I32': 4, 'I16': 2, 'I8': 1, 'U8': 1, 'BOOL': 1,
             'U16': 2, 'U32': 4, 'U64': 8, 'F8_E4M3': 1, 'F8_E5M2': 1}
-READABLE = ('F64', 'F32', 'F16')  # what the numpy reader gives as floats
+DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16}  # read_tensor
+READABLE = tuple(DTYPES)
+INDEX = 'model.safetensors.index.json'  # a model saved in shards: {"weight_map": {tensor: file}}
+SHARD = re.compile(r'[\w-][\w.-]*\.safetensors')  # a shard the index may name: a file beside it, no path
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
-CONFIG_INTS = ('n_embd', 'n_layer', 'n_head', 'vocab_size', 'n_positions')
+CONVERTERS = (hf_gpt2, hf_llama)  # one module per model family (model/registry.py)
 SAVE_FIX = 'save the model again with transformers\' save_pretrained (safe_serialization=True, float32)'
 
 
 def looks_like_hf(path: str) -> bool:
-    """A directory that is meant as a Hugging Face model: model.safetensors, or a config.json with a model_type."""
+    """A directory meant as a Hugging Face model: model.safetensors (or its shards' index), or a config.json with a
+    model_type."""
     if not os.path.isdir(path):
         return False
-    if os.path.isfile(os.path.join(path, 'model.safetensors')):
+    if any(os.path.isfile(os.path.join(path, f)) for f in ('model.safetensors', INDEX)):
         return True
     try:
         with open(os.path.join(path, 'config.json'), 'rb') as f:
@@ -48,8 +63,23 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where one tensor of a directory's safetensors files lies (read_tensor reads it)."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+
 def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (dtype, shape)} of a safetensors file, every entry checked against the file's bytes.
+    """{tensor name: (dtype, shape)} of a safetensors file, every entry checked against the file's bytes."""
+    return {name: (t.dtype, t.shape) for name, t in read_safetensors_entries(path).items()}
+
+
+def read_safetensors_entries(path: str) -> dict[str, Tensor]:
+    """{tensor name: Tensor} of a safetensors file, every entry checked against the file's bytes.
 
     Raises:
       CheckpointError: the file is missing, truncated, or its header is not a valid safetensors header.
@@ -96,7 +126,7 @@ def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]
             raise bad(f'tensor {name!r} ({dtype} {list(shape)}) has data_offsets {offsets} in {data:,} bytes of '
                       'data (truncated?)')
         spans.append((start, stop, name))
-        out[name] = (dtype, shape)
+        out[name] = Tensor(path, dtype, shape, 8 + n + start)
     end = 0
     for start, stop, name in sorted(spans):  # the tensors tile the data, as the library requires
         if start != end:
@@ -107,11 +137,31 @@ def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]
     return out
 
 
+def converter_of(config: dict[str, Any], where: str):
+    """The family converter that reads config.json's `model_type` (else its `architectures`)."""
+    model_type = config.get('model_type')
+    if model_type is None and isinstance(config.get('architectures'), list):
+        by_arch = {'GPT2LMHeadModel': 'gpt2', 'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'mistral',
+                   'Qwen2ForCausalLM': 'qwen2'}
+        model_type = next((by_arch[a] for a in config['architectures'] if isinstance(a, str) and a in by_arch), None)
+    for converter in CONVERTERS:
+        if model_type in converter.MODEL_TYPES:
+            return converter
+    known = ', '.join(t for c in CONVERTERS for t in c.MODEL_TYPES)
+    raise CheckpointError(f'{where}: model_type {model_type!r} is not an architecture jaxfrontier reads ({known}). '
+                          'Fix: use a GPT-2, Llama, Mistral or Qwen2 model directory.')
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def read_config(path: str) -> dict[str, Any]:
-    """config.json of a Hugging Face GPT-2 directory, with the integer fields our reader needs.
+    """config.json of a Hugging Face model directory, with the integer fields its family's converter needs.
 
     Raises:
-      CheckpointError: not JSON, not an object, or a field missing or not a positive integer.
+      CheckpointError: not JSON, not an object, an architecture we do not read, or a field
+        missing or not a positive integer.
     """
     file = os.path.join(path, 'config.json')
     try:
@@ -123,55 +173,97 @@ def read_config(path: str) -> dict[str, Any]:
         raise CheckpointError(f'{file} is not JSON. Fix: {SAVE_FIX}') from None
     if not isinstance(config, dict):
         raise CheckpointError(f'{file} is a JSON {type(config).__name__}, not an object. Fix: {SAVE_FIX}')
-    for key in CONFIG_INTS:
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise CheckpointError(f'{file}: {key} = {value!r}, not a positive integer. Fix: {SAVE_FIX}')
-    inner = config.get('n_inner')
-    if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner < 1):
-        raise CheckpointError(f'{file}: n_inner = {inner!r}, not a positive integer or null. Fix: {SAVE_FIX}')
-    for key in ('layer_norm_epsilon',):
+    converter = converter_of(config, file)
+    config.setdefault('model_type', converter.MODEL_TYPES[0])
+    for key in converter.CONFIG_INTS:
+        if not _is_int(config.get(key)):
+            raise CheckpointError(f'{file}: {key} = {config.get(key)!r}, not a positive integer. Fix: {SAVE_FIX}')
+    for key in converter.OPTIONAL_INTS:
+        if config.get(key) is not None and not _is_int(config[key]):
+            raise CheckpointError(f'{file}: {key} = {config[key]!r}, not a positive integer or null. Fix: {SAVE_FIX}')
+    for key in converter.NUMBERS:
         if key in config and (not isinstance(config[key], (int, float)) or isinstance(config[key], bool)):
             raise CheckpointError(f'{file}: {key} = {config[key]!r}, not a number. Fix: {SAVE_FIX}')
     return config
 
 
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """GPT-2's tensor names (without `transformer.`) and shapes; the vocabulary rows are a lower bound."""
-    d, v, s, layers = config['n_embd'], config['vocab_size'], config['n_positions'], config['n_layer']
-    f = config.get('n_inner') or 4 * d
-    shapes = {'wte.weight': (v, d), 'wpe.weight': (s, d), 'ln_f.weight': (d,), 'ln_f.bias': (d,)}
-    per_layer = {'ln_1.weight': (d,), 'ln_1.bias': (d,), 'attn.c_attn.weight': (d, 3 * d),
-                 'attn.c_attn.bias': (3 * d,), 'attn.c_proj.weight': (d, d), 'attn.c_proj.bias': (d,),
-                 'ln_2.weight': (d,), 'ln_2.bias': (d,), 'mlp.c_fc.weight': (d, f), 'mlp.c_fc.bias': (f,),
-                 'mlp.c_proj.weight': (f, d), 'mlp.c_proj.bias': (d,)}
-    for layer in range(layers):
-        shapes |= {f'h.{layer}.{name}': shape for name, shape in per_layer.items()}
-    if not config.get('tie_word_embeddings', True):
-        shapes['lm_head.weight'] = (v, d)
+    """The tensors of a config.json (names without the family's prefix, e.g. `transformer.`) and their
+    shapes; the vocabulary rows are a lower bound."""
+    converter = converter_of(config, 'config.json')
+    prefix = converter.NAMES.layer_prefix.removeprefix(converter.PREFIX)
+    shapes = dict(converter.top_shapes(config))
+    for layer in range(converter.num_layers(config)):
+        shapes |= {prefix.format(layer=layer) + name: shape for name, shape in converter.layer_shapes(config).items()}
     return shapes
 
 
-def check(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
-    """(config, safetensors header) of a Hugging Face GPT-2 directory, or one CheckpointError line."""
-    weights = os.path.join(path, 'model.safetensors')
-    if not os.path.isfile(weights):
+def weights(path: str) -> dict[str, Tensor]:
+    """Every tensor of a directory's weights: model.safetensors, or the shards model.safetensors.index.json maps.
+
+    Raises:
+      CheckpointError: no weights, an index that is not {"weight_map": {tensor: file beside it}}, a damaged
+        shard, or a tensor its shard does not hold.
+    """
+    single, index = os.path.join(path, 'model.safetensors'), os.path.join(path, INDEX)
+    if os.path.isfile(single):
+        return read_safetensors_entries(single)
+    if not os.path.isfile(index):
         others = sorted(f for f in os.listdir(path) if f.endswith(('.bin', '.pt', '.h5', '.msgpack', '.index.json')))
         found = f' (it has {", ".join(others[:3])}: not read)' if others else ''
-        raise CheckpointError(f'{path} has a config.json but no model.safetensors{found}. Fix: {SAVE_FIX}')
+        raise CheckpointError(f'{path} has a config.json but no model.safetensors{found} nor {INDEX}. Fix: {SAVE_FIX}')
+    try:
+        with open(index, 'rb') as f:
+            weight_map = json.loads(f.read(MAX_HEADER_BYTES).decode('utf-8')).get('weight_map')
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and SHARD.fullmatch(v)
+                                                   for v in weight_map.values()):
+        raise CheckpointError(f'{index} is not an object whose weight_map maps tensors to .safetensors files beside '
+                              f'it. Fix: {SAVE_FIX}')
+    shards = {file: read_safetensors_entries(os.path.join(path, file)) for file in sorted(set(weight_map.values()))}
+    for name, file in weight_map.items():
+        if name not in shards[file]:
+            raise CheckpointError(f'{index} maps tensor {name!r} to {file}, which does not hold it. Fix: {SAVE_FIX}')
+    return {name: shards[file][name] for name, file in weight_map.items()}
+
+
+def read_tensor(t: Tensor) -> np.ndarray:
+    """One tensor (checked by read_safetensors_entries) as fp32; little-endian, as safetensors stores it."""
+    with open(t.file, 'rb') as f:
+        f.seek(t.offset)
+        data = f.read(math.prod(t.shape) * ITEMSIZE[t.dtype])
+    return np.frombuffer(data, DTYPES[t.dtype]).reshape(t.shape).astype(np.float32)
+
+
+def names_where(path: str) -> str:
+    """The file that lists a directory's tensors: model.safetensors, else the shards' index."""
+    single = os.path.join(path, 'model.safetensors')
+    return single if os.path.isfile(single) else os.path.join(path, INDEX)
+
+
+def check(path: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(config, its tensors) of a Hugging Face model directory, or one CheckpointError line."""
     config = read_config(path)
-    header = read_safetensors_header(weights)
-    names = {name.removeprefix('transformer.'): entry for name, entry in header.items()}
-    for name, shape in expected_shapes(config).items():
+    converter = converter_of(config, path)
+    header = weights(path)
+    names = {name.removeprefix(converter.PREFIX): entry for name, entry in header.items()}
+    layers = converter.num_layers(config)
+    prefix = converter.NAMES.layer_prefix.removeprefix(converter.PREFIX)
+    per_layer = converter.layer_shapes(config)
+    # lazily: a config may claim 10^9 layers; the first one the file lacks ends the walk
+    expected = itertools.chain(converter.top_shapes(config).items(), (
+        (prefix.format(layer=layer) + name, shape) for layer in range(layers) for name, shape in per_layer.items()))
+    for name, shape in expected:
         if name not in names:
-            raise CheckpointError(f'{weights} has no tensor {name!r} (nor transformer.{name}) that its config.json '
-                             f'({config["n_layer"]} layers) needs. Fix: {SAVE_FIX}')
-        dtype, saved = names[name]
-        vocab_rows = name in ('wte.weight', 'lm_head.weight')
+            raise CheckpointError(f'{names_where(path)} has no tensor {name!r} (nor {converter.PREFIX}{name}) that its '
+                                  f'config.json ({layers} layers) needs. Fix: {SAVE_FIX}')
+        dtype, saved = names[name].dtype, names[name].shape
+        vocab_rows = name in (converter.EMBED, 'lm_head.weight')
         if saved != shape and not (vocab_rows and len(saved) == 2 and saved[0] >= shape[0] and saved[1] == shape[1]):
-            raise CheckpointError(f'{weights}: tensor {name!r} has shape {list(saved)}, its config.json needs '
-                             f'{list(shape)}. Fix: {SAVE_FIX}')
+            raise CheckpointError(f'{names[name].file}: tensor {name!r} has shape {list(saved)}, its config.json needs '
+                                  f'{list(shape)}. Fix: {SAVE_FIX}')
         if dtype not in READABLE:
-            raise CheckpointError(f'{weights}: tensor {name!r} is {dtype}; jaxfrontier reads F32, F16 or F64. Fix: '
-                             f'{SAVE_FIX}')
+            raise CheckpointError(f'{names[name].file}: tensor {name!r} is {dtype}; jaxfrontier reads '
+                                  f'{", ".join(READABLE)}. Fix: {SAVE_FIX}')
     return config, header

@@ -22,14 +22,14 @@ from jaxfrontier.checkpoint import safetensors as safetensors_lib
 
 def load_params(source: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:
     """Initial parameters for config.checkpoint.init_params_from: a .safetensors file, a Hugging Face
-    GPT-2 directory or a checkpoint, read into the shardings of `target` (the abstract parameters
+    directory (GPT-2, Llama, Mistral, Qwen2) or a checkpoint, read into the shardings of `target` (the abstract parameters
     with shardings, target.abstract_target)."""
     if not os.path.exists(source):
         raise ConfigError('checkpoint.init_params_from', source, 'no such file or directory',
                                      'name a training workdir, a checkpoint directory or a .safetensors file')
     if os.path.isfile(source):
         return finite.check(safetensors_lib.load_safetensors(source, c, target), source)
-    if hf_files.looks_like_hf(source):  # a transformers GPT-2 directory (config.json + model.safetensors)
+    if hf_files.looks_like_hf(source):  # a transformers directory (config.json + model.safetensors)
         hf_files.check(source)  # a damaged one: one line
         return finite.check(hf.load_hf(source, c, target), source)
     return finite.check(readers.load_checkpoint_params(source, c, target), source)

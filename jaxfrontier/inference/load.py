@@ -1,9 +1,9 @@
 """The model to sample from or evaluate: its parameters, on the config's mesh without a pipeline.
 
 Source: the newest checkpoint of --workdir, else config.checkpoint.init_params_from (a workdir,
-a checkpoint step, a .safetensors file or a Hugging Face GPT-2 directory). The model's shape
-comes from the source (the checkpoint's saved config, or config.json), so `--config` needs only
-the mesh. A pipelined checkpoint is regathered: the pipeline axis folds into `data`, and block
+a checkpoint step, a .safetensors file or a Hugging Face GPT-2 / Llama / Mistral / Qwen2
+directory). The model's shape comes from the source (the checkpoint's saved config, or
+config.json), so `--config` needs only the mesh. A pipelined checkpoint is regathered: the pipeline axis folds into `data`, and block
 arrays saved [V, L / V, ...] are read back as [L, ...] (restore onto any mesh, checkpoint/reshard.py).
 """
 
@@ -26,7 +26,11 @@ from jaxfrontier.checkpoint import init_from
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 
-ADOPTED_FIELDS = format_lib.MODEL_SHAPE_FIELDS + ('vocab_multiple', 'init_std')
+# The source's model: its shape, and the family with what it computes (a Llama's kv heads, biases, norm, RoPE).
+ADOPTED_FIELDS = format_lib.MODEL_SHAPE_FIELDS + (
+    'vocab_multiple', 'init_std', 'family', 'mlp_dim', 'num_kv_heads', 'qkv_bias', 'norm_eps', 'rope_theta',
+    'rope_scaling', 'rope_factor', 'rope_low_freq_factor', 'rope_high_freq_factor', 'rope_original_max_len',
+    'ffn_dim_multiplier', 'multiple_of')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ from jaxfrontier import flops as flops_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import ModelShape
 from jaxfrontier.model.attention import Attention, KVCache
-from jaxfrontier.model.family import Family, HFNames, ParamSpec
+from jaxfrontier.model.family import Family, ParamSpec
+from jaxfrontier.model import hf_names
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
 from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
 from jaxfrontier.model import stack
@@ -129,22 +130,5 @@ def megatron_flops(global_batch: int, s: ModelShape, recompute: bool) -> float:
                                              recompute)
 
 
-# GPT-2 in `transformers` (GPT2LMHeadModel): every parameter maps exactly (checkpoint/hf.py).
-# HF Conv1D weights are [in, out], our layout after a reshape; wte, wpe and an untied head
-# are named by the exporter, which also trims the padded vocabulary.
-HF_NAMES = HFNames(
-    architecture='GPT2LMHeadModel',
-    model_type='gpt2',
-    activations=('gelu_new', 'gelu_pytorch_tanh'),  # jax.nn.gelu: the tanh approximation
-    layer_prefix='transformer.h.{layer}.',
-    block_names=(('ln1/scale', 'ln_1.weight'), ('ln1/bias', 'ln_1.bias'),
-                 ('attn/w_qkv', 'attn.c_attn.weight'), ('attn/b_qkv', 'attn.c_attn.bias'),
-                 ('attn/w_out', 'attn.c_proj.weight'), ('attn/b_out', 'attn.c_proj.bias'),
-                 ('ln2/scale', 'ln_2.weight'), ('ln2/bias', 'ln_2.bias'),
-                 ('mlp/w_in', 'mlp.c_fc.weight'), ('mlp/b_in', 'mlp.c_fc.bias'),
-                 ('mlp/w_out', 'mlp.c_proj.weight'), ('mlp/b_out', 'mlp.c_proj.bias')),
-    top_names=(('ln_f/scale', 'transformer.ln_f.weight'), ('ln_f/bias', 'transformer.ln_f.bias')),
-)
-
 FAMILY = Family(name='gpt', module=GPT, param_specs=param_specs, forward_flops=forward_flops,
-                megatron_flops=megatron_flops, hf=HF_NAMES)
+                megatron_flops=megatron_flops, hf=hf_names.GPT2)

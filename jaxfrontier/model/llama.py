@@ -23,10 +23,10 @@ from flax import nnx
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import ModelShape
-from jaxfrontier.model import rope, stack
+from jaxfrontier.model import hf_names, rope, stack
 from jaxfrontier.model.attention import KVCache, attend
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
-from jaxfrontier.model.family import Family, HFNames, ParamSpec
+from jaxfrontier.model.family import Family, ParamSpec
 from jaxfrontier.model.layers import ACT_ND, RMSNorm, SwiGLU, dropout, embedding_lookup, param
 
 
@@ -175,8 +175,5 @@ def megatron_flops(global_batch: int, s: ModelShape, recompute: bool) -> float:
                                               s.kv_heads / s.num_heads, s.mlp_dim, recompute)
 
 
-HF_NAMES = HFNames(architecture='LlamaForCausalLM', model_type='llama', activations=('silu',),
-                   layer_prefix='model.layers.{layer}.', block_names=(), top_names=())
-
 FAMILY = Family(name='llama', module=Llama, param_specs=param_specs, forward_flops=forward_flops,
-                megatron_flops=megatron_flops, hf=HF_NAMES)
+                megatron_flops=megatron_flops, hf=hf_names.LLAMA)

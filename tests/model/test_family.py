@@ -71,3 +71,16 @@ def test_gpt_flops_are_megatrons_formula():
     assert hw == flops_lib.megatron_flops_per_step(**kw, recompute=True)
     layer, head = registry.get('gpt').forward_flops(config_lib.model_shape(c))
     assert (layer, head) == (2 * 24 * 12 * 40 * 40 + 4 * 24 * 24 * 40, 2 * 24 * 40 * 256)
+
+
+def test_llama_hugging_face_names_cover_every_parameter():
+    """Every Llama parameter (q/k/v biases included) has its HF names; w_kv and b_kv hold k then v."""
+    hf = registry.get('llama').hf
+    specs = registry.get('llama').param_specs(shape_of(family='llama', num_kv_heads=1, qkv_bias=True,
+                                                       tied_embeddings=False))
+    blocks = {p.path.removeprefix('blocks/') for p in specs if p.is_block}
+    assert {ours for ours, _ in hf.block_names} == blocks
+    assert [theirs for ours, theirs in hf.block_names if ours == 'attn/w_kv'] == ['self_attn.k_proj.weight',
+                                                                                  'self_attn.v_proj.weight']
+    assert {ours for ours, _ in hf.top_names} | {'wte', 'head'} == {p.path for p in specs if not p.is_block}
+    assert hf.architecture == 'LlamaForCausalLM' and hf.layer_prefix.format(layer=3) == 'model.layers.3.'
