@@ -174,6 +174,21 @@ class Restoring:
             multihost_utils.sync_global_devices('jaxfrontier_supersede')
         self._mngr.reload()
 
+    def newest_step_at_most(self, step: int) -> int | None:
+        """The newest committed step <= `step` (None: there is none, or checkpointing is off)."""
+        steps = [s for s in self._mngr.all_steps() if s <= step] if self._mngr is not None else []
+        return max(steps) if steps else None
+
+    def rewind(self, target: State, step: int) -> State:
+        """A roll-back inside a running run (training/spikes.py): `step` restored into `target`'s
+        shardings, newer steps moved to checkpoints.superseded/ (as a resume from restore_step does).
+        The caller has waited for its saves to commit."""
+        newer = [s for s in self._mngr.all_steps() if s > step]
+        state = self.restore(target, step)
+        self._supersede(newer)
+        self._last_saved = self._last_good = step
+        return state
+
     def restore_or_init(self, target: State, init_fn: Callable[[], State],
                         load_params: Callable[[str, ml_collections.ConfigDict, Any], Any] | None = None,
                         ) -> tuple[State, str]:
