@@ -86,6 +86,8 @@ class _Reporter:
         (training/spikes.py) is always written, and its non-finite loss does not stop the run (its
         update was not applied). Returns the step's fetched metrics."""
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # A spike limit is infinite until train.spike_warmup steps were seen: not written before.
+        scalars = {k: v for k, v in scalars.items() if not (k.startswith('spike/') and v == float('inf'))}
         now = time.perf_counter()
         skipped = scalars.get('spike/skipped', 0.0) > 0
         if not skipped:
