@@ -1,6 +1,6 @@
 """Loss spikes: skip the update of a step whose loss or gradient norm jumps; roll back if they persist.
 
-PaLM's recipe (Chowdhery et al. 2022, section 5.1), as MaxText and Levanter users know it:
+PaLM's recipe (Chowdhery et al. 2022, section 5.1): skip the steps, then restart before them and skip their data.
 
 1. On the device, inside the jitted step (`judge`): a running estimate of the loss and of the
    (pre-clipping, global) gradient norm is kept in the train state, `state['spike']`. A step whose
