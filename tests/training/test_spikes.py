@@ -250,3 +250,15 @@ def test_spikes_that_outlast_the_roll_backs_stop_the_run_with_one_line(tmp_path,
     # No checkpoint was committed inside the spikes: the newest is the one rolled back to.
     assert sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints')) == [5, 10, 15]
     assert len(json.loads((tmp_path / spikes.RECORD_FILE).read_text())['skips']) == 1
+
+
+@pytest.mark.slow  # two short runs: ~15 s
+def test_resuming_with_the_other_spike_setting_names_it(tmp_path):
+    """The estimate is part of the state: a checkpoint saved without it is not "corrupted" for a run
+    with train.spike_skip, but a setting to match (or a new workdir from its parameters)."""
+    c = small(4)
+    c.train.spike_skip = False
+    loop.train_and_evaluate(c, str(tmp_path))
+    with pytest.raises(errors.ConfigError, match=r'train.spike_skip = True: the checkpoint .*/4 was saved with '
+                       r'train.spike_skip = False .* Fix: set --config.train.spike_skip=False'):
+        loop.train_and_evaluate(small(6), str(tmp_path))
