@@ -277,7 +277,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     reporter = _Reporter(c, writer, jax.device_count(), layout.pipeline_schedule,
                          first_row={'compile/time_s': compile_s, **memory, **phase.metrics()})
     profiler = profile_lib.StepProfiler(c, workdir)
-    pending, stop, step_metrics, final_saved = None, False, None, True
+    pending, stop, step_metrics, final_saved, newest = None, False, None, True, None
     commits = _CommitLog(checkpointer)
     try:
         with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
@@ -329,6 +329,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 commits.started(done, state)
             checkpointer.wait()
             commits.poll(committed=True)
+            newest = checkpointer.latest_step()
     except NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
         raise checkpointer.with_resume_hint(e) from None
     finally:
@@ -342,7 +343,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     if not final_saved:
         record['spike_open_at_step'] = done
         _log(f'no checkpoint of step {done}: a loss spike is open (a step skipped within the last '
-             f'{c.train.spike_window}); the newest checkpoint is step {checkpointer.latest_step()}, rerunning '
+             f'{c.train.spike_window}); the newest checkpoint is step {newest}, rerunning '
              'the same command resumes from it')
     if stop:
         record['preempted_at_step'] = done
@@ -350,6 +351,6 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
             print(checkpointer.stop_message(done, preemption.received), flush=True)
         elif jax.process_index() == 0:
             print(f'preempted by {preemption.received} after step {done} inside a loss spike: no checkpoint '
-                  f'saved after step {checkpointer.latest_step()}; rerun the same command to resume.', flush=True)
+                  f'saved after step {newest}; rerun the same command to resume.', flush=True)
     _log('done: ' + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
     return record

@@ -126,6 +126,22 @@ def test_skips_map_train_steps_to_data_steps_and_survive_without_their_file(tmp_
         spikes.SkipRecord(str(tmp_path))
 
 
+def test_no_save_while_a_spike_is_open_and_the_one_due_is_made_when_it_closes(tmp_path):
+    """The guard as the loop drives it: step s - 1 reported, then the save after step s decided."""
+    guard = spikes.SpikeGuard(small(), str(tmp_path))  # a window of 5 steps, 3 skipped ones roll back
+    skipped = {15, 27}
+    saves = []
+    for step in range(30):
+        if step:
+            guard.observe(step - 1, step - 1 in skipped)
+        save, forced = guard.save_decision(step, (step + 1) % 5 == 0, lambda: step in skipped)  # noqa: B023
+        if save:
+            saves.append((step + 1, forced))
+        assert not guard.rollback_due()
+    assert saves == [(5, False), (10, False), (15, False), (21, True), (25, False)]
+    assert guard.is_open(29) and not guard.is_open(32)  # a run ending at 30 saves no final checkpoint
+
+
 @pytest.mark.parametrize('field, value, message', [
     ('spike_ema', 1.0, 'train.spike_ema = 1.0: must be a decay in'),
     ('spike_window', 2, 'train.spike_window = 2: must be an integer >= train.spike_rollback_after'),
@@ -188,7 +204,7 @@ def test_eight_devices_skip_the_same_steps_as_one(tmp_path):
 # --------------------------------------------------------------------------- the training loop
 
 
-@pytest.mark.slow  # two runs of 24 steps: ~40 s
+@pytest.mark.slow  # two runs of 24 steps: 17 s (the compile cache shared with the module)
 def test_a_skipped_step_trains_like_a_run_without_its_batch(tmp_path, inject):
     """One bad batch (data step 15): its update is skipped, and the run ends with the parameters,
     optimizer state and losses of a run that never read it; the save due at step 20 (inside the spike
@@ -210,7 +226,7 @@ def test_a_skipped_step_trains_like_a_run_without_its_batch(tmp_path, inject):
     assert_trees_equal(state_a, state_b)  # parameters, Adam's moments and count, the running estimate
 
 
-@pytest.mark.slow  # four runs: ~90 s
+@pytest.mark.slow  # four runs: 19 s
 def test_a_persistent_spike_rolls_back_skips_its_data_and_reruns_reproduce_it(tmp_path, inject):
     inject(bad=SPIKE_BATCHES)
     loop.train_and_evaluate(small(30), str(tmp_path / 'a'))
@@ -239,7 +255,7 @@ def test_a_persistent_spike_rolls_back_skips_its_data_and_reruns_reproduce_it(tm
     assert int(final['spike/count']) == 30 and int(final['spike/skipped_steps']) == 0
 
 
-@pytest.mark.slow  # ~25 s
+@pytest.mark.slow  # 4 s
 def test_spikes_that_outlast_the_roll_backs_stop_the_run_with_one_line(tmp_path, inject):
     inject(bad=range(15, 40))
     with pytest.raises(errors.LossSpikeError) as stopped:
@@ -252,7 +268,7 @@ def test_spikes_that_outlast_the_roll_backs_stop_the_run_with_one_line(tmp_path,
     assert len(json.loads((tmp_path / spikes.RECORD_FILE).read_text())['skips']) == 1
 
 
-@pytest.mark.slow  # two short runs: ~15 s
+@pytest.mark.slow  # two short runs: 12 s
 def test_resuming_with_the_other_spike_setting_names_it(tmp_path):
     """The estimate is part of the state: a checkpoint saved without it is not "corrupted" for a run
     with train.spike_skip, but a setting to match (or a new workdir from its parameters)."""
