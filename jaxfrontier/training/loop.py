@@ -269,7 +269,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
 
     # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs; save every N
     done = int(state['step'])
-    restored_skips = (checkpointer.read_meta(done)['data'].get('skips')
+    restored_skips = (spikes.skips_in_meta(checkpointer.read_meta(done))
                       if spikes.enabled(c) and origin.startswith('restored') else None)
     guard = spikes.SpikeGuard(c, workdir, restored_skips)  # loss spikes: skip, roll back (training/spikes.py)
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,

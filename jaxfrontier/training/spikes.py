@@ -146,6 +146,12 @@ def _skips_from(items: Any, where: str) -> list[Skip]:
     return out
 
 
+def skips_in_meta(meta: dict[str, Any]) -> Any:
+    """A checkpoint's `data.skips` (None where it has none; SkipRecord checks what it holds)."""
+    data = meta.get('data')
+    return data.get('skips') if isinstance(data, dict) else None
+
+
 class SkipRecord:
     """The data skips of a run, oldest first: `<workdir>/spikes.json`, merged with a checkpoint's `data.skips`."""
 
@@ -159,7 +165,7 @@ class SkipRecord:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise errors.CheckpointError(f'{self.path} cannot be read ({type(e).__name__}: {e}). Fix: move '
                                              'it away to use the checkpoint metadata (data.skips) instead.') from None
-        for s in _skips_from(from_checkpoint or [], 'the checkpoint metadata data.skips'):
+        for s in _skips_from([] if from_checkpoint is None else from_checkpoint, 'the checkpoint metadata data.skips'):
             if s not in skips:  # a workdir copied without its spikes.json
                 skips.append(s)
         self.skips = sorted(skips, key=lambda s: (s.at_step, s.data_from))

@@ -124,6 +124,11 @@ def test_skips_map_train_steps_to_data_steps_and_survive_without_their_file(tmp_
     (tmp_path / spikes.RECORD_FILE).write_text('{"skips": [{"at_step": 3}]}')
     with pytest.raises(errors.CheckpointError, match='spikes.json is damaged'):
         spikes.SkipRecord(str(tmp_path))
+    os.remove(tmp_path / spikes.RECORD_FILE)
+    for damaged in (7, {'at_step': 1}, [{'at_step': 1, 'data_from': 5, 'data_to': 2, 'spike_steps': []}]):
+        with pytest.raises(errors.CheckpointError, match='checkpoint metadata data.skips'):
+            spikes.SkipRecord(str(tmp_path), spikes.skips_in_meta({'data': {'skips': damaged}}))
+    assert spikes.skips_in_meta({'data': 'x'}) is None and spikes.skips_in_meta({}) is None
 
 
 def test_no_save_while_a_spike_is_open_and_the_one_due_is_made_when_it_closes(tmp_path):
