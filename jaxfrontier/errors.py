@@ -19,6 +19,7 @@ traceback, exit 1. A malformed flag or `--config.*` override is `cli.fail`: one 
 | CheckpointError    | UserError             |    2 | a checkpoint cannot be used: corrupted, incomplete or from another model (checkpoint/) |
 | NonFiniteParamsError | UserError           |    2 | parameters read from a file hold NaN or Inf; names the tensor (checkpoint/finite.py) |
 | NonFiniteLossError | RuntimeError          |    3 | the training loss became NaN or Inf (training/metrics.py, checkpoint/restore.py) |
+| LossSpikeError     | NonFiniteLossError    |    3 | loss spikes outlasted every roll-back allowed, or there was no checkpoint to roll back to (training/spikes.py) |
 | DistributedError   | RuntimeError          |    4 | the processes of a job could not start together, or lost one another (distributed.py) |
 """
 
@@ -104,6 +105,13 @@ class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or Inf."""
 
     exit_code = 3
+
+
+class LossSpikeError(NonFiniteLossError):
+    """Loss spikes persisted through every roll-back allowed (exit 3, like a NaN loss); the message
+    names the steps, the skipped data and the fix, so no resume hint is added to it."""
+
+    names_checkpoint = True
 
 
 class DistributedError(RuntimeError):

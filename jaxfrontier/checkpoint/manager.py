@@ -151,7 +151,7 @@ class Checkpointer(restore.Restoring):
         return bool(self.enabled and self.cc.every_steps and step % self.cc.every_steps == 0)
 
     def save(self, step: int, state: State, *, force: bool = False,
-             metrics: dict[str, jax.Array] | None = None) -> bool:
+             metrics: dict[str, jax.Array] | None = None, data_skips: list[dict[str, Any]] | None = None) -> bool:
         """Starts saving `state` as `step` if due (or `force`); returns whether it did.
 
         Returns once the arrays are off the devices (the write continues in the background
@@ -159,6 +159,7 @@ class Checkpointer(restore.Restoring):
         already saved is not saved again. With `metrics` (the step's train metrics) the
         step's loss, gradient norm and parameter norm are fetched first (one host sync) and
         recorded; if any is not finite nothing is saved and NonFiniteLossError is raised.
+        `data_skips`: the data skipped after loss spikes (training/spikes.py), saved as `data.skips`.
         """
         if not (self.enabled and (force or self.due(step))) or self._last_saved == step:
             return False
@@ -173,6 +174,8 @@ class Checkpointer(restore.Restoring):
                          'global_batch': self.c.train.global_batch},
                 'health': health, 'checksums': 'crc32c per chunk',
                 'config': json.loads(self.c.to_json_best_effort())}
+        if data_skips:
+            meta['data']['skips'] = data_skips
         if self._rolled_back_to is not None:
             meta['rolled_back_to'] = self._rolled_back_to
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state, save_args=layer_chunks(

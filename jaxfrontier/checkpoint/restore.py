@@ -97,6 +97,7 @@ class Restoring:
             saved_shapes = reshard.saved_shapes_of(self._mngr.item_metadata(step)['state'])
         except Exception as e:  # noqa: BLE001
             raise format_lib.corrupted_error(self.directory, step, e, self._older_fix(step)) from e
+        _check_optional_parts(saved_shapes, target, self.c, where)
         item, restore_args, reshaped = reshard.plan_restore(
             target, saved_shapes, (format_lib.padded_vocab_of(meta['config']), config_lib.padded_vocab(self.c)), where)
         try:
@@ -174,6 +175,21 @@ class Restoring:
             multihost_utils.sync_global_devices('jaxfrontier_supersede')
         self._mngr.reload()
 
+    def newest_step_at_most(self, step: int) -> int | None:
+        """The newest committed step <= `step` (None: there is none, or checkpointing is off)."""
+        steps = [s for s in self._mngr.all_steps() if s <= step] if self._mngr is not None else []
+        return max(steps) if steps else None
+
+    def rewind(self, target: State, step: int) -> State:
+        """A roll-back inside a running run (training/spikes.py): `step` restored into `target`'s
+        shardings, newer steps moved to checkpoints.superseded/ (as a resume from restore_step does).
+        The caller has waited for its saves to commit."""
+        newer = [s for s in self._mngr.all_steps() if s > step]
+        state = self.restore(target, step)
+        self._supersede(newer)
+        self._last_saved = self._last_good = step
+        return state
+
     def restore_or_init(self, target: State, init_fn: Callable[[], State],
                         load_params: Callable[[str, ml_collections.ConfigDict, Any], Any] | None = None,
                         ) -> tuple[State, str]:
@@ -233,6 +249,19 @@ class Restoring:
             return f'preempted by {signal_name} after step {step}; checkpointing is disabled, nothing was saved.'
         return (f'preempted by {signal_name} after step {step}: checkpoint committed to {self.directory}/{step}; '
                 'rerun the same command to resume.')
+
+
+def _check_optional_parts(saved_shapes: dict[str, Any], target: State, c: ml_collections.ConfigDict,
+                          where: str) -> None:
+    """The part of the state that `train.spike_skip` adds (the running loss estimate, 'spike') saved
+    but not wanted, or the reverse: one line naming the setting (Orbax would call it corrupted)."""
+    saved = any(name.split('/')[0] == 'spike' for name in saved_shapes)
+    if saved != ('spike' in target):
+        raise ConfigError('train.spike_skip', c.train.spike_skip,
+                          f'the checkpoint {where} was saved with train.spike_skip = {saved} (its state '
+                          f'{"holds" if saved else "lacks"} the running loss estimate)',
+                          f'set --config.train.spike_skip={saved} to resume it, or start a new --workdir from its '
+                          f'parameters with --config.checkpoint.init_params_from={where}')
 
 
 def _check_data_position(meta: dict[str, Any], c: ml_collections.ConfigDict, where: str) -> None:

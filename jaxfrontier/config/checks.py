@@ -90,6 +90,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     for field in ('steps', 'global_batch', 'micro_batch', 'accum_steps', 'log_every', 'eval_batches'):
         _require(isinstance(t[field], int) and t[field] >= 1, f'train.{field}', t[field],
                  'must be a positive integer', f'set train.{field} to a positive integer')
+    _check_spikes(c)
     for field in ('profile_start', 'profile_steps'):
         _require(isinstance(t[field], int) and t[field] >= 0, f'train.{field}', t[field],
                  'must be an integer >= 0', f'set train.{field} to 0 or a number of steps')
@@ -238,3 +239,26 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
         _require(v == 1, 'pipeline.virtual_stages', v,
                  f'the {c.pipeline.schedule} schedule has one chunk per stage',
                  "set pipeline.virtual_stages=1 or pipeline.schedule='interleaved'")
+
+
+def _check_spikes(c: ml_collections.ConfigDict) -> None:
+    """train.spike_* (training/spikes.py): numbers in range, and a checkpoint to roll back to."""
+    t = c.train
+    _require(isinstance(t.spike_skip, bool), 'train.spike_skip', t.spike_skip, 'must be True or False',
+             'set train.spike_skip=True to skip loss spikes, False to train every step')
+    for field in ('spike_sigmas', 'spike_min_rise'):
+        _require(isinstance(t[field], (int, float)) and not isinstance(t[field], bool) and t[field] >= 0,
+                 f'train.{field}', t[field], 'must be a number >= 0', f'set train.{field} to e.g. 6.0 or 0.1')
+    _require(isinstance(t.spike_ema, float) and 0.0 < t.spike_ema < 1.0, 'train.spike_ema', t.spike_ema,
+             'must be a decay in (0, 1)', 'set train.spike_ema to e.g. 0.99 (about 100 steps of memory)')
+    for field in ('spike_warmup', 'spike_rollback_after', 'spike_skip_batches', 'spike_max_rollbacks'):
+        _require(isinstance(t[field], int) and not isinstance(t[field], bool) and t[field] >= 0, f'train.{field}',
+                 t[field], 'must be an integer >= 0', f'set train.{field} to 0 or a count')
+    _require(isinstance(t.spike_window, int) and t.spike_window >= max(1, t.spike_rollback_after),
+             'train.spike_window', t.spike_window, f'must be an integer >= train.spike_rollback_after '
+             f'({t.spike_rollback_after}) and >= 1', 'set train.spike_window to the steps in which '
+             'spike_rollback_after skipped steps roll back, e.g. 100')
+    _require(not (t.spike_skip and t.spike_rollback_after and not c.checkpoint.enabled),
+             'train.spike_rollback_after', t.spike_rollback_after,
+             'a roll-back needs a checkpoint, and checkpoint.enabled is False',
+             'set train.spike_rollback_after=0 (skip spikes without rolling back), or checkpoint.enabled=True')

@@ -178,6 +178,20 @@ def base_config() -> ml_collections.ConfigDict:
         # else ~/.cache/jaxfrontier/xla ($XDG_CACHE_HOME); 'off' disables it; anything else is a path.
         compile_cache='auto',
         compile_cache_min_s=1.0,  # programs that compile faster are not cached
+        # Loss spikes (training/spikes.py, docs/training.md): skip the update of a step whose loss or
+        # gradient norm exceeds mean + max(spike_sigmas * std, spike_min_rise * mean) of a running
+        # estimate (EMA decay spike_ema, judged after spike_warmup steps); spike_rollback_after skipped
+        # steps within spike_window steps roll back to the checkpoint before them and skip their data
+        # (at least spike_skip_batches batches), at most spike_max_rollbacks times. Off by default.
+        spike_skip=False,
+        spike_sigmas=6.0,
+        spike_min_rise=0.1,
+        spike_ema=0.99,
+        spike_warmup=100,
+        spike_rollback_after=3,  # 0: skip steps, never roll back
+        spike_window=100,
+        spike_skip_batches=0,
+        spike_max_rollbacks=3,
     ))
 
     c.data = ml_collections.ConfigDict(dict(

@@ -36,6 +36,7 @@ from jaxfrontier.training import memory_check
 from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import profile as profile_lib
+from jaxfrontier.training import spikes
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import validation
 from jaxfrontier.training import workdir_lock
@@ -78,15 +79,22 @@ class _Reporter:
         self.constants = {'pipeline/bubble': pipeline_schedule.bubble} if pipeline_schedule is not None else {}
         self.last_time, self.last_step, self.last_record = None, None, {}
 
-    def report(self, step: int, metrics: dict[str, jax.Array], eval_loss: jax.Array | None, last: bool = False) -> None:
+    def report(self, step: int, metrics: dict[str, jax.Array], eval_loss: jax.Array | None,
+               last: bool = False) -> dict[str, float]:
         """`last`: the run's final step (its end, or a preemption's): always written, so the `done:` line
-        and metrics.jsonl end at the step the final checkpoint holds."""
+        and metrics.jsonl end at the step the final checkpoint holds. A step skipped as a loss spike
+        (training/spikes.py) is always written, and its non-finite loss does not stop the run (its
+        update was not applied). Returns the step's fetched metrics."""
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # A spike limit is infinite until train.spike_warmup steps were seen: not written before.
+        scalars = {k: v for k, v in scalars.items() if not (k.startswith('spike/') and v == float('inf'))}
         now = time.perf_counter()
-        metrics_lib.check_finite(step, scalars['train/loss'])
+        skipped = scalars.get('spike/skipped', 0.0) > 0
+        if not skipped:
+            metrics_lib.check_finite(step, scalars['train/loss'])
         self.writer.advance(step)
         due = (last or step % self.c.train.log_every == 0 or step == self.c.train.steps
-               or eval_loss is not None)
+               or eval_loss is not None or skipped)
         if self.last_time is None:  # the first step's time includes start-up: not a rate
             self.last_time, self.last_step = now, step
         elif due:
@@ -102,6 +110,7 @@ class _Reporter:
             self.first_row = {}
             self.writer.write(step, scalars)
             self.last_record = {'step': step, **scalars}
+        return scalars
 
 
 class _PhaseTimer:
@@ -149,6 +158,21 @@ class _CommitLog:
         self.pending = None
         _log(f'checkpoint: step {step} committed, {self.gib:.3f} GiB, {time.perf_counter() - t0:.1f} s after '
              'its save started')
+
+
+def _observe(guard: spikes.SpikeGuard, pending: tuple, seen: dict[str, float]) -> None:
+    """Tells the spike guard the reported step's decision (`pending`: (its count of steps done, ...))."""
+    guard.observe(pending[0] - 1, seen.get('spike/skipped', 0.0) > 0, seen)
+
+
+def _roll_back(guard: spikes.SpikeGuard, checkpointer, target, writer, reporter) -> tuple[State, int]:
+    """Back to the checkpoint before persistent spikes (guard.roll_back), logged as one metrics row."""
+    state, back_to, skip = guard.roll_back(checkpointer, target)
+    writer.write(skip.spike_steps[-1], {'spike/rollback': len(guard.record.skips), 'spike/rollback_to': back_to,
+                                        'data/skip_from': skip.data_from, 'data/skip_to': skip.data_to})
+    writer.rewound(back_to)
+    reporter.last_time = None  # the next row only restarts the step clock
+    return state, back_to
 
 
 def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
@@ -222,9 +246,8 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
              f'M={sched.num_micro} micro-batches, {sched.num_ticks} ticks, bubble {sched.bubble:.1%}, '
              f'at most {sched.act_slots} stashed micro-batches per stage')
     checkpointer = checkpoint_lib.Checkpointer(c, workdir)
-    state, origin = checkpointer.restore_or_init(
-        target_lib.abstract_target(layout.abstract_state, layout.state_shardings),
-        lambda: ts.init_train_state(c, layout), init_from.load_params)
+    target = target_lib.abstract_target(layout.abstract_state, layout.state_shardings)
+    state, origin = checkpointer.restore_or_init(target, lambda: ts.init_train_state(c, layout), init_from.load_params)
     _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
     phase.done('restore' if origin.startswith('restored') else 'init')
     write_resolved_config(c, workdir)  # only now: a refused resume leaves the old config.json
@@ -246,29 +269,47 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
 
     # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs; save every N
     done = int(state['step'])
+    restored_skips = (spikes.skips_in_meta(checkpointer.read_meta(done))
+                      if spikes.enabled(c) and origin.startswith('restored') else None)
+    guard = spikes.SpikeGuard(c, workdir, restored_skips)  # loss spikes: skip, roll back (training/spikes.py)
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
                                        progress=c.train.progress, initial_step=done)
     reporter = _Reporter(c, writer, jax.device_count(), layout.pipeline_schedule,
                          first_row={'compile/time_s': compile_s, **memory, **phase.metrics()})
     profiler = profile_lib.StepProfiler(c, workdir)
-    pending, stop, step_metrics = None, False, None
+    pending, stop, step_metrics, final_saved, newest = None, False, None, True, None
     commits = _CommitLog(checkpointer)
     try:
         with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-            for step in range(done, c.train.steps):
-                batch = data_lib.make_global_batch(train_source, step, batch_sharding, c.train.global_batch)
+            step = done
+            while step < c.train.steps:
+                data_step = guard.data_step(step)  # the step itself unless loss spikes made it skip data
+                batch = data_lib.make_global_batch(train_source, data_step, batch_sharding, c.train.global_batch)
                 with profiler.step(step):
                     state, step_metrics = train_step(state, batch)
                 # The previous step's metrics, fetched first while this step runs: the reporter's clock
                 # reads when that step is seen finished. After a save (which waits for this step) the
                 # next fetch would return at once, and the step time of one row would be that gap.
                 if pending is not None:
-                    reporter.report(*pending)
-                step_metrics = {**step_metrics, **train_source.epochs(step, c.train.global_batch)}
+                    _observe(guard, pending, reporter.report(*pending))
+                step_metrics = {**step_metrics, **train_source.epochs(data_step, c.train.global_batch)}
+                if guard.on:
+                    step_metrics['data/step'] = data_step
                 done = step + 1
                 profiler.after(done, step_metrics)
+                # No save while a loss spike is open; the last step's flag is always fetched, so a
+                # roll-back it calls for is made before the run ends.
+                save, forced = guard.save_decision(step, checkpointer.due(done) or done == c.train.steps,
+                                                   lambda: step_metrics['spike/skipped'])
+                if guard.rollback_due():  # the step in flight is dropped with the state it came from
+                    commits.poll(committed=True)
+                    state, step = _roll_back(guard, checkpointer, target, writer, reporter)
+                    commits.poll(committed=True)
+                    pending = None
+                    continue
                 # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
-                if checkpointer.save(done, state, metrics=step_metrics):
+                if save and checkpointer.save(done, state, force=forced, metrics=step_metrics,
+                                              data_skips=guard.record and guard.record.as_json()):
                     commits.started(done, state)
                 commits.poll()
                 stop = preemption.should_stop(done) and done < c.train.steps
@@ -276,15 +317,19 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 eval_loss = (evaluate(eval_step, state['params'], val_source, c, batch_sharding)
                              if eval_due and not stop else None)
                 pending = (done, step_metrics, eval_loss)
+                step = done
                 if stop:
                     break
             if pending is not None:
-                reporter.report(*pending, last=True)
-            # 7. final save (end of training or preemption), waited for until committed
-            if checkpointer.save(done, state, force=True, metrics=step_metrics):
+                _observe(guard, pending, reporter.report(*pending, last=True))
+            # 7. final save (end of training or preemption), waited for until committed; none inside a spike
+            final_saved = not guard.is_open(done - 1)
+            if final_saved and checkpointer.save(done, state, force=True, metrics=step_metrics,
+                                                 data_skips=guard.record and guard.record.as_json()):
                 commits.started(done, state)
             checkpointer.wait()
             commits.poll(committed=True)
+            newest = checkpointer.latest_step()
     except NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
         raise checkpointer.with_resume_hint(e) from None
     finally:
@@ -295,9 +340,17 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     if any(p is not None for p in peaks):  # accelerators: the allocator's measured peak
         memory['memory/measured_peak_gib_per_device'] = max(p for p in peaks if p is not None) / 2**30
     record = {**reporter.last_record, **memory}
+    if not final_saved:
+        record['spike_open_at_step'] = done
+        _log(f'no checkpoint of step {done}: a loss spike is open (a step skipped within the last '
+             f'{c.train.spike_window}); the newest checkpoint is step {newest}, rerunning '
+             'the same command resumes from it')
     if stop:
         record['preempted_at_step'] = done
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and final_saved:
             print(checkpointer.stop_message(done, preemption.received), flush=True)
+        elif jax.process_index() == 0:
+            print(f'preempted by {preemption.received} after step {done} inside a loss spike: no checkpoint '
+                  f'saved after step {newest}; rerun the same command to resume.', flush=True)
     _log('done: ' + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
     return record

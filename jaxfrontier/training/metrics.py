@@ -134,6 +134,13 @@ class MetricsWriter:
         if self.lines and ('train/loss' in values or 'eval/loss' in values):
             print(progress_line(step, self.total_steps, values), file=sys.stderr, flush=True)
 
+    def rewound(self, step: int) -> None:
+        """The run went back to `step` (a loss-spike roll-back): the rows it writes again up to the newest
+        one written are marked "replayed", as after a resume."""
+        if self.enabled:
+            self.replayed_until = max(self.replayed_until, last_logged_step(self._jsonl.name))
+            self._bar.n = min(self._bar.n, step)
+
     def advance(self, step: int) -> None:
         """Moves the progress bar to `step` completed steps."""
         if self.enabled and step > self._bar.n:

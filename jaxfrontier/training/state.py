@@ -1,7 +1,7 @@
 """Train state, optimizer and their placement on the mesh.
 
 The train state is a plain pytree, `{'step', 'params', 'opt_state'}` (plus `'loss_scale'` for
-float16, training/loss_scale.py), with `params` a nested
+float16, training/loss_scale.py, and `'spike'` with train.spike_skip, training/spikes.py), with `params` a nested
 dict of fp32 arrays (the model's `nnx.State` as a pure dict) — easy to checkpoint, export and
 reshard. It is built abstractly with `jax.eval_shape`, its shardings come from the logical
 axis names of the parameters, and one jitted init materialises it already sharded.
@@ -33,6 +33,7 @@ from jaxfrontier import layout as layout_lib
 from jaxfrontier import pipeline
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import loss_scale
+from jaxfrontier.training import spikes
 from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual
 
 
@@ -154,6 +155,9 @@ def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.
     if loss_scale.enabled(c):  # float16: the dynamic loss scale travels with the state (and checkpoints)
         abstract_state['loss_scale'] = loss_scale.abstract_state()
         state_shardings['loss_scale'] = jax.tree.map(lambda _: replicated, abstract_state['loss_scale'])
+    if spikes.enabled(c):  # the running loss / grad-norm estimate travels with the state (and checkpoints)
+        abstract_state['spike'] = spikes.abstract_state()
+        state_shardings['spike'] = jax.tree.map(lambda _: replicated, abstract_state['spike'])
     return StatePlacement(layout, shape, model_def, tx, lr_schedule, mesh, rules, param_shardings, update_shardings,
                           state_shardings, abstract_state)
 
@@ -165,6 +169,8 @@ def init_train_state(c: ml_collections.ConfigDict, layout: StatePlacement) -> di
         state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': layout.tx.init(params)}
         if loss_scale.enabled(c):
             state['loss_scale'] = loss_scale.init_state(c)
+        if spikes.enabled(c):
+            state['spike'] = spikes.init_state()
         return state
 
     with jax.set_mesh(layout.mesh):

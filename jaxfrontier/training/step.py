@@ -24,6 +24,7 @@ from jaxfrontier import pipeline
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import loss_scale
 from jaxfrontier.training import reduction
+from jaxfrontier.training import spikes
 from jaxfrontier.training import state as ts
 
 State = dict[str, Any]
@@ -134,11 +135,17 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
         updates, opt_state = tx.update(grads, state['opt_state'], params)
         new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), layout.param_shardings)
         new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
-        extra = {}
+        extra, grad_norm = {}, optax.tree.norm(grads)
         if scale_state is not None:  # float16: an overflowing step keeps the old params and moments
             (new_state['params'], new_state['opt_state']), new_state['loss_scale'], extra = loss_scale.finish_step(
                 c, scale_state, grads, (new_params, opt_state), (params, state['opt_state']))
-        metrics = {'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads),
+        if 'spike' in state:  # a loss spike keeps the old params and moments too (training/spikes.py)
+            overflow = None if scale_state is None else extra['train/step_skipped'] > 0
+            skip, new_state['spike'], spike_metrics = spikes.judge(c, state['spike'], loss, grad_norm, overflow)
+            new_state['params'], new_state['opt_state'] = spikes.keep_if(
+                skip, (new_state['params'], new_state['opt_state']), (params, state['opt_state']))
+            extra = {**extra, **spike_metrics}
+        metrics = {'train/loss': loss, 'train/grad_norm': grad_norm,
                    'train/param_norm': optax.tree.norm(new_state['params']), 'train/lr': lr_schedule(state['step']),
                    **extra}
         return new_state, metrics
