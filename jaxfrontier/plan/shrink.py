@@ -90,9 +90,17 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
     chunks = mesh.pipeline * (s.pipeline.virtual_stages if mesh.pipeline > 1 else 1)
     put('model.num_layers', chunks if mesh.pipeline > 1 else 2)
     heads = 2 * mesh.tensor  # two heads per tensor shard: a swapped head order shows
-    head_dim = next(k for k in range(HEAD_DIM, HEAD_DIM * mesh.fsdp * 8 + 1) if (heads * k) % mesh.fsdp == 0)
+    step = 2 if m.family == 'llama' else 1  # RoPE rotates pairs: an even head dimension
+    head_dim = next(k for k in range(HEAD_DIM, HEAD_DIM * mesh.fsdp * 8 + 1, step) if (heads * k) % mesh.fsdp == 0)
     put('model.num_heads', heads)
     put('model.d_model', heads * head_dim)
+    if m.family == 'llama':
+        # Keep whether tensor splits the kv heads (they divide it) or replicates them; Meta's MLP
+        # rule would round the small width up to a multiple of 1024.
+        kv = c.model.num_kv_heads or c.model.num_heads
+        split = mesh.tensor == 1 or kv % mesh.tensor == 0
+        put('model.num_kv_heads', mesh.tensor if split else (mesh.tensor // 2 if mesh.tensor % 2 == 0 else 1))
+        put('model.mlp_dim', 3 * heads * head_dim)
     put('model.vocab_size', VOCAB)
     put('model.seq_len', SEQ_LEN)
     if m.attention == 'cudnn':  # NVIDIA only; XLA's kernel computes the same attention on the CPU
