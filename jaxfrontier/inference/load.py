@@ -26,7 +26,7 @@ from jaxfrontier.checkpoint import init_from
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 
-ADOPTED_FIELDS = format_lib.MODEL_SHAPE_FIELDS + ('vocab_multiple', 'init_std')
+ADOPTED_FIELDS = format_lib.MODEL_SHAPE_FIELDS + format_lib.MODEL_FUNCTION_FIELDS + ('vocab_multiple', 'init_std')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -317,3 +317,17 @@ def test_main_trains_resumes_evaluates_and_samples(tmp_path):
                        '--max_new_tokens=8')
     sampled = json.loads(sampled.strip().splitlines()[-1].removeprefix('sample: '))
     assert len(sampled['tokens'][0]) == 8
+
+
+def test_checkpoints_know_the_family_and_its_kv_heads():
+    """Resuming into other kv heads is one line naming the field; a reader (sample, eval, export) given
+    a GPT config adopts the saved llama model, RoPE settings included."""
+    from jaxfrontier.checkpoint import format as format_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.inference import load as load_lib  # pylint: disable=g-import-not-at-top
+    saved = llama_config(num_kv_heads=2, rope_theta=500000.0).to_dict()
+    with pytest.raises(ConfigError, match=r'model.num_kv_heads = 4: the checkpoint x was saved with model.num_kv_heads = 2'):
+        format_lib.check_model_matches(saved, llama_config(num_kv_heads=4), 'x', 'use another workdir')
+    adopted = load_lib.decode_config(config_lib.base_config(), saved['model'])
+    assert (adopted.model.family, adopted.model.num_kv_heads, adopted.model.rope_theta) == ('llama', 2, 500000.0)
+    config_lib.validate(adopted)
