@@ -21,8 +21,11 @@ CHECKPOINT_SUBDIR = 'checkpoints'
 SUPERSEDED_SUBDIR = 'checkpoints.superseded'  # steps newer than the one a run rolled back to
 # The config fields that fix the shapes of the train state; a checkpoint restores only into
 # a config that agrees on all of them.
-MODEL_SHAPE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio',
-                      'tied_embeddings')
+MODEL_SHAPE_FIELDS = ('family', 'num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio',
+                      'tied_embeddings', 'num_kv_heads', 'qkv_bias', 'mlp_dim', 'ffn_dim_multiplier', 'multiple_of')
+# What else a llama model computes with (not shapes: a fine-tune may change them, a reader adopts them).
+MODEL_FUNCTION_FIELDS = ('norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor', 'rope_low_freq_factor',
+                         'rope_high_freq_factor', 'rope_original_max_len')
 
 
 def checkpoint_dir(workdir: str) -> str:

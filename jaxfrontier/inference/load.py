@@ -26,11 +26,9 @@ from jaxfrontier.checkpoint import init_from
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 
-# The source's model: its shape, and the family with what it computes (a Llama's kv heads, biases, norm, RoPE).
-ADOPTED_FIELDS = format_lib.MODEL_SHAPE_FIELDS + (
-    'vocab_multiple', 'init_std', 'family', 'mlp_dim', 'num_kv_heads', 'qkv_bias', 'norm_eps', 'rope_theta',
-    'rope_scaling', 'rope_factor', 'rope_low_freq_factor', 'rope_high_freq_factor', 'rope_original_max_len',
-    'ffn_dim_multiplier', 'multiple_of')
+# The source's model: its shape and family (format.MODEL_SHAPE_FIELDS) and what it computes with (a Llama's
+# norm and RoPE settings, MODEL_FUNCTION_FIELDS).
+ADOPTED_FIELDS = format_lib.MODEL_SHAPE_FIELDS + format_lib.MODEL_FUNCTION_FIELDS + ('vocab_multiple', 'init_std')
 
 
 @dataclasses.dataclass(frozen=True)

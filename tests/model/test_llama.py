@@ -40,6 +40,17 @@ def llama_config(**model):
     return c
 
 
+def init(shape, seed=0, noise=0.0):
+    """The model's initial parameters (jitted: eager initialisation compiles op by op), plus
+    normal noise of std `noise` so that biases and norm scales are not 0 and 1."""
+    def make(key):
+        params = params_lib.init_params(shape, key)
+        leaves, tree = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
+        return jax.tree.unflatten(tree, [a + noise * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+    return jax.jit(make)(jax.random.key(seed))
+
+
 def llama_configs_module():
     spec = importlib.util.spec_from_file_location('llama_config', os.path.join(CONFIG_DIR, 'llama.py'))
     module = importlib.util.module_from_spec(spec)
@@ -159,32 +170,32 @@ def test_grouped_query_attention_is_multi_head_with_shared_kv_heads():
     (transformers' repeat_kv order): the logits of the two models agree."""
     gqa_shape = config_lib.model_shape(llama_config(num_kv_heads=2, qkv_bias=True))
     mha_shape = config_lib.model_shape(llama_config(num_kv_heads=4, qkv_bias=True))
-    params = params_lib.init_params(gqa_shape, jax.random.key(0))
-    params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape), params)  # biases != 0
+    params = init(gqa_shape, noise=0.1)
     attn = params['blocks']['attn']
     mha = {**params, 'blocks': {**params['blocks'], 'attn': {
         **attn, 'w_kv': jnp.repeat(attn['w_kv'], 2, axis=3), 'b_kv': jnp.repeat(attn['b_kv'], 2, axis=2)}}}
     tokens = jax.random.randint(jax.random.key(2), (2, 24), 0, 97)
-    got = params_lib.ModelDef.create(gqa_shape).bind(params)(tokens)
-    want = params_lib.ModelDef.create(mha_shape).bind(mha)(tokens)
+    logits = lambda shape, p: jax.jit(lambda p: params_lib.ModelDef.create(shape).bind(p)(tokens))(p)  # noqa: E731
+    got, want = logits(gqa_shape, params), logits(mha_shape, mha)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert attention_lib.repeat_kv(jnp.arange(2.0).reshape(1, 1, 2, 1), 4).ravel().tolist() == [0, 0, 1, 1]
 
 
-@pytest.mark.parametrize('impl', ['blockwise', 'xla'])
-def test_attention_kernels_agree_with_reference(impl):
-    c = llama_config(num_kv_heads=2, attention_block_q=8, attention_block_kv=8)
-    shape = config_lib.model_shape(c)
-    params = params_lib.init_params(shape, jax.random.key(0))
+@pytest.mark.slow
+def test_attention_kernels_agree_with_reference():
+    """blockwise (3 blocks of 8) and xla against the reference kernel on one device, GQA with biases."""
     tokens = jax.random.randint(jax.random.key(2), (2, 25), 0, 97)  # 24 inputs: 3 blocks of 8
-    loss_grads = lambda s: jax.value_and_grad(  # noqa: E731
-        lambda p: params_lib.ModelDef.create(s).bind(p).loss(tokens[:, :-1], tokens[:, 1:]))(params)
-    ref_loss, ref_grads = loss_grads(shape)
-    other = config_lib.model_shape(llama_config(num_kv_heads=2, attention=impl, attention_block_q=8,
-                                                attention_block_kv=8))
-    loss, grads = loss_grads(other)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)
-    assert_trees_close(grads, ref_grads, f'{impl} grad')
+    shapes = {impl: config_lib.model_shape(llama_config(num_kv_heads=2, qkv_bias=True, attention=impl,
+                                                        attention_block_q=8, attention_block_kv=8))
+              for impl in ('reference', 'blockwise', 'xla')}
+    params = init(shapes['reference'], noise=0.05)
+    loss_grads = lambda s: jax.jit(jax.value_and_grad(  # noqa: E731
+        lambda p: params_lib.ModelDef.create(s).bind(p).loss(tokens[:, :-1], tokens[:, 1:])))(params)
+    ref_loss, ref_grads = loss_grads(shapes['reference'])
+    for impl in ('blockwise', 'xla'):
+        loss, grads = loss_grads(shapes[impl])
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)
+        assert_trees_close(grads, ref_grads, f'{impl} grad')
 
 
 # --------------------------------------------------------------------------- the rules
@@ -208,7 +219,14 @@ LAYERS, BATCH = 4, 16
 
 @pytest.fixture(scope='module')
 def reference():
+    """One device: step 0's loss and gradients, parameters after 3 steps."""
     return run_layout(make_config(layers=LAYERS, global_batch=BATCH, **LLAMA))
+
+
+@pytest.fixture(scope='module')
+def reference_step0():
+    """One device: step 0's loss and gradients only (no train step compiled)."""
+    return run_layout(make_config(layers=LAYERS, global_batch=BATCH, **LLAMA), steps=False)
 
 
 def llama_layout(**kw):
@@ -216,33 +234,34 @@ def llama_layout(**kw):
 
 
 # kv heads replicated (tensor 4, 8: 2 kv heads) and split (tensor 2) across the layout matrix of
-# tests/test_parallel.py; the fast case mixes data with tensor 4 (the issue's GQA case).
+# tests/test_parallel.py (data 8 alone, which no llama-specific code meets, is left to GPT's
+# matrix); the fast case mixes data with tensor 4 (the issue's GQA case). Accumulation: d2f2t2.
 LAYOUTS = {
     'd2t4': dict(data=2, tensor=4),
-    'data8_accum2': dict(data=8, accum=2),
     'fsdp8': dict(fsdp=8),
     'tensor8': dict(tensor=8),
     'd2f2t2_accum2': dict(data=2, fsdp=2, tensor=2, accum=2),
     'zero1_d4t2': dict(data=4, tensor=2, zero1=True),
 }
-FAST = ['d2t4']
 
 
-@pytest.mark.parametrize('name', FAST)
+def test_layout_step0_matches_single_device(reference_step0):
+    """The fast tier: step 0's loss and gradients on data 2 x tensor 4 (the optimizer steps: slow tier)."""
+    loss, grads, _ = run_layout(llama_layout(**LAYOUTS['d2t4']), steps=False)
+    np.testing.assert_allclose(loss, reference_step0[0], rtol=LOSS_RTOL)
+    assert_trees_close(grads, reference_step0[1], 'd2t4 grad')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', LAYOUTS)
 def test_layout_matches_single_device(name, reference):
     check_against_reference(run_layout(llama_layout(**LAYOUTS[name])), reference)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('name', [n for n in LAYOUTS if n not in FAST])
-def test_layout_matches_single_device_slow(name, reference):
-    check_against_reference(run_layout(llama_layout(**LAYOUTS[name])), reference)
-
-
-# (schedule, P, M, V, other axis); tensor 2 splits the kv heads, tensor 4 replicates them.
+# (schedule, P, M, V, other axis): every schedule once, P = 2 (the executors' P = 4 cases are GPT's,
+# tests/pipeline/test_pipeline.py); tensor 2 splits the kv heads, tensor 4 replicates them.
 PIPELINES = [('gpipe', 2, 4, 1, dict(tensor=2)), ('1f1b', 2, 2, 1, dict(fsdp=2)),
-             ('1f1b_lockstep', 2, 4, 1, dict(tensor=4)), ('interleaved', 2, 2, 2, dict(fsdp=2)),
-             ('1f1b', 4, 4, 1, dict(tensor=2))]
+             ('1f1b_lockstep', 2, 4, 1, dict(tensor=4)), ('interleaved', 2, 2, 2, dict(fsdp=2))]
 
 
 @pytest.mark.slow
@@ -254,23 +273,23 @@ def test_pipeline_matches_single_device(schedule, p, m, virtual, other, referenc
 
 @pytest.mark.slow
 @pytest.mark.parametrize('remat', ['full', 'save_dots', 'save_dots_no_batch'])
-def test_remat_policy_does_not_change_loss_or_grads(remat, reference):
+def test_remat_policy_does_not_change_loss_or_grads(remat, reference_step0):
     loss, grads, _ = run_layout(llama_layout(remat=remat), steps=False)
-    np.testing.assert_allclose(loss, reference[0], rtol=LOSS_RTOL)
-    assert_trees_close(grads, reference[1], f'remat {remat} grad')
+    np.testing.assert_allclose(loss, reference_step0[0], rtol=LOSS_RTOL)
+    assert_trees_close(grads, reference_step0[1], f'remat {remat} grad')
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('attention', ['reference', 'blockwise'])
-def test_attention_kernel_in_a_tensor_layout_matches_xla_on_one_device(attention, reference):
+def test_attention_kernel_in_a_tensor_layout_matches_xla_on_one_device(attention, reference_step0):
     """The layouts' reference run uses the xla kernel; these run data 2 x tensor 4 with the others."""
     loss, grads, _ = run_layout(llama_layout(attention=attention, data=2, tensor=4), steps=False)
-    np.testing.assert_allclose(loss, reference[0], rtol=LOSS_RTOL)
-    assert_trees_close(grads, reference[1], f'{attention} grad')
+    np.testing.assert_allclose(loss, reference_step0[0], rtol=LOSS_RTOL)
+    assert_trees_close(grads, reference_step0[1], f'{attention} grad')
 
 
 @pytest.mark.slow
-def test_dropout_masks_do_not_depend_on_the_layout(reference):
+def test_dropout_masks_do_not_depend_on_the_layout(reference_step0):
     """Step 0's loss and gradients with dropout on data 2 x tensor 4 equal one device's (see
     test_pipeline_dropout_matches_non_pipelined for why parameters after 3 steps are not compared)."""
     one, spread = llama_layout(), llama_layout(data=2, tensor=4)
@@ -279,7 +298,7 @@ def test_dropout_masks_do_not_depend_on_the_layout(reference):
     (loss, grads, _), (ref_loss, ref_grads, _) = run_layout(spread, steps=False), run_layout(one, steps=False)
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     assert_trees_close(grads, ref_grads, 'dropout grad')
-    assert abs(reference[0] - ref_loss) > 50 * LOSS_RTOL * ref_loss  # dropout was on
+    assert abs(reference_step0[0] - ref_loss) > 50 * LOSS_RTOL * ref_loss  # dropout was on
 
 
 # --------------------------------------------------------------------------- the command line
@@ -317,3 +336,17 @@ def test_main_trains_resumes_evaluates_and_samples(tmp_path):
                        '--max_new_tokens=8')
     sampled = json.loads(sampled.strip().splitlines()[-1].removeprefix('sample: '))
     assert len(sampled['tokens'][0]) == 8
+
+
+def test_checkpoints_know_the_family_and_its_kv_heads():
+    """Resuming into other kv heads is one line naming the field; a reader (sample, eval, export) given
+    a GPT config adopts the saved llama model, RoPE settings included."""
+    from jaxfrontier.checkpoint import format as format_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.inference import load as load_lib  # pylint: disable=g-import-not-at-top
+    saved = llama_config(num_kv_heads=2, rope_theta=500000.0).to_dict()
+    with pytest.raises(ConfigError, match=r'model.num_kv_heads = 4: the checkpoint x was saved with model.num_kv_heads = 2'):
+        format_lib.check_model_matches(saved, llama_config(num_kv_heads=4), 'x', 'use another workdir')
+    adopted = load_lib.decode_config(config_lib.base_config(), saved['model'])
+    assert (adopted.model.family, adopted.model.num_kv_heads, adopted.model.rope_theta) == ('llama', 2, 500000.0)
+    config_lib.validate(adopted)

@@ -54,6 +54,20 @@ def test_shrink_keeps_the_layout_of_the_paper_configs(name, devices, data, layer
     assert 'data 6 -> 3' in shrink_lib.describe(s) if name == '1t' else 'data' not in shrink_lib.describe(s)
 
 
+@pytest.mark.parametrize('tensor,kv,split', [(4, 8, True), (4, 2, False), (8, 2, False), (2, 8, True)])
+def test_shrink_keeps_whether_tensor_splits_the_llama_kv_heads(tensor, kv, split):
+    """8 kv heads divide tensor 2 and 4 (split), 2 do not divide 4 or 8 (replicated): so do the shrunk ones."""
+    c = config_lib.base_config()
+    c.model.update(family='llama', num_layers=4, d_model=256, num_heads=16, num_kv_heads=kv, multiple_of=64)
+    c.mesh.update(tensor=tensor, fsdp=2, pipeline=2)
+    c.train.update(global_batch=8, micro_batch=2, accum_steps=2)
+    s = shrink_lib.shrink(c)
+    m = s.config.model
+    assert (m.d_model // m.num_heads) % 2 == 0 and m.mlp_dim % tensor == 0
+    assert (dict(config_lib.sharding_rules(s.config))['kv_heads'] == 'tensor') == split
+    config_lib.validate(shrink_lib.reference_config(s.config), 1)
+
+
 def test_shrink_refuses_a_mesh_too_large_even_with_data_1():
     c = _paper('1t')
     with pytest.raises(ConfigError, match='even with data 1'):
