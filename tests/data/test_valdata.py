@@ -205,8 +205,9 @@ def test_training_reports_the_held_out_files_loss(prepared, tmp_path):
     vocab = json.load(open(prepared / 'c_val.json'))['vocab_size']
     val = token_files.open_token_file(prepared / 'c_val.bin', vocab)
     assert val.num_tokens > BATCH * SEQ_LEN + 1
+    (tmp_path / 'c.tokenizer.json').write_bytes((prepared / 'c.tokenizer.json').read_bytes())
     exact = token_files.write_token_file(tmp_path / 'exact.bin', np.asarray(val.tokens[:BATCH * SEQ_LEN + 1]), vocab,
-                                         metadata={k: val.header[k] for k in ('eot_id', 'documents_shuffled')})
+                                         metadata={k: val.header[k] for k in ('eot_id', 'tokenizer')})
     run = _main(f'--workdir={tmp_path}/w', f'--config.data.path={prepared}/c_train.bin',
                 f'--config.data.val_path={exact}')
     assert 'the validation split is the last' not in run.stderr
