@@ -8,7 +8,10 @@ temporary file. Memory stays near a few batches whatever the corpus size: at mos
 `2 * workers` batches are in flight.
 
 Output `DIR/NAME` is three files: `NAME.bin` (tokens), `NAME.tokenizer.json` and the header
-`NAME.json`, which records the tokenizer's relative path and the end-of-text id. Everything is
+`NAME.json`, which records the tokenizer's relative path and the end-of-text id. With a split by
+documents (documents.py), NAME_train.bin / .json and NAME_val.bin / .json instead of NAME.bin /
+.json: the in-order stream goes to a temporary file, counting each document's tokens, and is then
+copied into the parts document by document (also for --shuffle). Everything is
 written to `*.tmp-<pid>` files first and renamed into place at the end, the header last, so a
 crash or kill leaves the previous output (or none) and never a header describing a partial
 `.bin`; a rerun simply starts over. Stale `*.tmp-<pid>` files of dead runs are removed.
@@ -280,6 +283,23 @@ def _publish(paths: dict[str, str], tmp: dict[str, str], tokenizer_json: str, he
         os.replace(tmp[key], paths[key])
 
 
+def _write_stream(batches: Iterator[tuple[list[corpus.Piece], tuple[bytes, np.ndarray]]], bin_file: Any, dtype: str,
+                  progress: Callable[[int, int], None] | None) -> tuple[int, array.array]:
+    """Writes the encoded batches in order; returns (tokens written, tokens of each document)."""
+    num_tokens, lengths, document_tokens = 0, array.array('q'), 0
+    for batch, (tokens, piece_lengths) in batches:
+        bin_file.write(tokens)
+        num_tokens += len(tokens) // (2 if dtype == 'uint16' else 4)
+        for piece, n in zip(batch, piece_lengths.tolist()):  # a .txt document comes in several pieces
+            document_tokens += n
+            if piece.end_of_document:
+                lengths.append(document_tokens)
+                document_tokens = 0
+        if progress:
+            progress(sum(p.num_bytes for p in batch), num_tokens)
+    return num_tokens, lengths
+
+
 def _split_stream(tmp: dict[str, str], dtype: str, lengths: np.ndarray,
                   split: documents.Split) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Copies the in-order stream tmp['stream'] into each part's temporary .bin (documents.plan); removes it."""
@@ -347,20 +367,9 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_v
             dtype = dtype_for_vocab(vocab_size)
             eot, eot_id = eot_id_of(tokenizer, eot_token, tokenizer_path)
             start = time.perf_counter()
-            num_tokens, lengths, document_tokens = 0, array.array('q'), 0
-            pieces = corpus.read_pieces(files, text_field)
-            for batch, (tokens, piece_lengths) in encoded_batches(
-                    corpus.batches(pieces, batch_bytes), _ready_for_documents(tokenizer), tokenizer_json, eot_id,
-                    dtype, workers):
-                bin_file.write(tokens)
-                num_tokens += len(tokens) // (2 if dtype == 'uint16' else 4)
-                for piece, n in zip(batch, piece_lengths.tolist()):  # tokens of each document
-                    document_tokens += n
-                    if piece.end_of_document:
-                        lengths.append(document_tokens)
-                        document_tokens = 0
-                if progress:
-                    progress(sum(p.num_bytes for p in batch), num_tokens)
+            batches = encoded_batches(corpus.batches(corpus.read_pieces(files, text_field), batch_bytes),
+                                      _ready_for_documents(tokenizer), tokenizer_json, eot_id, dtype, workers)
+            num_tokens, lengths = _write_stream(batches, bin_file, dtype, progress)
             if not lengths:
                 raise FlagError('input', ','.join(inputs), 'the corpus is empty (no document holds text)',
                                 'pass files that hold text (check --text_field)')
