@@ -57,7 +57,7 @@ _TOP_K = flags.DEFINE_integer('top_k', 0, 'mode=sample: sample among the k most 
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'mode=sample: nucleus sampling mass (1: off).')
 _SEED = flags.DEFINE_integer('seed', 0, 'mode=sample: random seed of the sampling.')
 _EVAL_PATH = flags.DEFINE_string('eval_path', '', 'mode=eval: a token file to score whole (default: the run\'s '
-                                 'validation split).')
+                                 'data.val_path, else its validation split).')
 _HARDWARE = flags.DEFINE_string('hardware', 'mi250x', 'mode=plan: the device to plan for: '
                                  f'{", ".join(hardware_lib.NAMES)} (local: this machine), or a description '
                                  'path.json (python -m jaxfrontier.calibrate writes one).')

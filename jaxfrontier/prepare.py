@@ -7,7 +7,8 @@
 Inputs are .txt (one document per file), .jsonl (--text_field) or .parquet (--text_field);
 the tokenizer is a Hugging Face tokenizer.json (--tokenizer) or a byte-level BPE trained on
 the inputs (--train_tokenizer). Writes DIR/NAME.bin, NAME.json and NAME.tokenizer.json
-atomically (docs/data.md). Bad input is one line on stderr and exit code 2. No JAX import.
+atomically (docs/data.md); with --val_fraction or --val_documents, NAME_train.bin / .json and
+NAME_val.bin / .json, validation documents drawn at random (--seed); --shuffle reorders documents. Bad input is one line on stderr and exit code 2. No JAX import.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from absl import app, flags
 
 from jaxfrontier import cli
+from jaxfrontier.data import documents
 from jaxfrontier.data import encode as tokenize_lib
 from jaxfrontier.errors import FlagError, UserError
 
@@ -34,6 +36,12 @@ _EOT_TOKEN = flags.DEFINE_string('eot_token', '', 'The token put after every doc
 _WORKERS = flags.DEFINE_integer('workers', 1, 'Encoding processes; 1 encodes in this process with the '
                                 'tokenizers library\'s own threads.')
 _BATCH_MB = flags.DEFINE_float('batch_mb', 1.0, 'Megabytes of input per encoded batch.')
+_VAL_FRACTION = flags.DEFINE_float('val_fraction', 0.0, 'Share of documents, drawn at random (--seed), written to '
+                                   'NAME_val.bin instead of NAME_train.bin; 0: no split, one NAME.bin.')
+_VAL_DOCUMENTS = flags.DEFINE_integer('val_documents', 0, 'As --val_fraction, a number of documents instead.')
+_SHUFFLE = flags.DEFINE_bool('shuffle', False, 'Write the documents in a random order (--seed) instead of the '
+                             "corpus's.")
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed of the validation documents and of --shuffle.')
 _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar (MB/s, tokens/s) on a terminal.')
 
 
@@ -65,16 +73,20 @@ def main(argv: list[str]) -> int:
         result = tokenize_lib.prepare(
             files, _OUTPUT.value, tokenizer_path=_TOKENIZER.value, train_vocab=_TRAIN_TOKENIZER.value,
             text_field=_TEXT_FIELD.value, eot_token=_EOT_TOKEN.value, workers=_WORKERS.value,
-            batch_bytes=max(1, int(_BATCH_MB.value * 1e6)), progress=progress)
+            batch_bytes=max(1, int(_BATCH_MB.value * 1e6)), progress=progress,
+            split=documents.Split(_VAL_FRACTION.value, _VAL_DOCUMENTS.value, _SEED.value, _SHUFFLE.value))
         progress.bar.close()
     except UserError as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
-    h = result.header
-    print(f'wrote {result.bin_path}: {h["num_tokens"]:,} {h["dtype"]} tokens of {h["num_documents"]:,} '
-          f'documents, vocabulary {h["vocab_size"]:,}, tokenizer {h["tokenizer"]}, end-of-text '
-          f'{h["eot_token"]} = {h["eot_id"]}; {result.input_bytes / 1e6 / result.seconds:.2f} MB/s, '
-          f'{h["num_tokens"] / result.seconds / 1e6:.2f} M tokens/s')
+    num_tokens = sum(h['num_tokens'] for h in result.headers.values())
+    for part, h in result.headers.items():
+        order = 'shuffled' if h['documents_shuffled'] else 'in corpus order'
+        what = f'{part} split by documents (seed {h["split"]["seed"]}), ' if part else ''
+        print(f'wrote {result.bin_paths[part]}: {what}{h["num_tokens"]:,} {h["dtype"]} tokens of '
+              f'{h["num_documents"]:,} documents {order}, vocabulary {h["vocab_size"]:,}, tokenizer {h["tokenizer"]}, '
+              f'end-of-text {h["eot_token"]} = {h["eot_id"]}; {result.input_bytes / 1e6 / result.seconds:.2f} MB/s, '
+              f'{num_tokens / result.seconds / 1e6:.2f} M tokens/s')
     return 0
 
 

@@ -134,6 +134,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              "keep one: data.path='' with a blend, or data.blend='' for one file")
     _require(not blend or c.data.kind == 'tokens', 'data.blend', blend, f'a blend mixes token files, but '
              f'data.kind={c.data.kind!r}', 'set data.kind=tokens')
+    val_path = c.data.get('val_path', '')
+    _require(not val_path or c.data.kind in ('tokens', 'builtin'), 'data.val_path', val_path,
+             f'held-out token files score a model of real text, but data.kind={c.data.kind!r}',
+             "set data.kind='tokens' (or 'builtin'), or data.val_path=''")
     dist = c.distributed
     _require(dist.mode in DISTRIBUTED_MODES, 'distributed.mode', dist.mode, 'unknown mode',
              f'use one of {DISTRIBUTED_MODES}')

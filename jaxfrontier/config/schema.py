@@ -199,7 +199,10 @@ def base_config() -> ml_collections.ConfigDict:
         path='',  # kind=tokens: path of the .bin token file (header beside it)
         # kind=tokens, instead of path: 'WEIGHT:PATH,WEIGHT:PATH' mixes token files (docs/data.md)
         blend='',
-        val_fraction=0.02,
+        # evaluation on held-out token files instead of the last val_fraction of the training stream:
+        # a .bin path, or a blend 'WEIGHT:PATH,...' (eval loss per file and weighted overall; docs/data.md)
+        val_path='',
+        val_fraction=0.02,  # without val_path: the validation split is the stream's last share
     ))
 
     # How processes join one job (jaxfrontier/distributed.py); mesh.cpu_devices is the job's total.

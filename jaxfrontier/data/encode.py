@@ -8,7 +8,10 @@ temporary file. Memory stays near a few batches whatever the corpus size: at mos
 `2 * workers` batches are in flight.
 
 Output `DIR/NAME` is three files: `NAME.bin` (tokens), `NAME.tokenizer.json` and the header
-`NAME.json`, which records the tokenizer's relative path and the end-of-text id. Everything is
+`NAME.json`, which records the tokenizer's relative path and the end-of-text id. With a split by
+documents (documents.py), NAME_train.bin / .json and NAME_val.bin / .json instead of NAME.bin /
+.json: the in-order stream goes to a temporary file, counting each document's tokens, and is then
+copied into the parts document by document (also for --shuffle). Everything is
 written to `*.tmp-<pid>` files first and renamed into place at the end, the header last, so a
 crash or kill leaves the previous output (or none) and never a header describing a partial
 `.bin`; a rerun simply starts over. Stale `*.tmp-<pid>` files of dead runs are removed.
@@ -16,6 +19,7 @@ crash or kill leaves the previous output (or none) and never a header describing
 
 from __future__ import annotations
 
+import array
 import collections
 import concurrent.futures
 import contextlib
@@ -32,7 +36,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxfrontier import distributed
-from jaxfrontier.data import corpus, long_words, token_files
+from jaxfrontier.data import corpus, documents, long_words, token_files
 from jaxfrontier.errors import FlagError
 
 EOT_CANDIDATES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')  # first found is used
@@ -45,8 +49,8 @@ TOKENIZER_SUFFIX = '.tokenizer.json'
 class Result:
     """What prepare wrote."""
 
-    bin_path: str
-    header: dict[str, Any]
+    bin_paths: dict[str, str]  # by part: '' (one file), or 'train' and 'val'
+    headers: dict[str, dict[str, Any]]
     seconds: float  # tokenizer training excluded
     input_bytes: int
 
@@ -152,13 +156,18 @@ def _ready_for_documents(tokenizer: Any) -> Any:
 # --------------------------------------------------------------------------- encoding
 
 
-def encode_batch(tokenizer: Any, texts: list[str], ends: list[bool], eot_id: int, dtype: str) -> np.ndarray:
-    """Tokens [n] of a batch of pieces, eot_id after each piece that ends a document."""
+def encode_batch(tokenizer: Any, texts: list[str], ends: list[bool], eot_id: int,
+                 dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [n], tokens of each piece [pieces]) of a batch of pieces, eot_id after each that ends a document.
+
+    The per-piece counts let prepare cut the stream into documents again (split and shuffle).
+    """
     encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
     eot = (eot_id,)
     ids = itertools.chain.from_iterable(
         itertools.chain(e.ids, eot) if end else e.ids for e, end in zip(encodings, ends))
-    return np.fromiter(ids, dtype=np.dtype(token_files.NUMPY_DTYPES[dtype]))
+    lengths = np.fromiter((len(e.ids) + end for e, end in zip(encodings, ends)), np.int64, len(texts))
+    return np.fromiter(ids, dtype=np.dtype(token_files.NUMPY_DTYPES[dtype])), lengths
 
 
 _WORKER: dict[str, Any] = {}
@@ -171,13 +180,14 @@ def _init_worker(tokenizer_json: str, eot_id: int, dtype: str, threads: int) -> 
                    dtype=dtype)
 
 
-def _encode_in_worker(texts: list[str], ends: list[bool]) -> bytes:
-    return encode_batch(_WORKER['tokenizer'], texts, ends, _WORKER['eot_id'], _WORKER['dtype']).tobytes()
+def _encode_in_worker(texts: list[str], ends: list[bool]) -> tuple[bytes, np.ndarray]:
+    tokens, lengths = encode_batch(_WORKER['tokenizer'], texts, ends, _WORKER['eot_id'], _WORKER['dtype'])
+    return tokens.tobytes(), lengths
 
 
 def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, tokenizer_json: str,
-                    eot_id: int, dtype: str, workers: int) -> Iterator[tuple[list[corpus.Piece], bytes]]:
-    """(batch, its tokens as bytes) for each batch, in input order.
+                    eot_id: int, dtype: str, workers: int) -> Iterator[tuple[list[corpus.Piece], tuple[bytes, np.ndarray]]]:
+    """(batch, (its tokens as bytes, tokens per piece)) for each batch, in input order.
 
     workers == 1 encodes in this process: two threads each encode a batch with the library's
     own thread pool (it releases the GIL), so one batch's slowest document does not idle the
@@ -187,8 +197,9 @@ def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, token
     if workers == 1:
         executor = concurrent.futures.ThreadPoolExecutor(2)
 
-        def encode(texts: list[str], ends: list[bool]) -> bytes:
-            return encode_batch(tokenizer, texts, ends, eot_id, dtype).tobytes()
+        def encode(texts: list[str], ends: list[bool]) -> tuple[bytes, np.ndarray]:
+            tokens, lengths = encode_batch(tokenizer, texts, ends, eot_id, dtype)
+            return tokens.tobytes(), lengths
     else:
         threads = max(1, (os.cpu_count() or 1) // workers)
         executor = concurrent.futures.ProcessPoolExecutor(
@@ -209,10 +220,18 @@ def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, token
 # --------------------------------------------------------------------------- output
 
 
-def output_paths(output: str) -> dict[str, str]:
-    """The files of output DIR/NAME: bin, header and tokenizer."""
-    bin_path, header_path = token_files.token_paths(output)
-    return {'bin': bin_path, 'tokenizer': bin_path[:-len('.bin')] + TOKENIZER_SUFFIX, 'header': header_path}
+def output_paths(output: str, parts: tuple[str, ...] = ('',)) -> dict[str, str]:
+    """The files of output DIR/NAME: tokenizer, and bin and header of each part.
+
+    Part '' is NAME.bin / NAME.json (keys 'bin', 'header'); a split's parts 'train' and 'val'
+    are NAME_train.bin / NAME_train.json ('train_bin', ...) and NAME_val.*, sharing NAME.tokenizer.json.
+    """
+    root = token_files.token_paths(output)[0][:-len('.bin')]
+    paths = {'tokenizer': root + TOKENIZER_SUFFIX}
+    for part in parts:
+        key, name = (f'{part}_', f'{root}_{part}') if part else ('', root)
+        paths.update({key + 'bin': name + '.bin', key + 'header': name + '.json'})
+    return paths
 
 
 def _remove_stale_temporaries(paths: dict[str, str]) -> None:
@@ -232,32 +251,72 @@ def _write_small(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _open_output(output: str) -> tuple[dict[str, str], dict[str, str], Any]:
+def _open_output(output: str, parts: tuple[str, ...],
+                 shuffled_or_split: bool) -> tuple[dict[str, str], dict[str, str], Any]:
     """(final paths, temporary paths, the open temporary .bin); checks the directory is writable."""
     if os.path.isdir(output) or output.endswith(os.sep):  # NAME.bin would land beside the directory
         raise FlagError('output', output, 'is a directory; --output is DIR/NAME (writes NAME.bin, NAME.json and '
                         'NAME.tokenizer.json in DIR)', f'pass --output={os.path.join(output, "NAME")}')
-    paths = output_paths(output)
-    directory = os.path.dirname(os.path.abspath(paths['bin']))
-    tmp = {key: f'{path}.tmp-{os.getpid()}' for key, path in paths.items()}
+    paths = output_paths(output, parts)
+    directory = os.path.dirname(os.path.abspath(paths['tokenizer']))
+    stream = paths['tokenizer'][:-len(TOKENIZER_SUFFIX)] + '.stream.bin'  # split or shuffle: the corpus in order
+    tmp = {key: f'{path}.tmp-{os.getpid()}' for key, path in {**paths, 'stream': stream}.items()}
     try:
         os.makedirs(directory, exist_ok=True)
-        _remove_stale_temporaries(paths)
-        return paths, tmp, open(tmp['bin'], 'wb')
+        _remove_stale_temporaries({**paths, 'stream': stream})
+        return paths, tmp, open(tmp['stream'] if shuffled_or_split else tmp['bin'], 'wb')
     except OSError as e:
         raise FlagError('output', output, f'cannot write in {directory} ({e.strerror or e})',
                         'pass an --output=DIR/NAME whose DIR you can write') from None
 
 
-def _publish(paths: dict[str, str], tmp: dict[str, str], tokenizer_json: str, header: dict[str, Any]) -> None:
-    """Renames the temporaries into place: the old header goes first, the new one comes last."""
+def _publish(paths: dict[str, str], tmp: dict[str, str], tokenizer_json: str, headers: dict[str, Any]) -> None:
+    """Renames the temporaries into place: the old headers go first, the new ones come last."""
     _write_small(tmp['tokenizer'], tokenizer_json)
-    _write_small(tmp['header'], json.dumps(header, indent=1) + '\n')
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(paths['header'])
-    for key in ('bin', 'tokenizer', 'header'):
+    keys = [f'{part}_' if part else '' for part in headers]
+    for key, header in zip(keys, headers.values()):
+        _write_small(tmp[key + 'header'], json.dumps(header, indent=1) + '\n')
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(paths[key + 'header'])
+    for key in [k + 'bin' for k in keys] + ['tokenizer'] + [k + 'header' for k in keys]:
         os.chmod(tmp[key], 0o644)
         os.replace(tmp[key], paths[key])
+
+
+def _write_stream(batches: Iterator[tuple[list[corpus.Piece], tuple[bytes, np.ndarray]]], bin_file: Any, dtype: str,
+                  progress: Callable[[int, int], None] | None) -> tuple[int, array.array]:
+    """Writes the encoded batches in order; returns (tokens written, tokens of each document)."""
+    num_tokens, lengths, document_tokens = 0, array.array('q'), 0
+    for batch, (tokens, piece_lengths) in batches:
+        bin_file.write(tokens)
+        num_tokens += len(tokens) // (2 if dtype == 'uint16' else 4)
+        for piece, n in zip(batch, piece_lengths.tolist()):  # a .txt document comes in several pieces
+            document_tokens += n
+            if piece.end_of_document:
+                lengths.append(document_tokens)
+                document_tokens = 0
+        if progress:
+            progress(sum(p.num_bytes for p in batch), num_tokens)
+    return num_tokens, lengths
+
+
+def _split_stream(tmp: dict[str, str], dtype: str, lengths: np.ndarray,
+                  split: documents.Split) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Copies the in-order stream tmp['stream'] into each part's temporary .bin (documents.plan); removes it."""
+    parts = documents.plan(len(lengths), split)
+    files = {part: open(tmp[f'{part}_bin' if part else 'bin'], 'wb') for part in parts}
+    try:
+        tokens = np.memmap(tmp['stream'], dtype=np.dtype(token_files.NUMPY_DTYPES[dtype]), mode='r')
+        written = documents.write_parts(tokens, lengths, parts, files)
+        del tokens
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f in files.values():
+            f.close()
+    os.remove(tmp['stream'])
+    return parts, written
 
 
 # --------------------------------------------------------------------------- prepare
@@ -265,12 +324,14 @@ def _publish(paths: dict[str, str], tmp: dict[str, str], tokenizer_json: str, he
 
 def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_vocab: int = 0,
             text_field: str = 'text', eot_token: str = '', workers: int = 1, batch_bytes: int = 1 << 20,
-            progress: Callable[[int, int], None] | None = None) -> Result:
+            progress: Callable[[int, int], None] | None = None,
+            split: documents.Split = documents.Split()) -> Result:
     """Tokenises the corpus `inputs` into the token file `output` (docs/data.md).
 
     Args:
       inputs: files or globs (comma-separated allowed) of .txt, .jsonl or .parquet.
-      output: DIR/NAME of the token file (NAME.bin, NAME.json and NAME.tokenizer.json).
+      output: DIR/NAME of the token file (NAME.bin, NAME.json and NAME.tokenizer.json); with a
+        split NAME_train.bin / .json and NAME_val.bin / .json instead of NAME.bin / .json.
       tokenizer_path: a tokenizer.json or a directory holding one; or
       train_vocab: > 0 trains a byte-level BPE of at most this vocabulary on the inputs.
       text_field: the JSONL field or Parquet column holding the text.
@@ -278,6 +339,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_v
       workers: encoding processes; 1 encodes in this process (with the library's threads).
       batch_bytes: input bytes per encoded batch.
       progress: called with (input bytes, tokens) after each batch.
+      split: validation documents drawn at random and / or documents shuffled (data/documents.py).
 
     Raises:
       FlagError: any input the user can fix; nothing is left that looks like a token file.
@@ -287,12 +349,13 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_v
                         'pass --tokenizer=PATH (a tokenizer.json) or --train_tokenizer=VOCAB (e.g. 50257)')
     if workers < 1:
         raise FlagError('workers', workers, 'need at least one worker', 'pass --workers=1 or more')
+    split.check()
     files = corpus.expand_inputs(inputs)
     input_bytes = sum(os.path.getsize(f) for f in files)
     if not input_bytes:
         raise FlagError('input', ','.join(inputs), 'the corpus is empty (its files hold 0 bytes)',
                         'pass files that hold text')
-    paths, tmp, bin_file = _open_output(output)
+    paths, tmp, bin_file = _open_output(output, ('train', 'val') if split.splits else ('',), split.active)
     try:
         with bin_file:
             if tokenizer_path:
@@ -304,30 +367,30 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_v
             dtype = dtype_for_vocab(vocab_size)
             eot, eot_id = eot_id_of(tokenizer, eot_token, tokenizer_path)
             start = time.perf_counter()
-            num_tokens, num_documents = 0, 0
-            pieces = corpus.read_pieces(files, text_field)
-            for batch, tokens in encoded_batches(corpus.batches(pieces, batch_bytes), _ready_for_documents(tokenizer),
-                                                 tokenizer_json, eot_id, dtype, workers):
-                bin_file.write(tokens)
-                num_tokens += len(tokens) // (2 if dtype == 'uint16' else 4)
-                num_documents += sum(p.end_of_document for p in batch)
-                if progress:
-                    progress(sum(p.num_bytes for p in batch), num_tokens)
-            if not num_documents:
+            batches = encoded_batches(corpus.batches(corpus.read_pieces(files, text_field), batch_bytes),
+                                      _ready_for_documents(tokenizer), tokenizer_json, eot_id, dtype, workers)
+            num_tokens, lengths = _write_stream(batches, bin_file, dtype, progress)
+            if not lengths:
                 raise FlagError('input', ','.join(inputs), 'the corpus is empty (no document holds text)',
                                 'pass files that hold text (check --text_field)')
             bin_file.flush()
             os.fsync(bin_file.fileno())
-        header = {'format': token_files.FORMAT, 'version': token_files.VERSION, 'dtype': dtype,
-                  'num_tokens': num_tokens, 'vocab_size': vocab_size,
-                  'tokenizer': os.path.basename(paths['tokenizer']), 'eot_token': eot, 'eot_id': eot_id,
-                  'num_documents': num_documents, 'source': 'jaxfrontier.prepare',
-                  'num_input_files': len(files), 'input_bytes': input_bytes}
+        common = {'format': token_files.FORMAT, 'version': token_files.VERSION, 'dtype': dtype,
+                  'vocab_size': vocab_size, 'tokenizer': os.path.basename(paths['tokenizer']), 'eot_token': eot,
+                  'eot_id': eot_id, 'source': 'jaxfrontier.prepare', 'num_input_files': len(files),
+                  'input_bytes': input_bytes}
+        lengths_d = np.frombuffer(lengths, np.int64)
+        if split.active:
+            parts, written = _split_stream(tmp, dtype, lengths_d, split)
+        else:
+            parts, written = {'': np.arange(len(lengths_d))}, {'': num_tokens}
+        headers = {part: {**common, 'num_tokens': written[part], 'num_documents': len(ids),
+                          **documents.header_fields(split, part, parts)} for part, ids in parts.items()}
         seconds = time.perf_counter() - start
-        _publish(paths, tmp, tokenizer_json, header)
+        _publish(paths, tmp, tokenizer_json, headers)
     except BaseException:
         for path in tmp.values():
             with contextlib.suppress(OSError):
                 os.remove(path)
         raise
-    return Result(paths['bin'], header, seconds, input_bytes)
+    return Result({part: paths[f'{part}_bin' if part else 'bin'] for part in parts}, headers, seconds, input_bytes)

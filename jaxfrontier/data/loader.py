@@ -26,8 +26,10 @@ from jaxfrontier.errors import ConfigError
 
 
 def _split_boundary(c: ml_collections.ConfigDict, token_file: TokenFile) -> int:
-    """First validation token: the last data.val_fraction of the stream is validation."""
+    """First validation token: the last data.val_fraction of the stream is validation (all trains with data.val_path)."""
     num_tokens, needed = token_file.num_tokens, c.model.seq_len + 1
+    if c.data.get('val_path', ''):
+        return num_tokens
     num_val = int(num_tokens * c.data.val_fraction)
     if num_val < needed:
         problem = (f'the validation split gets {num_val:,} of the {num_tokens:,} tokens of '
@@ -77,21 +79,21 @@ def _tokenizer_bytes(token_file: TokenFile) -> bytes | None:
         return f.read()
 
 
-def _check_same_tokenizer(blend: str, files: list[TokenFile]) -> None:
-    """All files of a blend share vocab_size, eot_id and (where recorded) the tokenizer file."""
+def _check_same_tokenizer(blend: str, files: list[TokenFile], field: str = 'data.blend',
+                          fix: str = 'blend only files written with the same tokenizer') -> None:
+    """All files share vocab_size, eot_id and (where recorded) the tokenizer file; files[0] is the reference."""
     first = files[0]
     for other in files[1:]:
         for key in ('vocab_size', 'eot_id'):
             a, b = first.header.get(key), other.header.get(key)
             if key == 'vocab_size' or (a is not None and b is not None):
                 if a != b:
-                    raise ConfigError('data.blend', blend, f'{first.path} has {key} {a} but {other.path} has {b}: '
-                                      'the files were tokenised differently', 'blend only files written with '
-                                      'the same tokenizer (re-run python -m jaxfrontier.prepare --tokenizer=...)')
+                    raise ConfigError(field, blend, f'{first.path} has {key} {a} but {other.path} has {b}: '
+                                      f'the files were tokenised differently', f'{fix} (re-run python -m '
+                                      'jaxfrontier.prepare --tokenizer=...)')
         a, b = _tokenizer_bytes(first), _tokenizer_bytes(other)
         if a is not None and b is not None and a != b:
-            raise ConfigError('data.blend', blend, f'{first.path} and {other.path} name different tokenizer '
-                              'files', 'blend only files written with the same tokenizer')
+            raise ConfigError(field, blend, f'{first.path} and {other.path} name different tokenizer files', fix)
 
 
 
@@ -145,9 +147,53 @@ def check_data(c: ml_collections.ConfigDict) -> None:
                           f'the built-in corpus is byte-level ({BYTE_VOCAB} tokens)',
                           f'set model.vocab_size to at least {BYTE_VOCAB}')
     if c.data.kind == 'tokens' and c.data.get('blend', ''):
-        _blend_files(c)
+        train = [f for f, _ in _blend_files(c)[2]]
     elif c.data.kind == 'tokens':
-        _open_checked(c, c.data.path)
+        train = [_open_checked(c, c.data.path)[0]]
+    else:
+        train = []
+    if c.data.get('val_path', ''):
+        _val_files(c, train[:1])
+
+
+def val_entries(val_path: str) -> list[tuple[float, str]]:
+    """data.val_path as [(weight, path)]: a blend 'W:PATH,W:PATH' (it starts with a number and ':'),
+    else one file of weight 1."""
+    weight, sep, _ = val_path.partition(':')
+    try:
+        float(weight)
+    except ValueError:
+        return [(1.0, val_path)]
+    if not sep:
+        return [(1.0, val_path)]
+    try:
+        return sampling.parse_blend(val_path)
+    except ConfigError as e:
+        raise ConfigError('data.val_path', val_path, str(e).split(': ', 1)[1].split('. Fix: ')[0],
+                          "write data.val_path as a .bin path or 'WEIGHT:PATH,WEIGHT:PATH'") from None
+
+
+def _val_files(c: ml_collections.ConfigDict, train: list[TokenFile]) -> list[TokenFile]:
+    """Opens and checks the files of data.val_path: each a sequence long, each the training tokenizer's.
+
+    `train`: the training data's first file (its tokenizer is the blend's), none for builtin.
+    """
+    val_path, opened = c.data.val_path, []
+    for _, path in val_entries(val_path):
+        try:
+            opened.append(open_token_file(path, c.model.vocab_size, seq_len=c.model.seq_len))
+        except ConfigError as e:
+            problem = str(e).split('. Fix: ')[0][len(f'config.{e.field} = {e.value!r}: '):]
+            fix = str(e).split('. Fix: ', 1)[1].replace('data.path', 'data.val_path') if '. Fix: ' in str(e) else ''
+            raise ConfigError('data.val_path', val_path, problem if path in problem else f'{path}: {problem}',
+                              fix or 'check the path') from None
+        if not train and opened[-1].header['vocab_size'] != BYTE_VOCAB:  # builtin: bytes
+            raise ConfigError('data.val_path', val_path, f'{path} has vocab_size {opened[-1].header["vocab_size"]} '
+                              f'but the built-in corpus is bytes ({BYTE_VOCAB})',
+                              'evaluate on a file of the training data\'s tokenizer')
+    _check_same_tokenizer(val_path, train + opened, 'data.val_path',
+                          "evaluate on files written with the training data's tokenizer")
+    return opened
 
 
 def _splits(c: ml_collections.ConfigDict, token_file: TokenFile, boundary: int,
@@ -174,12 +220,31 @@ def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, S
     if c.data.kind == 'tokens' and c.data.get('blend', ''):
         counts, paths, opened = _blend_files(c)
         splits = [_splits(c, f, boundary, f'tokens {f.path}') for f, boundary in opened]
-        names = tuple(sampling.metric_names(paths))
-        return tuple(sampling.BlendSource(tuple(s[i] for s in splits), tuple(counts), names, seed, i)  # type: ignore
-                     for i in (TRAIN, VAL))
-    path = builtin_corpus(os.path.join(workdir, 'data_cache')) if c.data.kind == 'builtin' else c.data.path
-    token_file, boundary = _open_checked(c, path)
-    return _splits(c, token_file, boundary, f'{c.data.kind} {token_file.path}')
+        names = tuple(sampling.source_names(paths))
+        weights = tuple(w for w, _ in sampling.parse_blend(c.data.blend))
+        train, val = (sampling.BlendSource(tuple(s[i] for s in splits), tuple(counts), names, weights, seed, i)
+                      for i in (TRAIN, VAL))
+        first = opened[0][0]
+    else:
+        path = builtin_corpus(os.path.join(workdir, 'data_cache')) if c.data.kind == 'builtin' else c.data.path
+        first, boundary = _open_checked(c, path)
+        train, val = _splits(c, first, boundary, f'{c.data.kind} {first.path}')
+    if c.data.get('val_path', ''):
+        val = _val_source(c, [first] if c.data.kind == 'tokens' else [])
+    return train, val
+
+
+def _val_source(c: ml_collections.ConfigDict, train: list[TokenFile]) -> Source:
+    """The held-out files of data.val_path, each read whole: one TokenSource, or a BlendSource of them."""
+    files, entries = _val_files(c, train), val_entries(c.data.val_path)
+    sources = tuple(TokenSource(f.tokens, 0, f.num_tokens, c.model.seq_len, c.seed, VAL, f'held-out {f.path}')
+                    for f in files)
+    if len(sources) == 1 and entries[0][0] == 1.0 and c.data.val_path == entries[0][1]:
+        return sources[0]
+    weights = tuple(w for w, _ in entries)
+    counts = tuple(sampling.blend_counts(list(weights), c.train.global_batch))
+    return sampling.BlendSource(sources, counts, tuple(sampling.source_names([p for _, p in entries])), weights,
+                                c.seed, VAL)
 
 
 def make_global_batch(source: Source, step: int, sharding: Any, global_batch: int) -> Any:
@@ -206,3 +271,36 @@ def make_global_batch(source: Source, step: int, sharding: Any, global_batch: in
         return read[rows.tobytes()][(slice(None),) + tuple(index[1:])]
 
     return jax.make_array_from_callback((global_batch, source.seq_len + 1), sharding, callback, dtype=np.int32)
+
+
+def tail_split_warning(c: ml_collections.ConfigDict) -> str | None:
+    """A warning when evaluation reads the tail of token files whose documents were not shuffled, else None.
+
+    The last data.val_fraction of a stream in corpus order (files sorted by name, a crawl site by
+    site) holds documents unlike the rest, so its loss says little about held-out text. prepare
+    records `documents_shuffled` in the header; a file without it (older, hand-written) is
+    unknown and warned about too. The built-in corpus (a fixed smoke-test stream) is not.
+    """
+    if c.data.kind != 'tokens' or c.data.get('val_path', ''):
+        return None
+    blend = c.data.get('blend', '')
+    paths = [p for _, p in sampling.parse_blend(blend)] if blend else [c.data.path]
+    unshuffled, sibling = [], None
+    for path in paths:
+        header = read_header(path, token_paths(path)[1])
+        if header.get('documents_shuffled') is True:
+            continue
+        order = 'in corpus order' if header.get('documents_shuffled') is False else 'of unknown order'
+        unshuffled.append(f'{token_paths(path)[0]} (documents {order})')
+        split = header.get('split')
+        if isinstance(split, dict) and split.get('part') == 'train' and token_paths(path)[0].endswith('_train.bin'):
+            candidate = token_paths(path)[0][:-len('_train.bin')] + '_val.bin'
+            sibling = sibling or (candidate if os.path.isfile(candidate) else None)
+    if not unshuffled:
+        return None
+    fix = (f'set data.val_path={sibling} (the held-out documents prepare wrote)' if sibling else
+           'split held-out documents at random with python -m jaxfrontier.prepare ... --val_fraction=0.01 '
+           '(or --val_documents=N) and train with data.path=NAME_train.bin data.val_path=NAME_val.bin, '
+           'or set data.val_path to held-out text')
+    return (f'the validation split is the last {c.data.val_fraction:g} of {", ".join(unshuffled)}: a tail of '
+            f'an unshuffled stream, whose eval loss may say little about held-out text. Fix: {fix}')

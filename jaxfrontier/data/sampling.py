@@ -135,10 +135,11 @@ def check_blend_counts(blend: str, paths: list[str], weights: list[float], globa
     return counts
 
 
-def metric_names(paths: list[str]) -> list[str]:
-    """`data/epoch/<file stem>` per file; a repeated stem gets its position appended."""
+def source_names(paths: list[str]) -> list[str]:
+    """Each file's name in metrics (`data/epoch/<name>`, `eval/loss/<name>`): its stem; a repeated
+    stem gets its position appended."""
     stems = [os.path.basename(p)[:-4] if p.endswith('.bin') else os.path.basename(p) for p in paths]
-    return [f'data/epoch/{s}' if stems.count(s) == 1 else f'data/epoch/{s}_{i}' for i, s in enumerate(stems)]
+    return [s if stems.count(s) == 1 else f'{s}_{i}' for i, s in enumerate(stems)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,7 +148,8 @@ class BlendSource:
 
     sources: tuple[Any, ...]  # TokenSources (one split of each file)
     counts: tuple[int, ...]  # rows per step of each source; sum == global batch
-    names: tuple[str, ...]  # metric names, metric_names()
+    names: tuple[str, ...]  # each source's name in metrics, source_names()
+    weights: tuple[float, ...]  # the blend's weights: the overall eval loss weighs each file's by them
     seed: int
     split_id: int
 
@@ -176,7 +178,7 @@ class BlendSource:
 
     def epochs(self, step: int, global_batch: int) -> dict[str, float]:
         del global_batch
-        return {name: source.epoch_progress(step, n)
+        return {f'data/epoch/{name}': source.epoch_progress(step, n)
                 for name, source, n in zip(self.names, self.sources, self.counts)}
 
     def describe(self) -> str:

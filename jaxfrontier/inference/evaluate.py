@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import builtin, token_files
+from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import text
@@ -58,7 +59,8 @@ def eval_path_error(e: ConfigError, eval_path: str) -> UserError:
 
 
 def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, int, int, object]:
-    """(token file, first token, stop, codec): --eval_path whole, else the run's validation split."""
+    """(token file, first token, stop, codec): --eval_path whole, else the run's data.val_path whole, else
+    its validation split."""
     c, vocab = loaded.config, loaded.config.model.vocab_size
     if eval_path:
         try:
@@ -67,6 +69,12 @@ def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, 
         except ConfigError as e:  # it names config.data.path: the file is --eval_path's here
             raise eval_path_error(e, eval_path) from None
     data = loaded.run_config.get('data', {})
+    if data.get('val_path'):  # the run evaluated on held-out files: score the one it names
+        entries = data_lib.val_entries(data['val_path'])
+        if len(entries) > 1 or entries[0][1] != data['val_path']:
+            raise UserError('the run evaluated on several held-out files (data.val_path is a blend). '
+                            'Fix: pass --eval_path=FILE.bin to score one file whole.')
+        return _range(loaded, data['val_path'], workdir)
     if data.get('kind') == 'builtin':
         path = builtin.builtin_corpus(os.path.join(workdir, 'data_cache'))
     elif data.get('kind') == 'tokens' and data.get('blend'):

@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from jaxfrontier.checkpoint import init_from
@@ -23,6 +22,7 @@ from jaxfrontier.checkpoint import manager as checkpoint_lib
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
+from jaxfrontier.training import evaluation
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
@@ -44,13 +44,7 @@ from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
 _log = logs.process0(__name__).info  # process 0 only; lines name this module
-
-
-def evaluate(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
-    """Mean loss over config.train.eval_batches fixed validation batches (dispatched async)."""
-    losses = [eval_step(params, data_lib.make_global_batch(source, i, batch_sharding, c.train.global_batch))
-              for i in range(c.train.eval_batches)]
-    return jnp.mean(jnp.stack(losses))
+_warn = logs.process0(__name__).warning
 
 
 def _memory_summary(compiled) -> dict[str, float]:
@@ -79,12 +73,13 @@ class _Reporter:
         self.constants = {'pipeline/bubble': pipeline_schedule.bubble} if pipeline_schedule is not None else {}
         self.last_time, self.last_step, self.last_record = None, None, {}
 
-    def report(self, step: int, metrics: dict[str, jax.Array], eval_loss: jax.Array | None,
+    def report(self, step: int, metrics: dict[str, jax.Array], evals: dict[str, jax.Array] | None,
                last: bool = False) -> dict[str, float]:
-        """`last`: the run's final step (its end, or a preemption's): always written, so the `done:` line
-        and metrics.jsonl end at the step the final checkpoint holds. A step skipped as a loss spike
-        (training/spikes.py) is always written, and its non-finite loss does not stop the run (its
-        update was not applied). Returns the step's fetched metrics."""
+        """`evals`: the step's evaluation (evaluation.evaluate), logged in one line. `last`: the run's final
+        step (its end, or a preemption's): always written, so the `done:` line and metrics.jsonl end at the
+        step the final checkpoint holds. A step skipped as a loss spike (training/spikes.py) is always
+        written, and its non-finite loss does not stop the run (its update was not applied). Returns the
+        step's fetched metrics."""
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
         # A spike limit is infinite until train.spike_warmup steps were seen: not written before.
         scalars = {k: v for k, v in scalars.items() if not (k.startswith('spike/') and v == float('inf'))}
@@ -94,7 +89,7 @@ class _Reporter:
             metrics_lib.check_finite(step, scalars['train/loss'])
         self.writer.advance(step)
         due = (last or step % self.c.train.log_every == 0 or step == self.c.train.steps
-               or eval_loss is not None or skipped)
+               or evals is not None or skipped)
         if self.last_time is None:  # the first step's time includes start-up: not a rate
             self.last_time, self.last_step = now, step
         elif due:
@@ -103,8 +98,9 @@ class _Reporter:
             scalars.update(metrics_lib.perf_metrics(step_time, self.tokens_per_step, self.n_devices,
                                                     self.model_flops, self.hw_flops, self.peak))
             self.last_time, self.last_step = now, step
-        if eval_loss is not None:
-            scalars['eval/loss'] = float(eval_loss)
+        if evals is not None:
+            scalars.update({k: float(v) for k, v in jax.device_get(evals).items()})
+            _log(evaluation.eval_line(step, scalars))
         if due:
             scalars.update(self.first_row)
             self.first_row = {}
@@ -236,6 +232,9 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     # 3. data
     train_source, val_source = data_lib.make_datasets(c, workdir)
     _log(f'data: train {train_source.describe()}; validation {val_source.describe()}')
+    tail_warning = data_lib.tail_split_warning(c)
+    if tail_warning:
+        _warn(f'warning: {tail_warning}')
     phase.done('data')
 
     # 4. state, built abstractly, then restored from the newest checkpoint or materialised sharded
@@ -314,9 +313,9 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 commits.poll()
                 stop = preemption.should_stop(done) and done < c.train.steps
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
-                eval_loss = (evaluate(eval_step, state['params'], val_source, c, batch_sharding)
-                             if eval_due and not stop else None)
-                pending = (done, step_metrics, eval_loss)
+                evals = (evaluation.evaluate(eval_step, state['params'], val_source, c, batch_sharding)
+                         if eval_due and not stop else None)
+                pending = (done, step_metrics, evals)
                 step = done
                 if stop:
                     break

@@ -118,8 +118,8 @@ def test_blend_is_deterministic_resumable_and_per_file_epochs(two_files):
 
 
 def test_blend_metric_names_distinguish_equal_stems():
-    assert sampling.metric_names(['/x/a.bin', '/y/a.bin', '/z/c']) == [
-        'data/epoch/a_0', 'data/epoch/a_1', 'data/epoch/c']
+    assert sampling.source_names(['/x/a.bin', '/y/a.bin', '/z/c']) == [
+        'a_0', 'a_1', 'c']
 
 
 # --------------------------------------------------------------------------- vocabulary from the header

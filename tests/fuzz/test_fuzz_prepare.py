@@ -100,7 +100,7 @@ def check_prepare(case):
         written = sorted(os.listdir(os.path.join(d, 'out')))
         if isinstance(out, encode.Result):  # the token file, readable, and nothing else
             assert written == ['NAME.bin', 'NAME.json', 'NAME.tokenizer.json'], written
-            data_lib.open_token_file(out.bin_path, out.header['vocab_size'])
+            data_lib.open_token_file(out.bin_paths[''], out.headers['']['vocab_size'])
         else:
             assert written == [], written
 

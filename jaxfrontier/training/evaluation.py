@@ -1,0 +1,46 @@
+"""The training loop's evaluation: the eval loss overall and, for several files, per file.
+
+The validation source is one split or file (a TokenSource) or several (a BlendSource: the tail
+splits of a training blend, or the files of a `data.val_path` blend). Each file is evaluated on
+its own `train.eval_batches` full batches (windows k = batch * B + row of its epoch-0
+permutation, the same every evaluation), so its loss is that file's, not a mix's; the overall
+`eval/loss` weighs the files' losses by the blend's weights. With one file whose windows number
+`eval_batches * global_batch` every window is read once, and the loss equals `--mode=eval` of
+that file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxfrontier.data import loader as data_lib
+from jaxfrontier.data import sampling
+
+
+def _mean_loss(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
+    """Mean loss over config.train.eval_batches fixed batches of one source (dispatched async)."""
+    losses = [eval_step(params, data_lib.make_global_batch(source, i, batch_sharding, c.train.global_batch))
+              for i in range(c.train.eval_batches)]
+    return jnp.mean(jnp.stack(losses))
+
+
+def evaluate(eval_step, params, source: Any, c: ml_collections.ConfigDict, batch_sharding) -> dict[str, jax.Array]:
+    """`{'eval/loss': overall}`, plus `eval/loss/<file>` per file of a blend; device arrays, not fetched."""
+    if not isinstance(source, sampling.BlendSource):
+        return {'eval/loss': _mean_loss(eval_step, params, source, c, batch_sharding)}
+    per_file = {f'eval/loss/{name}': _mean_loss(eval_step, params, s, c, batch_sharding)
+                for name, s in zip(source.names, source.sources)}
+    total = sum(source.weights)
+    overall = sum(w / total * loss for w, loss in zip(source.weights, per_file.values()))
+    return {'eval/loss': overall, **per_file}
+
+
+def eval_line(step: int, scalars: dict[str, float]) -> str:
+    """The log line of one evaluation: `eval: step 200: loss 3.2100 (web 3.1000, code 3.4000)`."""
+    per_file = [f'{k[len("eval/loss/"):]} {v:.4f}' for k, v in scalars.items() if k.startswith('eval/loss/')]
+    return (f'eval: step {step}: loss {scalars["eval/loss"]:.4f}'
+            + (f' ({", ".join(per_file)})' if per_file else ''))
