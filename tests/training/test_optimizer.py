@@ -8,6 +8,7 @@ device (tests/layout_check.py: Lion on data 2 x fsdp 2 x tensor 2 with ZeRO-1 is
 """
 
 import math
+import pathlib
 
 import jax
 import optax
@@ -98,6 +99,13 @@ def test_default_schedule_is_the_cosine_it_was():
     f = optimizer_lib.learning_rate_schedule(c)
     assert [float(f(t)) for t in CHOSEN_STEPS] == [float(ref(t)) for t in CHOSEN_STEPS]
     assert config_lib.base_config().optim.name == 'adamw' and config_lib.base_config().optim.schedule == 'cosine'
+
+
+def test_every_optim_field_is_in_the_docs_table():
+    """docs/training.md's table has a row for every optim.* field of the base config."""
+    text = (pathlib.Path(__file__).resolve().parents[2] / 'docs' / 'training.md').read_text()
+    rows = {line.split('|')[1].strip().strip('`') for line in text.splitlines() if line.startswith('| `')}
+    assert set(config_lib.base_config().optim) <= rows, set(config_lib.base_config().optim) - rows
 
 
 @pytest.mark.parametrize('field,value,needle', [
