@@ -8,8 +8,8 @@ Every optimizer is global-norm clipping (`optim.clip_norm`) followed by one of:
              a weight whose two largest dimensions are >= optim.factor_min_dim keeps a row and a
              column factor instead of a full moment (~0 B per parameter). Its step is relative to
              the weight's RMS (optax's multiply_by_parameter_scale), so its lr is ~1e-2.
-Weight decay is decoupled (lr * wd * param) and skips biases, norms and positions
-(`_decay_mask`) for all three.
+Weight decay is decoupled (lr * wd * param) on weight matrices and embeddings, never on biases
+or norms (`_decay_mask`), for all three.
 
 The factored state is not shaped like the parameters, so `optax.tree_map_params` cannot place
 it; `state_shardings` places every optimizer-state leaf by its path instead (layout.py's

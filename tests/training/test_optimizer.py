@@ -4,7 +4,8 @@ Schedules are checked at chosen steps against their formulas, written out here a
 optimizer state's shardings against optax's own `tree_map_params` where it applies (AdamW, Lion)
 and against the factored shapes where it does not (Adafactor); the planner's optimizer bytes
 against the bytes the placed state holds; Lion and Adafactor on a parallel layout against one
-device (tests/layout_check.py: Lion on data 2 x fsdp 2 x tensor 2 with ZeRO-1 is fast, the rest slow).
+device (tests/layout_check.py: Lion on data 2 x fsdp 2 x tensor 2 with ZeRO-1 is fast; Adafactor on
+d2f2t2 and fsdp 8, and Lion with padded ZeRO-1 moments, are slow).
 """
 
 import math
@@ -157,14 +158,13 @@ def test_moments_placed_like_optax_places_them(optimizer):
     tx, _ = optimizer_lib.make_optimizer(make_config(optimizer=optimizer, zero1=True, data=2, fsdp=2, tensor=2))
     replicated = NamedSharding(layout.mesh, P())
     opt = layout.abstract_state['opt_state']
-    opt_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), opt[1][0].mu)  # the padded shapes
     zero1 = jax.tree.map(lambda s, a: NamedSharding(layout.mesh, layout_lib.zero1_spec(
         s.spec, a.shape, layout.mesh, mesh_lib.data_parallel_axes(layout.rules))), layout.param_shardings,
         layout.abstract_state['params'])
     expected = optax.tree_map_params(tx, lambda _, s: s, opt, zero1, transform_non_params=lambda _: replicated,
                                      is_leaf=lambda x: isinstance(x, NamedSharding))
     assert jax.tree.leaves(expected) == jax.tree.leaves(layout.state_shardings['opt_state'])
-    assert jax.tree.structure(opt_params) == jax.tree.structure(layout.abstract_state['params'])
+    assert any('data' in str(s.spec) for s in jax.tree.leaves(expected))  # ZeRO-1 did shard over data
 
 
 def test_adafactor_factors_keep_their_dimensions_sharding():
@@ -218,7 +218,15 @@ def test_lion_zero1_matches_single_device(references):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('optimizer,layout', [
-    ('adafactor', dict(data=2, fsdp=2, tensor=2)), ('adafactor', dict(fsdp=8, accum=2)),
-    ('lion', dict(data=4, tensor=2, zero1=True, accum=2))])
+    ('adafactor', dict(data=2, fsdp=2, tensor=2)), ('adafactor', dict(fsdp=8, accum=2))])
 def test_optimizer_layout_matches_single_device(optimizer, layout, references):
     check_against_reference(run_layout(make_config(optimizer=optimizer, **layout)), references(optimizer))
+
+
+@pytest.mark.slow
+def test_lion_padded_zero1_matches_single_device():
+    """ZeRO-1 over data 3 pads Lion's moment (no dimension divides by 3, test_parallel's padded case):
+    the padding stays zero (sign(0) = 0) and the run is still exact."""
+    reference = run_layout(make_config(optimizer='lion', global_batch=24))
+    check_against_reference(run_layout(make_config(optimizer='lion', data=3, tensor=2, zero1=True, accum=2,
+                                                   global_batch=24)), reference)
