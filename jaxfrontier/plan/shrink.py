@@ -30,12 +30,16 @@ STEPS = 3
 # Optimizer settings of the check (docs/preflight.md): Adam with eps 1e-6 keeps rounding noise of a
 # vanishing gradient from becoming O(lr) updates; no warm-up, so the first update is not zero
 # (the schedule is a scalar per step, the same on every layout: cosine needs no warm-up).
-CHECK_OPTIM = dict(lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-6, schedule='cosine')
+# AdamW whatever optim.name: Lion's update lr * sign(.) and Adafactor's first ones (g / |g|) turn
+# that noise (the key bias's, whose true gradient is 0) into O(lr) updates that differ between
+# layouts, a false FAIL. Their own layouts are checked against one device by the test suite
+# (tests/training/test_optimizer.py: Lion with padded ZeRO-1, Adafactor's factors).
+CHECK_OPTIM = dict(name='adamw', lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-6, schedule='cosine')
 
 KEPT = ('mesh.pipeline', 'mesh.fsdp', 'mesh.tensor', 'pipeline.schedule', 'pipeline.virtual_stages',
         'pipeline.shard_activations', 'sharding.zero1', 'sharding.rules', 'model.remat', 'model.attention',
         'model.dtype', 'model.dropout_rate', 'model.tied_embeddings', 'model.mlp_ratio', 'model.scan_unroll',
-        'train.micro_batch', 'optim.name', 'optim.clip_norm', 'optim.weight_decay')
+        'train.micro_batch', 'optim.clip_norm', 'optim.weight_decay')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +111,6 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
     put('train.steps', STEPS)
     for key, value in CHECK_OPTIM.items():
         put(f'optim.{key}', value)
-    if s.optim.name == 'adafactor':  # the shrunk weights still factor, so the factors' placement is checked
-        put('optim.factor_min_dim', min(s.optim.factor_min_dim, HEAD_DIM))
     put('data.kind', 'synthetic')
     config_lib.validate(s, config_lib.num_devices(s))
     kept = {field: _get(c, field) for field in KEPT}

@@ -21,6 +21,7 @@ from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.plan import planner
+from jaxfrontier.plan import shrink as shrink_lib
 from jaxfrontier.training import memory_check
 from jaxfrontier.training import optimizer as optimizer_lib
 from jaxfrontier.training import state as ts
@@ -130,6 +131,14 @@ def test_inverse_sqrt_needs_warmup_and_adafactor_refuses_zero1():
     c.sharding.zero1 = True
     with pytest.raises(ConfigError, match='sharding.zero1.*adafactor'):
         config_lib.validate(c)
+
+
+def test_verify_checks_the_layout_with_adamw():
+    """--mode=verify's shrunk run uses AdamW whatever optim.name (plan/shrink.py says why: Lion's sign
+    turns the key bias's rounding noise into O(lr) updates, a false FAIL; measured 0.69 against tol 1e-3)."""
+    c = make_config(optimizer='lion', data=2, fsdp=2, tensor=2, zero1=True)
+    shrunk = shrink_lib.shrink(c, max_devices=8)
+    assert shrunk.config.optim.name == 'adamw' and shrunk.config.sharding.zero1
 
 
 @pytest.mark.parametrize('shape', [(6, 10), (2, 64, 48), (2, 48, 64), (2, 64, 64), (64, 3, 8, 8), (7,), (300, 5)])
