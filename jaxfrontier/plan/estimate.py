@@ -91,10 +91,10 @@ def optimizer_bytes(pls: tuple[PlannedParam, ...], layout) -> float:
     """Bytes per device of the optimizer state of `layout.optimizer` (training/optimizer.py).
 
     adamw: two fp32 moments (8 B per parameter) in the update layout, plus two step counters.
-    lion: one moment (4 B), two counters. adafactor: a factored weight (`layout.factored_dims`) keeps a row and
-    a column factor (its size over either factored dimension), each sharded like the dimensions
-    it keeps; any other parameter a full second moment (4 B); optax keeps a one-element placeholder
-    for each kind a parameter does not use, and three counters.
+    lion: one moment (4 B), two counters. adafactor: a factored weight (`layout.factored_dims`)
+    keeps a row and a column factor (its size over either factored dimension), each sharded like
+    the dimensions it keeps; any other parameter a full second moment (4 B); optax keeps a
+    one-element placeholder for each kind a parameter does not use, and three counters.
     """
     if layout.optimizer == 'adamw':
         return 2 * PARAM_BYTES * sum(p.update_local for p in pls) + 8
@@ -112,7 +112,6 @@ def optimizer_bytes(pls: tuple[PlannedParam, ...], layout) -> float:
             total += PARAM_BYTES * local_size(kept, layout_lib.drop_axis(p.update_spec, dropped, len(shape)),
                                               layout.mesh_shape)
     return total
-
 
 
 @dataclasses.dataclass(frozen=True)
