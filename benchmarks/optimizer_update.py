@@ -4,7 +4,7 @@
 
 compare_baseline.py's shape (6 layers, width 384, vocabulary 512, sequence 256, batch 8, fp32,
 one device; 10.9 M parameters). Each round times, back to back:
-  update     jaxfrontier's optimizer (training/state.make_optimizer: global-norm clipping 1.0,
+  update     jaxfrontier's optimizer (training/optimizer.make_optimizer: global-norm clipping 1.0,
              AdamW) and `optax.apply_updates`, jitted, on the model's parameter tree;
   torch      `clip_grad_norm_` and `torch.optim.AdamW` (foreach, PyTorch's CPU default) on the
              same tensors, when torch is importable (`pip install torch`; not a dependency);

@@ -8,6 +8,8 @@
 - `token_split_axes`: the tensor axes the pipeline's stash and sends are split over
   (pipeline/chunk.py's `TokenSplit`).
 - `zero1_layout` / `zero1_spec`: where ZeRO-1 puts a parameter's optimizer state.
+- `factored_dims` / `drop_axis`: which dimensions Adafactor's factored moments keep, and their
+  specs (training/optimizer.py places them, plan/estimate.py counts their bytes).
 - The staggered executor's residual policy per `model.remat` is `config.STAGGERED_RESIDUALS`.
 """
 
@@ -17,6 +19,7 @@ import dataclasses
 import math
 
 import ml_collections
+import numpy as np
 
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -89,6 +92,28 @@ def zero1_layout(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str
     return P(*entries), padded
 
 
+def factored_dims(shape: tuple[int, ...], min_dim: int) -> tuple[int, int] | None:
+    """(second largest, largest) dimension of a weight whose moment Adafactor factors, else None.
+
+    optax's own rule (`optax._src.factorized._factored_dims`, with the same `np.argsort`, so ties
+    resolve alike): the two largest dimensions, when the smaller of them is >= `min_dim`. Its
+    `v_row` drops the largest dimension, `v_col` the second largest.
+    """
+    if len(shape) < 2:
+        return None
+    order = np.argsort(shape)
+    if shape[order[-2]] < min_dim:
+        return None
+    return int(order[-2]), int(order[-1])
+
+
+def drop_axis(spec: P, axis: int, ndim: int) -> P:
+    """`spec` of an array of `ndim` dimensions without dimension `axis` (a reduced moment's spec)."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    del entries[axis]
+    return P(*entries)
+
+
 def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, ...]) -> P:
     """The optimizer-state spec of `zero1_layout` (over the padded shape where it pads)."""
     return zero1_layout(spec, shape, mesh, dp_axes)[0]
@@ -120,6 +145,8 @@ class Layout:
     schedule: str = '1f1b'
     virtual_stages: int = 1
     zero1: bool = False
+    optimizer: str = 'adamw'  # optim.name: the optimizer state's bytes (plan/estimate.py)
+    factor_min_dim: int = 128  # optim.factor_min_dim: which weights Adafactor factors
     dropout: bool = False  # dropout > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
     shard_activations: bool = True  # pipeline.shard_activations
     # From the logical-axis rules (sharding.rules): the default rules put the batch on `data`
@@ -144,7 +171,8 @@ class Layout:
         return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
                    micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
-                   zero1=bool(c.sharding.zero1), dropout=c.model.dropout_rate > 0,
+                   zero1=bool(c.sharding.zero1), optimizer=c.optim.name, factor_min_dim=c.optim.factor_min_dim,
+                   dropout=c.model.dropout_rate > 0,
                    shard_activations=bool(c.pipeline.shard_activations),
                    data_in_batch=data_in_batch, params_over_data=params_over_data)
 
@@ -160,9 +188,9 @@ class Layout:
                            params_over_data=self.params_over_data)
 
     def as_dict(self) -> dict:
-        """The layout as JSON-ready fields; the rules' data placement only where it is not the default rules'."""
+        """The layout as JSON-ready fields; the rules' data placement and the optimizer only where not the default."""
         fields = dataclasses.asdict(self)
-        for name in ('data_in_batch', 'params_over_data'):
+        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim'):
             if fields[name] == Layout.__dataclass_fields__[name].default:
                 del fields[name]
         return fields
@@ -197,6 +225,7 @@ class Layout:
         c.model.remat = self.remat
         c.pipeline.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
         c.sharding.zero1 = self.zero1
+        c.optim.update(name=self.optimizer, factor_min_dim=self.factor_min_dim)
         c.pipeline.shard_activations = self.shard_activations
         return c
 

@@ -96,7 +96,8 @@ def test_ctrl_c_outside_the_training_loop_is_one_line():
 
 @pytest.mark.parametrize('override, field', [('--config.mesh.cpu_devices=-3', 'mesh.cpu_devices'),
                                              ('--config.optim.lr=inf', 'optim.lr'),
-                                             ('--config.optim.lr=nan', 'optim.lr')])
+                                             ('--config.optim.lr=nan', 'optim.lr'),
+                                             ('--config.optim.name=sgd', 'optim.name')])
 def test_values_that_must_fail_validation(tmp_path, override, field):
     line = one_error_line(run(override, '--config.train.steps=1', f'--workdir={tmp_path / "wd"}'))
     assert f'config.{field} = ' in line and 'Fix:' in line, line

@@ -23,7 +23,7 @@ from ml_collections.config_flags import config_flags
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
-from jaxfrontier.training import state as ts
+from jaxfrontier.training import optimizer as optimizer_lib
 from jaxfrontier.model import params as params_lib
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
@@ -93,7 +93,7 @@ def test_config_validates_and_shapes(name, arg):
     assert config_lib.padded_vocab(c) >= c.model.vocab_size
 
     # The whole train state, abstractly: step, params and the optimizer state.
-    tx, _ = ts.make_optimizer(c)
+    tx, _ = optimizer_lib.make_optimizer(c)
     state = jax.eval_shape(lambda p: {'step': jnp.zeros((), jnp.int32), 'params': p, 'opt_state': tx.init(p)},
                            params)
     opt_leaves = jax.tree.leaves(state['opt_state'])
@@ -129,7 +129,7 @@ def test_llama_config_validates_and_shapes(name, arg):
                 m.rope_factor) == LLAMA_PUBLISHED[size]
         assert (m.vocab_size, m.rope_theta, m.rope_scaling, m.rope_original_max_len, m.norm_eps) == (
             128256, 500000.0, 'llama3', 8192, 1e-5)
-    tx, _ = ts.make_optimizer(c)
+    tx, _ = optimizer_lib.make_optimizer(c)
     state = jax.eval_shape(lambda p: {'params': p, 'opt_state': tx.init(p)}, params)
     assert sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(state['opt_state']) if x.ndim > 0) == (
         2 * params_lib.count_params(params))

@@ -62,6 +62,28 @@ def check_model_matches(saved: dict[str, Any], c: ml_collections.ConfigDict, whe
                 f'set --config.model.{field}={theirs} to match it, or {fix}')
 
 
+def check_optimizer_matches(saved: dict[str, Any], c: ml_collections.ConfigDict, where: str) -> None:
+    """Raises ConfigError when `c` runs another optimizer (or Adafactor factoring) than `saved` trained with.
+
+    Refused rather than re-initialised: a silently fresh optimizer state changes the run's
+    dynamics mid-way (Adam's moments restart from zero), and the deliberate way to switch exists:
+    a new workdir with checkpoint.init_params_from (parameters kept, fresh optimizer state).
+    Checkpoints from before optim.name existed were AdamW's.
+    """
+    optim = saved.get('optim', {}) if isinstance(saved.get('optim'), dict) else {}
+    theirs, ours = optim.get('name', 'adamw'), c.optim.name
+    fresh = (f'or keep only its parameters: a new --workdir with --config.checkpoint.init_params_from={where} '
+             '(fresh optimizer state)')
+    if theirs != ours:
+        raise ConfigError('optim.name', ours, f'the checkpoint {where} holds the optimizer state of {theirs!r}',
+                          f'set --config.optim.name={theirs} to resume it, {fresh}')
+    if ours == 'adafactor' and optim.get('factor_min_dim', c.optim.factor_min_dim) != c.optim.factor_min_dim:
+        theirs = optim['factor_min_dim']
+        raise ConfigError('optim.factor_min_dim', c.optim.factor_min_dim,
+                          f'the checkpoint {where} factored with optim.factor_min_dim = {theirs!r}',
+                          f'set --config.optim.factor_min_dim={theirs} to resume it, {fresh}')
+
+
 def path_name(path) -> str:
     """'/'-joined keys of a pytree path: ('params', 'blocks', 'attn', 'w_qkv') -> params/blocks/attn/w_qkv."""
     return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)

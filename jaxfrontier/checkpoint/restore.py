@@ -88,6 +88,7 @@ class Restoring:
         where = f'{self.directory}/{step}'
         meta = self.read_meta(step) if meta is None else meta
         format_lib.check_model_matches(meta['config'], self.c, where, 'use a new --workdir to start a new run')
+        format_lib.check_optimizer_matches(meta['config'], self.c, where)
         _check_data_position(meta, self.c, where)
         if not os.path.exists(os.path.join(where, 'state', '_METADATA')):
             raise CheckpointError(

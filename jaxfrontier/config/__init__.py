@@ -20,6 +20,8 @@ from jaxfrontier.config.schema import (  # noqa: F401
     MESH_AXES,
     MODEL_FAMILIES,
     MODEL_SIZES,
+    OPTIMIZERS,
+    LR_SCHEDULES,
     ModelShape,
     PIPELINE_SCHEDULES,
     REMAT_POLICIES,

@@ -12,7 +12,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier.config import bounds
-from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, MESH_AXES, MODEL_FAMILIES, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, data_parallel_size, mesh_shape, mlp_dim, num_devices)
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, data_parallel_size, mesh_shape, mlp_dim, num_devices)
 from jaxfrontier.errors import ConfigError
 
 
@@ -20,6 +20,33 @@ from jaxfrontier.errors import ConfigError
 def _require(ok: bool, field: str, value: Any, problem: str, fix: str) -> None:
     if not ok:
         raise ConfigError(field, value, problem, fix)
+
+
+def _validate_optimizer(c: ml_collections.ConfigDict) -> None:
+    """optim.name and optim.schedule, and what each needs (training/optimizer.py, docs/training.md)."""
+    o = c.optim
+    _require(o.name in OPTIMIZERS, 'optim.name', o.name, 'unknown optimizer', f'use one of {OPTIMIZERS}')
+    _require(o.schedule in LR_SCHEDULES, 'optim.schedule', o.schedule, 'unknown learning-rate schedule',
+             f'use one of {LR_SCHEDULES}')
+    _require(isinstance(o.factor_min_dim, int) and o.factor_min_dim >= 1, 'optim.factor_min_dim', o.factor_min_dim,
+             'must be an integer >= 1', 'set e.g. 128 (the default)')
+    # Padding changes Adafactor's statistics (the factors' means and the update's RMS count the
+    # zeros), and its state is already ~1/d of the parameters: ZeRO-1 would save almost nothing.
+    _require(o.name != 'adafactor' or not c.sharding.zero1, 'sharding.zero1', c.sharding.zero1,
+             'adafactor does not run with ZeRO-1 (its factored state is already a few bytes per row)',
+             'set --config.sharding.zero1=False, or use optim.name=adamw or lion')
+    steps = o.decay_steps or c.train.steps
+    if o.schedule == 'wsd':
+        _require(isinstance(o.decay_fraction, (int, float)) and 0 < o.decay_fraction <= 1, 'optim.decay_fraction',
+                 o.decay_fraction, 'must be in (0, 1]', 'set e.g. 0.2 (the last 20 % of the steps decay)')
+        decay = round(o.decay_fraction * steps)
+        _require(o.warmup_steps + decay <= steps, 'optim.decay_fraction', o.decay_fraction,
+                 f'warm-up ({o.warmup_steps}) and decay ({decay}) steps exceed the {steps} steps of the schedule',
+                 'lower optim.decay_fraction or optim.warmup_steps')
+    if o.schedule == 'inverse_sqrt':
+        _require(o.warmup_steps >= 1, 'optim.warmup_steps', o.warmup_steps,
+                 'inverse_sqrt decays as lr * sqrt(warmup_steps / step), so it needs a warm-up',
+                 'set optim.warmup_steps >= 1')
 
 
 def _divides(divisor_field: str, divisor: int, field: str, value: int, what: str) -> None:
@@ -124,6 +151,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              (o.loss_scale_init, o.loss_scale_period), 'must be >= 1', 'use e.g. 2.0**15 and 2000')
     _require(o.warmup_steps >= 0 and o.decay_steps >= 0, 'optim.warmup_steps', o.warmup_steps,
              'warm-up and decay steps must be >= 0', 'set them to non-negative integers')
+    _validate_optimizer(c)
 
     _require(c.data.kind in DATA_KINDS, 'data.kind', c.data.kind, 'unknown dataset kind',
              f'use one of {DATA_KINDS}')

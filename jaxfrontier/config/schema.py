@@ -46,6 +46,8 @@ STAGGERED_RESIDUALS = {'full': 'save_dots_no_batch', 'save_dots_no_batch': 'save
                        'save_dots': 'save_dots', 'none': 'none'}
 DTYPES = ('float32', 'bfloat16', 'float16')
 LOSS_SCALES = ('dynamic', 'none')
+OPTIMIZERS = ('adamw', 'lion', 'adafactor')  # training/optimizer.py
+LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'inverse_sqrt')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
 PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
@@ -138,15 +140,19 @@ def base_config() -> ml_collections.ConfigDict:
     ))
 
     c.optim = ml_collections.ConfigDict(dict(
+        name='adamw',  # adamw | lion | adafactor (training/optimizer.py; docs/training.md)
+        schedule='cosine',  # cosine | linear | constant | wsd | inverse_sqrt, each after a linear warm-up
         lr=6e-4,
         min_lr=6e-5,
         warmup_steps=10,
         decay_steps=0,  # 0: decay over train.steps
+        decay_fraction=0.2,  # wsd: the share of the steps at the end that decay to min_lr
         b1=0.9,
         b2=0.95,
         eps=1e-8,
         weight_decay=0.1,
         clip_norm=1.0,
+        factor_min_dim=128,  # adafactor: factor the moment of weights whose two largest dims are >= this
         # float16 compute only (training/loss_scale.py): 'dynamic' scales the loss so small
         # gradients do not underflow and skips steps that overflow; 'none' trains unscaled.
         loss_scale='dynamic',

@@ -24,7 +24,11 @@ from jaxfrontier import layout as layout_lib
 # Share of device memory kept free for the runtime, the allocator's fragmentation and
 # collective buffers: a layout "fits" when the estimate is within the rest.
 RESERVED_FRACTION = 0.10
-PARAM_BYTES = 4  # parameters, gradients and Adam moments are fp32
+PARAM_BYTES = 4  # parameters, gradients and optimizer moments are fp32
+# Arrays of the update layout the optimizer update reads or writes: AdamW reads gradient,
+# parameter and both moments and writes three; Lion reads three, writes two; Adafactor reads
+# gradient and parameter, its update twice more (block-RMS clipping, parameter scale), writes one.
+UPDATE_PASSES = {'adamw': 7, 'lion': 5, 'adafactor': 5}
 # Share of a layer's residual set live at once while `jax.checkpoint` recomputes it in the
 # backward pass (calibrated on XLA:CPU, docs/planner.md).
 RECOMPUTE_LIVE_FRACTION = 0.85
@@ -83,6 +87,33 @@ def planned_params(specs: tuple[ParamSpec, ...], layout, rules) -> tuple[Planned
 # --------------------------------------------------------------------------- memory
 
 
+def optimizer_bytes(pls: tuple[PlannedParam, ...], layout) -> float:
+    """Bytes per device of the optimizer state of `layout.optimizer` (training/optimizer.py).
+
+    adamw: two fp32 moments (8 B per parameter) in the update layout, plus two step counters.
+    lion: one moment (4 B), two counters. adafactor: a factored weight (`layout.factored_dims`)
+    keeps a row and a column factor (its size over either factored dimension), each sharded like
+    the dimensions it keeps; any other parameter a full second moment (4 B); optax keeps a
+    one-element placeholder for each kind a parameter does not use, and three counters.
+    """
+    if layout.optimizer == 'adamw':
+        return 2 * PARAM_BYTES * sum(p.update_local for p in pls) + 8
+    if layout.optimizer == 'lion':
+        return PARAM_BYTES * sum(p.update_local for p in pls) + 8
+    total = 12.0
+    for p in pls:
+        shape, dims = p.spec.shape, layout_lib.factored_dims(p.spec.shape, layout.factor_min_dim)
+        if dims is None:  # a full moment, and (1,) placeholders for the two factors
+            total += PARAM_BYTES * (p.update_local + 2)
+            continue
+        total += PARAM_BYTES  # the (1,) placeholder of the full moment
+        for dropped in dims:
+            kept = tuple(n for i, n in enumerate(shape) if i != dropped)
+            total += PARAM_BYTES * local_size(kept, layout_lib.drop_axis(p.update_spec, dropped, len(shape)),
+                                              layout.mesh_shape)
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Bytes per device on the device that needs the most (`stage`)."""
@@ -95,10 +126,11 @@ class Memory:
     inputs_bytes: float  # the token batch
     stage: str  # which device: 'every device', 'pipeline stage 0', ...
     activations_detail: str = ''
+    update_traffic_bytes: float = 0.0  # memory traffic of the optimizer update (`update_s`)
 
     def items(self) -> list[tuple[str, float]]:
         return [('parameters (fp32)', self.params_bytes), ('gradients (fp32)', self.grads_bytes),
-                ('optimizer state (Adam, fp32)', self.optimizer_bytes),
+                ('optimizer state (fp32)', self.optimizer_bytes),
                 (f'activations {self.activations_detail}'.strip(), self.activations_bytes),
                 ('temporaries (working set)', self.temporaries_bytes), ('input batch', self.inputs_bytes)]
 
@@ -252,7 +284,7 @@ def memory(shape, layout, rules, specs, attention: str = 'xla') -> Memory:
     states = {'params': PARAM_BYTES * sum(p.local for p in pls),
               'block_params': PARAM_BYTES * sum(p.local for p in pls if p.spec.is_block),
               'update': PARAM_BYTES * sum(p.update_local for p in pls)}
-    optimizer = 2 * states['update'] + 8  # Adam's two moments in the update layout, two step counters
+    optimizer = optimizer_bytes(pls, layout)
     inputs = 4 * layout.global_batch * (shape.seq_len + 1) / layout.dp
     if layout.pipeline == 1:
         grads, acts, temps, detail = _plain_memory(shape, layout, states, attention)
@@ -260,7 +292,8 @@ def memory(shape, layout, rules, specs, attention: str = 'xla') -> Memory:
     else:
         grads, acts, temps, detail = _pipeline_memory(shape, layout, states, attention)
         stage = 'every pipeline stage'
-    return Memory(states['params'], grads, optimizer, acts, temps, inputs, stage, f'({detail})')
+    return Memory(states['params'], grads, optimizer, acts, temps, inputs, stage, f'({detail})',
+                  UPDATE_PASSES[layout.optimizer] * (states['update'] + PARAM_BYTES))
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -407,6 +440,5 @@ def accumulate_s(mem: Memory, layout, hw: hw_lib.Hardware) -> float:
 
 
 def update_s(mem: Memory, hw: hw_lib.Hardware) -> float:
-    """Optimizer update: reads gradient, parameter and both moments, writes three (memory bound)."""
-    update_elems = mem.optimizer_bytes / (2 * PARAM_BYTES)
-    return 7 * PARAM_BYTES * update_elems / hw.memory_bytes_per_s
+    """Optimizer update: `UPDATE_PASSES` over the update layout's arrays (memory bound)."""
+    return mem.update_traffic_bytes / hw.memory_bytes_per_s

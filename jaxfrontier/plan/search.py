@@ -40,7 +40,7 @@ def candidate_layouts(c: ml_collections.ConfigDict, num_devices: int, hw: hw_lib
 
     Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses);
     data-parallel devices split into data x fsdp (fsdp 1, all, or a power of two up to 128);
-    ZeRO-1 is tried where a data axis exists.
+    ZeRO-1 is tried where a data axis exists (not with Adafactor, which config.validate refuses).
     """
     m, batch = c.model, c.train.global_batch
     out = []
@@ -51,7 +51,7 @@ def candidate_layouts(c: ml_collections.ConfigDict, num_devices: int, hw: hw_lib
             dp = num_devices // (tensor * pipeline)
             for fsdp in _fsdp_sizes(dp, m.d_model):
                 data = dp // fsdp
-                for zero1 in ((False, True) if data > 1 else (False,)):
+                for zero1 in ((False, True) if data > 1 and c.optim.name != 'adafactor' else (False,)):
                     out += _time_layouts(c, batch, pipeline, data, fsdp, tensor, zero1)
     return out
 
@@ -70,7 +70,8 @@ def _time_layouts(c, batch: int, pipeline: int, data: int, fsdp: int, tensor: in
             continue
         accum = batch // (micro * dp)
         base = layout_lib.Layout(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor, micro_batch=micro,
-                              accum_steps=accum, zero1=zero1)
+                              accum_steps=accum, zero1=zero1, optimizer=c.optim.name,
+                              factor_min_dim=c.optim.factor_min_dim)
         if pipeline == 1:
             out += [dataclasses.replace(base, remat=r) for r in config_lib.REMAT_POLICIES]
             continue

@@ -1,4 +1,4 @@
-"""Train state, optimizer and their placement on the mesh.
+"""Train state and its placement on the mesh (the optimizer itself: training/optimizer.py).
 
 The train state is a plain pytree, `{'step', 'params', 'opt_state'}` (plus `'loss_scale'` for
 float16, training/loss_scale.py, and `'spike'` with train.spike_skip, training/spikes.py), with `params` a nested
@@ -8,7 +8,8 @@ axis names of the parameters, and one jitted init materialises it already sharde
 
 Placement:
   FSDP (ZeRO-3)  the rules shard every weight's `embed` dimension over `fsdp`; gradients and
-                 optimizer state follow the parameters.
+                 optimizer state follow the parameters (Adafactor's factors keep the specs of
+                 the dimensions they keep: optimizer.state_shardings).
   ZeRO-1         `config.sharding.zero1`: optimizer moments are additionally sharded over the
                  data-parallel axes; parameters keep their own (e.g. replicated) layout. The
                  gradients are constrained to the moments' layout before the update, so the
@@ -34,31 +35,8 @@ from jaxfrontier import pipeline
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import loss_scale
 from jaxfrontier.training import spikes
+from jaxfrontier.training import optimizer as optimizer_lib
 from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual
-
-
-def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
-    """Linear warm-up from 0 to optim.lr, then cosine decay to optim.min_lr."""
-    o = c.optim
-    decay_steps = o.decay_steps or c.train.steps
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=max(decay_steps, o.warmup_steps + 1), end_value=o.min_lr)
-
-
-def _decay_mask(params: Params) -> Params:
-    """Weight decay on weight matrices and embeddings (names 'w*' / 'head'); not on biases/norms."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: str(path[-1].key).startswith(('w', 'head')), params)
-
-
-def make_optimizer(c: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Global-norm clipping, then AdamW with the warm-up + cosine schedule."""
-    o = c.optim
-    schedule = learning_rate_schedule(c)
-    tx = optax.chain(optax.clip_by_global_norm(o.clip_norm),
-                     optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_decay_mask))
-    return tx, schedule
 
 
 def _pad_to(x: jax.Array, shape: tuple[int, ...], sharding) -> jax.Array:
@@ -72,8 +50,9 @@ def padded_optimizer(tx: optax.GradientTransformation, padded_shapes: Params,
                      padded_shardings: Params | None) -> optax.GradientTransformation:
     """`tx` over zero-padded copies of parameters and gradients; updates cut back to size.
 
-    Padding stays exactly zero in the Adam moments (zero gradients, zero parameters) and adds
-    nothing to the global gradient norm, so the update equals the unpadded one.
+    Padding stays exactly zero in the Adam and Lion moments (zero gradients, zero parameters; Lion's
+    sign(0) = 0) and adds nothing to the global gradient norm, so the update equals the unpadded
+    one. Not so Adafactor's (its means and RMS count the zeros): config.validate refuses it with ZeRO-1.
     """
     def pad(tree):
         shardings = padded_shardings if padded_shardings is not None else jax.tree.map(lambda _: None, tree)
@@ -125,7 +104,7 @@ def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.
     params = target_lib.param_placement(c, mesh)
     shape, model_def, rules, abstract_params, param_shardings = (
         params.shape, params.model_def, params.rules, params.abstract_params, params.param_shardings)
-    tx, lr_schedule = make_optimizer(c)
+    tx, lr_schedule = optimizer_lib.make_optimizer(c)
     if c.sharding.zero1:
         dp_axes = mesh_lib.data_parallel_axes(rules)
         zero1 = jax.tree.map(lambda s, a: layout_lib.zero1_layout(s.spec, a.shape, mesh, dp_axes), param_shardings,
@@ -144,10 +123,8 @@ def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.
         opt_params = abstract_params
     abstract_opt = jax.eval_shape(tx.init, opt_params)
     replicated = NamedSharding(mesh, P())
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, opt_param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding))
+    opt_shardings = optimizer_lib.state_shardings(abstract_opt, opt_params, opt_param_shardings, mesh,
+                                                  c.optim.factor_min_dim)
     if opt_params is not abstract_params and jax.tree.leaves(opt_params) != jax.tree.leaves(abstract_params):
         tx = padded_optimizer(tx, padded_shapes, opt_param_shardings)
     abstract_state = {'step': jax.ShapeDtypeStruct((), jnp.int32), 'params': abstract_params, 'opt_state': abstract_opt}
