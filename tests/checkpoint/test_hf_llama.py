@@ -205,7 +205,7 @@ def test_tensors_round_trip_exactly(dirs, name, arg):
     params = init_from.load_params(dirs[name], c, target_of(c))
     theirs = safetensors_numpy.load_file(os.path.join(dirs[name], 'model.safetensors'))
     m, layers = c.model, c.model.num_layers
-    d, h, g, k, f = m.d_model, m.num_heads, m.num_kv_heads, m.d_model // m.num_heads, m.mlp_dim
+    d, h, g, k = m.d_model, m.num_heads, m.num_kv_heads, m.d_model // m.num_heads
     ours = ParamsReader(params, layers)
 
     # ours, from the HF tensors by hand (not through the converter)
