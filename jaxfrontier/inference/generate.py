@@ -45,8 +45,13 @@ def penalise(logits_bv: jax.Array, seen_bv: jax.Array, penalty: float) -> jax.Ar
     The logit of every token already in the row's prompt or output is divided by the penalty
     where positive and multiplied where negative, so a penalty > 1 makes a repeat less likely
     whatever the logit's sign. Applied to the raw logits, before temperature, top-k and top-p.
+
+    XLA turns a division by a scalar constant into a multiplication by its reciprocal, one
+    rounding off the true quotient; hiding the penalty behind an optimization barrier keeps the
+    division a division, so the result is Hugging Face's bit for bit.
     """
-    return jnp.where(seen_bv, jnp.where(logits_bv < 0, logits_bv * penalty, logits_bv / penalty), logits_bv)
+    penalty_bv = jax.lax.optimization_barrier(jnp.full(logits_bv.shape, penalty, logits_bv.dtype))
+    return jnp.where(seen_bv, jnp.where(logits_bv < 0, logits_bv * penalty_bv, logits_bv / penalty_bv), logits_bv)
 
 
 def next_token(logits_bv: jax.Array, key: jax.Array, rule: Sampling, real_vocab: int,
