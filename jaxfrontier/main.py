@@ -60,7 +60,9 @@ _REPETITION_PENALTY = flags.DEFINE_float('repetition_penalty', 1.0, 'mode=sample
                                          'already in the prompt or output by this where positive, multiply where '
                                          'negative (CTRL, as Hugging Face; 1: off).')
 _STOP = flags.DEFINE_multi_string('stop', [], 'mode=sample: end a row when its text contains this string (cut '
-                                  'before it); repeatable. The tokenizer\'s end-of-text token always ends a row.')
+                                  'before it); repeatable. The tokenizer\'s end-of-text token ends a row too.')
+_IGNORE_EOT = flags.DEFINE_bool('ignore_eot', False, 'mode=sample: do not end a row at the tokenizer\'s end-of-text '
+                                'token (always --max_new_tokens, e.g. to measure speed).')
 _SEED = flags.DEFINE_integer('seed', 0, 'mode=sample: random seed of the sampling.')
 _EVAL_PATH = flags.DEFINE_string('eval_path', '', 'mode=eval: a token file to score whole (default: the run\'s '
                                  'validation split).')
@@ -187,7 +189,7 @@ def _run_inference(config) -> str:
     rule = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _REPETITION_PENALTY.value)
     prompts = sample.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
     return sample.report(sample.sample(config, _WORKDIR.value, prompts, max_new=_MAX_NEW.value, rule=rule,
-                                       seed=_SEED.value, stops=tuple(_STOP.value)))
+                                       seed=_SEED.value, stops=tuple(_STOP.value), eot=not _IGNORE_EOT.value))
 
 
 def parse_flags(argv: list[str]) -> list[str]:

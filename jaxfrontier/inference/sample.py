@@ -81,14 +81,14 @@ def check_rule(rule: gen.Sampling, vocab: int) -> None:
 
 
 def sample(c: ml_collections.ConfigDict, workdir: str, prompts: list[str], *, max_new: int, rule: gen.Sampling,
-           seed: int, stops: tuple[str, ...] = ()) -> Result:
-    """Continues each prompt by up to `max_new` tokens; see the module docstring."""
+           seed: int, stops: tuple[str, ...] = (), eot: bool = True) -> Result:
+    """Continues each prompt by up to `max_new` tokens (`eot`: a row ends at end-of-text); see the module docstring."""
     stops = stops_lib.check_stops(list(stops))
     loaded = load_lib.load(c, workdir)
     c = loaded.config
     check_rule(rule, c.model.vocab_size)
     codec = text.run_codec(loaded.run_config.get('data', {}), c.model.vocab_size, loaded.hf_dir)
-    rule = dataclasses.replace(rule, eot_id=codec.eot_id)
+    rule = dataclasses.replace(rule, eot_id=codec.eot_id if eot else None)
     encoded = encode_prompts(codec, prompts, max_new, c.model.seq_len)
     prompt_bp, lengths_b = batch_prompts(encoded, config_lib.data_parallel_size(c))
     layout = loaded.layout
