@@ -29,14 +29,14 @@ State = dict[str, Any]  # out [B, N] tokens, cache, seen [B, V] (repetition pena
 class Sampling:
     """How the next token is chosen: temperature 0 is greedy; top_k 0, top_p 1 and repetition_penalty 1 are off.
 
-    `eot_id` (the tokenizer's end-of-text token, None: none) ends a row's generation when drawn.
+    `eot_ids` (the tokenizer's end-of-text tokens; none: empty) end a row's generation when drawn.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
-    eot_id: int | None = None
+    eot_ids: tuple[int, ...] = ()
 
 
 def penalise(logits_bv: jax.Array, seen_bv: jax.Array, penalty: float) -> jax.Array:
@@ -89,9 +89,7 @@ def mark(seen_bv: jax.Array, token_b: jax.Array) -> jax.Array:
 
 
 def finished(token_b: jax.Array, rule: Sampling) -> jax.Array:
-    if rule.eot_id is None:
-        return jnp.zeros(token_b.shape, bool)
-    return token_b == rule.eot_id
+    return jnp.isin(token_b, jnp.array(rule.eot_ids, jnp.int32)) if rule.eot_ids else jnp.zeros(token_b.shape, bool)
 
 
 def start(model: nnx.Module, prompt_bp: jax.Array, lengths_b: jax.Array, done_b: jax.Array, key: jax.Array, *,
@@ -129,7 +127,7 @@ def generate(model: nnx.Module, prompt_bp: jax.Array, lengths_b: jax.Array, key:
              rule: Sampling) -> jax.Array:
     """`max_new` tokens [B, max_new] after each row's prompt (right-padded to P), with a KV cache.
 
-    With `rule.eot_id`, a row's tokens after its end-of-text are whatever the loop left there
+    With `rule.eot_ids`, a row's tokens after its end-of-text are whatever the loop left there
     (zeros once every row has finished): the caller cuts each row at its end-of-text.
     """
     done_b = jnp.zeros(prompt_bp.shape[:1], bool)

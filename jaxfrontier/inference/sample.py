@@ -88,7 +88,7 @@ def sample(c: ml_collections.ConfigDict, workdir: str, prompts: list[str], *, ma
     c = loaded.config
     check_rule(rule, c.model.vocab_size)
     codec = text.run_codec(loaded.run_config.get('data', {}), c.model.vocab_size, loaded.hf_dir)
-    rule = dataclasses.replace(rule, eot_id=codec.eot_id if eot else None)
+    rule = dataclasses.replace(rule, eot_ids=codec.eot_ids if eot else ())
     encoded = encode_prompts(codec, prompts, max_new, c.model.seq_len)
     prompt_bp, lengths_b = batch_prompts(encoded, config_lib.data_parallel_size(c))
     layout = loaded.layout
@@ -110,10 +110,10 @@ def sample(c: ml_collections.ConfigDict, workdir: str, prompts: list[str], *, ma
         compile_s += time.perf_counter() - t1
         t0 += time.perf_counter() - t1
         state = decode_in_chunks(advance, state, (loaded.params, lengths, key), len(prompts), max_new, chunk,
-                                 lambda tokens: stops_lib.has_stopped(codec, tokens, stops, rule.eot_id), rows)
+                                 lambda tokens: stops_lib.has_stopped(codec, tokens, stops, rule.eot_ids), rows)
         out_bn, steps = np.asarray(state['out']), int(state['i'])
         seconds = time.perf_counter() - t0
-    ends = [stops_lib.ending(codec, out_bn[r, :steps].tolist(), stops, rule.eot_id) for r in range(len(prompts))]
+    ends = [stops_lib.ending(codec, out_bn[r, :steps].tolist(), stops, rule.eot_ids) for r in range(len(prompts))]
     return Result(list(prompts), [e.tokens for e in ends], [e.text for e in ends], [e.reason for e in ends],
                   len(prompts) * steps / max(seconds, 1e-9), compile_s, loaded.source)
 

@@ -40,10 +40,9 @@ def check_stops(stops: list[str]) -> list[str]:
     return list(stops)
 
 
-def before_eot(tokens: list[int], eot_id: int | None) -> tuple[list[int], bool]:
-    if eot_id is not None and eot_id in tokens:
-        return tokens[:tokens.index(eot_id)], True
-    return tokens, False
+def before_eot(tokens: list[int], eot_ids: tuple[int, ...]) -> tuple[list[int], bool]:
+    at = next((i for i, t in enumerate(tokens) if t in eot_ids), None)
+    return (tokens, False) if at is None else (tokens[:at], True)
 
 
 def first_stop(text: str, stops: list[str]) -> int:
@@ -52,15 +51,15 @@ def first_stop(text: str, stops: list[str]) -> int:
     return min(found) if found else -1
 
 
-def has_stopped(codec: Any, tokens: list[int], stops: list[str], eot_id: int | None) -> bool:
+def has_stopped(codec: Any, tokens: list[int], stops: list[str], eot_ids: tuple[int, ...]) -> bool:
     """Whether a row's tokens so far end its generation (end-of-text, or a stop string in its text)."""
-    tokens, eot = before_eot(tokens, eot_id)
+    tokens, eot = before_eot(tokens, eot_ids)
     return eot or (bool(stops) and first_stop(codec.decode(tokens), stops) >= 0)
 
 
-def ending(codec: Any, tokens: list[int], stops: list[str], eot_id: int | None) -> Ending:
+def ending(codec: Any, tokens: list[int], stops: list[str], eot_ids: tuple[int, ...]) -> Ending:
     """A row's output: the tokens and text it keeps, and why it ended (see the module docstring)."""
-    tokens, eot = before_eot(tokens, eot_id)
+    tokens, eot = before_eot(tokens, eot_ids)
     text = codec.decode(tokens)
     at = first_stop(text, stops) if stops else -1
     if at < 0:

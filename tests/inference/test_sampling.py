@@ -82,15 +82,15 @@ class Pieces:
 def test_stop_strings_are_matched_in_the_text_whatever_the_tokens():
     codec = Pieces()
     # 'lo w' spans three tokens; the text is cut before it, the tokens run through the one completing it
-    assert stops.ending(codec, [0, 1, 2, 3, 4], ['lo w'], None) == stops.Ending([0, 1, 2], 'hel', 'stop')
+    assert stops.ending(codec, [0, 1, 2, 3, 4], ['lo w'], ()) == stops.Ending([0, 1, 2], 'hel', 'stop')
     # '\n\n' as one token or as two: the same stop
-    assert stops.ending(codec, [0, 6, 1], ['\n\n'], None) == stops.Ending([0, 6], 'he', 'stop')
-    assert stops.ending(codec, [0, 5, 5, 1], ['\n\n'], None) == stops.Ending([0, 5, 5], 'he', 'stop')
+    assert stops.ending(codec, [0, 6, 1], ['\n\n'], ()) == stops.Ending([0, 6], 'he', 'stop')
+    assert stops.ending(codec, [0, 5, 5, 1], ['\n\n'], ()) == stops.Ending([0, 5, 5], 'he', 'stop')
     # the stop completed first wins; end-of-text (7 here) ends a row and is not part of its text
-    assert stops.ending(codec, [0, 1, 2, 3, 4], ['world', 'r'], None).text == 'hello wo'
-    assert stops.ending(codec, [0, 1, 7, 2, 3], ['world'], 7) == stops.Ending([0, 1], 'hello', 'eot')
-    assert stops.ending(codec, [0, 1, 2], ['x'], 7) == stops.Ending([0, 1, 2], 'hello wo', 'length')
-    assert stops.has_stopped(codec, [0, 1, 2], ['o w'], None) and not stops.has_stopped(codec, [0, 1], ['o w'], None)
+    assert stops.ending(codec, [0, 1, 2, 3, 4], ['world', 'r'], ()).text == 'hello wo'
+    assert stops.ending(codec, [0, 1, 7, 2, 3], ['world'], (7,)) == stops.Ending([0, 1], 'hello', 'eot')
+    assert stops.ending(codec, [0, 1, 2], ['x'], (3, 7)) == stops.Ending([0, 1, 2], 'hello wo', 'length')
+    assert stops.has_stopped(codec, [0, 1, 2], ['o w'], ()) and not stops.has_stopped(codec, [0, 1], ['o w'], ())
     with pytest.raises(UserError, match='--stop=""'):
         stops.check_stops(['ok', ''])
 
@@ -103,13 +103,13 @@ def test_end_of_text_ends_a_row_and_the_loop():
     plain = np.asarray(gen.make_generate(model_def, max_new=10, rule=gen.Sampling(0.0))(params, prompt_bp,
                                                                                         lengths_b, key))
     eot = int(plain[0, 3])
-    got = np.asarray(gen.make_generate(model_def, max_new=10, rule=gen.Sampling(0.0, eot_id=eot))(
+    got = np.asarray(gen.make_generate(model_def, max_new=10, rule=gen.Sampling(0.0, eot_ids=(eot,)))(
         params, prompt_bp, lengths_b, key))
     for r in range(3):
         n = list(plain[r]).index(eot) + 1 if eot in plain[r] else 10
         np.testing.assert_array_equal(got[r, :n], plain[r, :n])  # identical up to and including its end
     # rows 0 and 2 need no output (batch padding), row 1 ends at its first token: no step after is run
-    start, advance = gen.make_chunked(model_def, max_new=10, rule=gen.Sampling(0.0, eot_id=int(plain[1, 0])))
+    start, advance = gen.make_chunked(model_def, max_new=10, rule=gen.Sampling(0.0, eot_ids=(int(plain[1, 0]),)))
     st = start(params, prompt_bp, lengths_b, jnp.array([True, False, True]), key)
     st = advance(params, st, lengths_b, key, jnp.int32(10))
     assert int(st['i']) == 1 and not np.asarray(st['out'])[:, 1:].any()
@@ -218,3 +218,14 @@ def test_chunked_decoding_draws_the_same_tokens(tmp_path):
     chunked = sample.sample(c, str(tmp_path / 'none'), PROMPTS, max_new=MAX_NEW, rule=rule, seed=4, stops=('\x00',))
     assert chunked.tokens == whole.tokens and chunked.finish == ['length'] * 3
     assert stops.CHECK_EVERY < MAX_NEW  # so the second run really went in two chunks
+
+
+def test_end_of_text_ids_of_a_hugging_face_directory(tmp_path):
+    from jaxfrontier.inference import text  # pylint: disable=import-outside-toplevel
+    (tmp_path / 'config.json').write_text(json.dumps({'eos_token_id': 2}))
+    assert text.hf_eos_ids(str(tmp_path)) == (2,)
+    (tmp_path / 'generation_config.json').write_text(json.dumps({'eos_token_id': [128001, 128009]}))
+    assert text.hf_eos_ids(str(tmp_path)) == (128001, 128009)  # generation_config.json first, as transformers
+    (tmp_path / 'generation_config.json').write_text('[not an object')
+    (tmp_path / 'config.json').write_text(json.dumps({'eos_token_id': None}))
+    assert text.hf_eos_ids(str(tmp_path)) == ()
