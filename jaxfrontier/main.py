@@ -49,12 +49,20 @@ _EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors
                                    'mode=export: our safetensors names, or a Hugging Face directory: GPT-2, '
                                    'Llama or Qwen2 by the model (--export_path=DIR, loads with '
                                    'transformers.AutoModelForCausalLM).')
-_PROMPT = flags.DEFINE_string('prompt', '', 'mode=sample: the text to continue.')
+_PROMPT = flags.DEFINE_multi_string('prompt', [], 'mode=sample: a text to continue; repeat the flag for several '
+                                    '(one batch, each printed with its own continuation).')
 _PROMPT_FILE = flags.DEFINE_string('prompt_file', '', 'mode=sample: a file of prompts, one per line (one batch).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'mode=sample: tokens to generate per prompt.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'mode=sample: softmax temperature (0: greedy).')
 _TOP_K = flags.DEFINE_integer('top_k', 0, 'mode=sample: sample among the k most likely tokens (0: all).')
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'mode=sample: nucleus sampling mass (1: off).')
+_REPETITION_PENALTY = flags.DEFINE_float('repetition_penalty', 1.0, 'mode=sample: divide the logits of tokens '
+                                         'already in the prompt or output by this where positive, multiply where '
+                                         'negative (CTRL, as Hugging Face; 1: off).')
+_STOP = flags.DEFINE_multi_string('stop', [], 'mode=sample: end a row when its text contains this string (cut '
+                                  'before it); repeatable. The tokenizer\'s end-of-text token ends a row too.')
+_IGNORE_EOT = flags.DEFINE_bool('ignore_eot', False, 'mode=sample: do not end a row at the tokenizer\'s end-of-text '
+                                'token (always --max_new_tokens, e.g. to measure speed).')
 _SEED = flags.DEFINE_integer('seed', 0, 'mode=sample: random seed of the sampling.')
 _EVAL_PATH = flags.DEFINE_string('eval_path', '', 'mode=eval: a token file to score whole (default: the run\'s '
                                  'data.val_path, else its validation split).')
@@ -178,10 +186,10 @@ def _run_inference(config) -> str:
         from jaxfrontier.inference import evaluate
         return evaluate.report(evaluate.evaluate(config, _WORKDIR.value, _EVAL_PATH.value))
     from jaxfrontier.inference import generate, sample
-    rule = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    rule = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _REPETITION_PENALTY.value)
     prompts = sample.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
     return sample.report(sample.sample(config, _WORKDIR.value, prompts, max_new=_MAX_NEW.value, rule=rule,
-                                       seed=_SEED.value))
+                                       seed=_SEED.value, stops=tuple(_STOP.value), eot=not _IGNORE_EOT.value))
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -145,7 +145,7 @@ def test_prompt_file_that_is_not_utf8(tmp_path):
     path = tmp_path / 'prompts.txt'
     path.write_bytes(b'caf\xe9\n')
     with pytest.raises(UserError, match='is not UTF-8 text'):
-        sample.read_prompts('', str(path))
+        sample.read_prompts([], str(path))
 
 
 def test_cli_eval_path_errors_name_the_flag(tmp_path):

@@ -1,9 +1,12 @@
 """`--mode=sample`: continue prompts with the newest checkpoint of a run (or init_params_from).
 
-Prompts are encoded with the run's tokenizer (bytes for the built-in corpus), right-padded into
-one batch (rows padded up to a multiple of the data-parallel size), prefilled into a key/value
-cache and continued one token per step in one compiled loop (inference/generate.py), on the
-config's mesh: batch rows over data x fsdp, heads and vocabulary over tensor.
+Prompts (every --prompt, or the lines of --prompt_file) are encoded with the run's tokenizer
+(bytes for the built-in corpus), right-padded into one batch (rows padded up to a multiple of
+the data-parallel size), prefilled into a key/value cache and continued one token per step in
+a compiled loop (inference/generate.py), on the config's mesh: batch rows over data x fsdp,
+heads and vocabulary over tensor. A row ends at its end-of-text token, a stop string
+(inference/stops.py: checked on the host every few steps) or --max_new_tokens; the loop ends
+when every row has.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import UserError
 from jaxfrontier.inference import generate as gen
 from jaxfrontier.inference import load as load_lib
+from jaxfrontier.inference import stops as stops_lib
 from jaxfrontier.inference import text
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
     prompts: list[str]
-    tokens: list[list[int]]  # the new tokens of each prompt
-    texts: list[str]
+    tokens: list[list[int]]  # the new tokens of each prompt (through a stop string, before end-of-text)
+    texts: list[str]  # their text, cut before a stop string
+    finish: list[str]  # why each row ended: 'stop', 'eot' or 'length'
     tokens_per_s: float
     compile_s: float
     source: str
@@ -42,11 +47,11 @@ def encode_prompts(codec, prompts: list[str], max_new: int, seq_len: int) -> lis
     if max_new < 1:
         raise UserError(f'--max_new_tokens={max_new}: must be at least 1.')
     encoded = [codec.encode(p) for p in prompts]
-    for prompt, ids in zip(prompts, encoded):
+    for n, (prompt, ids) in enumerate(zip(prompts, encoded), 1):
         if not ids:
-            raise UserError(f'prompt {prompt!r} encodes to no tokens. Fix: give a non-empty prompt.')
+            raise UserError(f'prompt {n} ({prompt!r}) encodes to no tokens. Fix: give a non-empty prompt.')
         if len(ids) + max_new - 1 > seq_len:
-            raise UserError(f'prompt of {len(ids)} tokens + --max_new_tokens={max_new} exceeds the model\'s '
+            raise UserError(f'prompt {n} of {len(ids)} tokens + --max_new_tokens={max_new} exceeds the model\'s '
                             f'{seq_len} positions (model.seq_len). Fix: shorten the prompt or lower '
                             f'--max_new_tokens to {max(1, seq_len + 1 - len(ids))}.')
     return encoded
@@ -70,32 +75,69 @@ def check_rule(rule: gen.Sampling, vocab: int) -> None:
         raise UserError(f'--top_k={rule.top_k}: must be in [0, {vocab}] (0 = off).')
     if not 0 < rule.top_p <= 1:
         raise UserError(f'--top_p={rule.top_p}: must be in (0, 1] (1 = off).')
+    if not rule.repetition_penalty > 0:
+        raise UserError(f'--repetition_penalty={rule.repetition_penalty}: must be > 0 (1 = off, > 1 discourages '
+                        'repeats).')
 
 
 def sample(c: ml_collections.ConfigDict, workdir: str, prompts: list[str], *, max_new: int, rule: gen.Sampling,
-           seed: int) -> Result:
-    """Continues each prompt by `max_new` tokens; see the module docstring."""
+           seed: int, stops: tuple[str, ...] = (), eot: bool = True) -> Result:
+    """Continues each prompt by up to `max_new` tokens (`eot`: a row ends at end-of-text); see the module docstring."""
+    stops = stops_lib.check_stops(list(stops))
     loaded = load_lib.load(c, workdir)
     c = loaded.config
     check_rule(rule, c.model.vocab_size)
     codec = text.run_codec(loaded.run_config.get('data', {}), c.model.vocab_size, loaded.hf_dir)
+    rule = dataclasses.replace(rule, eot_ids=codec.eot_ids if eot else ())
     encoded = encode_prompts(codec, prompts, max_new, c.model.seq_len)
     prompt_bp, lengths_b = batch_prompts(encoded, config_lib.data_parallel_size(c))
     layout = loaded.layout
     rows = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules, 1))
-    run = gen.make_generate(layout.model_def, max_new=max_new, rule=rule)
+    start, advance = gen.make_chunked(layout.model_def, max_new=max_new, rule=rule)
+    chunk = stops_lib.CHECK_EVERY if stops else max_new  # without stop strings the host never needs to look
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
+        lengths = jax.device_put(lengths_b, rows)
+        key = jax.device_put(jax.random.key(seed), NamedSharding(layout.mesh, P()))
         args = (loaded.params, jax.device_put(prompt_bp, NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))),
-                jax.device_put(lengths_b, rows), jax.device_put(jax.random.key(seed), NamedSharding(layout.mesh, P())))
+                lengths, jax.device_put(np.arange(len(prompt_bp)) >= len(prompts), rows), key)  # padding rows: done
         t0 = time.perf_counter()
-        compiled = run.lower(*args).compile()
+        start = start.lower(*args).compile()
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        out_bn = np.asarray(jax.block_until_ready(compiled(*args)))
+        state = start(*args)
+        t1 = time.perf_counter()
+        advance = advance.lower(loaded.params, state, lengths, key, np.int32(1)).compile()
+        compile_s += time.perf_counter() - t1
+        t0 += time.perf_counter() - t1
+        state = decode_in_chunks(advance, state, (loaded.params, lengths, key), len(prompts), max_new, chunk,
+                                 lambda tokens: stops_lib.has_stopped(codec, tokens, stops, rule.eot_ids), rows)
+        out_bn, steps = np.asarray(state['out']), int(state['i'])
         seconds = time.perf_counter() - t0
-    tokens = [out_bn[i].tolist() for i in range(len(prompts))]
-    return Result(list(prompts), tokens, [codec.decode(t) for t in tokens],
-                  len(prompts) * max_new / max(seconds, 1e-9), compile_s, loaded.source)
+    ends = [stops_lib.ending(codec, out_bn[r, :steps].tolist(), stops, rule.eot_ids) for r in range(len(prompts))]
+    return Result(list(prompts), [e.tokens for e in ends], [e.text for e in ends], [e.reason for e in ends],
+                  len(prompts) * steps / max(seconds, 1e-9), compile_s, loaded.source)
+
+
+def decode_in_chunks(advance, state, args, rows: int, max_new: int, chunk: int, stopped, sharding):
+    """Runs `advance` `chunk` steps at a time until every real row has stopped or `max_new` tokens exist.
+
+    Between chunks the host marks rows that `stopped(tokens)` (a stop string) as done on the
+    device too, so the loop can end early within the next chunk once the rest end by themselves.
+    """
+    params, lengths, key = args
+    while True:
+        i = int(state['i'])
+        done_b = np.asarray(state['done'])
+        if chunk < max_new:  # a stop string can only be seen in the text
+            out_bn = np.asarray(state['out'])
+            newly = [r for r in range(rows) if not done_b[r] and stopped(out_bn[r, :i].tolist())]
+            if newly:
+                done_b = done_b.copy()
+                done_b[newly] = True
+                state['done'] = jax.device_put(done_b, sharding)
+        if i >= max_new or done_b[:rows].all():
+            return state
+        state = advance(params, state, lengths, key, np.int32(min(i + chunk, max_new)))
 
 
 def report(result: Result) -> str:
@@ -103,14 +145,18 @@ def report(result: Result) -> str:
     lines = []
     for prompt, continuation in zip(result.prompts, result.texts):
         lines += [f'--- prompt: {prompt!r}', prompt + continuation]
-    summary = {'tokens': result.tokens, 'tokens_per_s': round(result.tokens_per_s, 1),
+    summary = {'tokens': result.tokens, 'texts': result.texts, 'finish': result.finish,
+               'tokens_per_s': round(result.tokens_per_s, 1),
                'compile_s': round(result.compile_s, 2), 'source': result.source}
     lines.append(f'sample: {json.dumps(summary)}')
     return '\n'.join(lines)
 
 
-def read_prompts(prompt: str, prompt_file: str) -> list[str]:
-    """--prompt, or the non-empty lines of --prompt_file."""
+def read_prompts(prompts: list[str], prompt_file: str) -> list[str]:
+    """Every --prompt (in order), or the non-empty lines of --prompt_file; not both."""
+    if prompts and prompt_file:
+        raise UserError(f'both --prompt ({len(prompts)}) and --prompt_file={prompt_file} given. Fix: pass the '
+                        'prompts one way: repeat --prompt, or list them in the file, one per line.')
     if prompt_file:
         try:
             with open(prompt_file, encoding='utf-8') as f:
@@ -121,9 +167,10 @@ def read_prompts(prompt: str, prompt_file: str) -> list[str]:
         except UnicodeDecodeError as e:
             raise UserError(f'--prompt_file={prompt_file} is not UTF-8 text (byte {e.start}). Fix: save it as '
                             'UTF-8.') from None
-    try:
-        prompt.encode('utf-8')  # bytes that are not UTF-8 reach argv as lone surrogates
-    except UnicodeEncodeError:
-        raise UserError(f'--prompt={prompt!r} is not UTF-8 text. Fix: pass the prompt as UTF-8, or write it to a '
-                        'UTF-8 file and pass --prompt_file=FILE.') from None
-    return [prompt] if prompt else []
+    for prompt in prompts:
+        try:
+            prompt.encode('utf-8')  # bytes that are not UTF-8 reach argv as lone surrogates
+        except UnicodeEncodeError:
+            raise UserError(f'--prompt={prompt!r} is not UTF-8 text. Fix: pass the prompt as UTF-8, or write it to '
+                            'a UTF-8 file and pass --prompt_file=FILE.') from None
+    return list(prompts)

@@ -2,11 +2,14 @@
 
 A token file names its tokenizer in the header (`tokenizer`: the path of a Hugging Face
 tokenizer.json relative to the .bin, written by `python -m jaxfrontier.prepare`); the
-built-in corpus and tokenizer-less files of at most 256 tokens are raw bytes.
+built-in corpus and tokenizer-less files of at most 256 tokens are raw bytes. A codec's
+`eot_ids` end a sampled row: the token file's `eot_id`, or a Hugging Face directory's
+`eos_token_id` (generation_config.json first, as transformers' `generate` reads it).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -20,7 +23,7 @@ class ByteCodec:
     """UTF-8 bytes as tokens (the built-in corpus)."""
 
     name = 'bytes'
-    eot_id = None
+    eot_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode('utf-8'))
@@ -35,14 +38,14 @@ class ByteCodec:
 class HFCodec:
     """A Hugging Face `tokenizers` tokenizer.json."""
 
-    def __init__(self, path: str, eot_id: int | None = None):
+    def __init__(self, path: str, eot_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
         try:
             self.tokenizer = Tokenizer.from_file(path)
         except Exception as e:  # noqa: BLE001
             raise UserError(f'cannot read the tokenizer {path} ({type(e).__name__}: {e}). Fix: restore the '
                             'tokenizer.json written beside the token file by jaxfrontier.prepare.') from e
-        self.name, self.path, self.eot_id = f'tokenizer {path}', path, eot_id
+        self.name, self.path, self.eot_ids = f'tokenizer {path}', path, tuple(eot_ids)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -68,7 +71,8 @@ def token_file_codec(path: str, vocab_size: int) -> Any:
     token_file = token_files.open_token_file(path, vocab_size)
     tokenizer = token_file.header.get('tokenizer')
     if tokenizer:
-        return HFCodec(os.path.join(os.path.dirname(token_file.path), tokenizer), token_file.header.get('eot_id'))
+        eot = token_file.header.get('eot_id')
+        return HFCodec(os.path.join(os.path.dirname(token_file.path), tokenizer), () if eot is None else (int(eot),))
     if token_file.header['vocab_size'] <= builtin.BYTE_VOCAB:
         return ByteCodec()
     raise UserError(f'the token file {token_file.path} records no tokenizer (header key "tokenizer"), so its '
@@ -80,7 +84,7 @@ def run_codec(data: dict[str, Any], vocab_size: int, hf_dir: str | None = None) 
     if hf_dir:
         path = os.path.join(hf_dir, 'tokenizer.json')
         if os.path.isfile(path):
-            return HFCodec(path)
+            return HFCodec(path, hf_eos_ids(hf_dir))
         if vocab_size <= builtin.BYTE_VOCAB:
             return ByteCodec()
         raise UserError(f'{hf_dir} has no tokenizer.json. Fix: save the tokenizer beside the model '
@@ -91,3 +95,17 @@ def run_codec(data: dict[str, Any], vocab_size: int, hf_dir: str | None = None) 
         raise UserError(f'the run has no tokenizer and a vocabulary of {vocab_size} < 256 bytes. '
                         "Fix: train on data.kind='builtin' or on a token file from jaxfrontier.prepare.")
     return ByteCodec()  # builtin: bytes; synthetic: bytes are as good as anything
+
+
+def hf_eos_ids(hf_dir: str) -> tuple[int, ...]:
+    """`eos_token_id` (one id or a list) of generation_config.json, else of config.json; () if neither has one."""
+    for name in ('generation_config.json', 'config.json'):
+        try:
+            with open(os.path.join(hf_dir, name), encoding='utf-8') as f:
+                eos = json.load(f).get('eos_token_id')
+        except (OSError, ValueError, AttributeError):
+            continue  # absent or unreadable: config.json's own reader (checkpoint/hf_files) names its damage
+        ids = eos if isinstance(eos, list) else [eos]
+        if eos is not None and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return tuple(ids)
+    return ()

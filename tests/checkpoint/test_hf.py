@@ -77,7 +77,8 @@ def test_corpus_to_transformers_through_the_clis(tmp_path):
               f'--workdir={workdir}')
     main(*common, '--config.train.steps=30')
 
-    stdout = main(*common, '--mode=sample', '--prompt=the cat sat', '--temperature=0', '--max_new_tokens=12')
+    stdout = main(*common, '--mode=sample', '--prompt=the cat sat', '--temperature=0', '--max_new_tokens=12',
+                  '--ignore_eot')  # as transformers below, with eos_token_id=None
     sampled = json.loads(stdout.strip().splitlines()[-1].removeprefix('sample: '))
     assert len(sampled['tokens'][0]) == 12 and sampled['tokens_per_s'] > 0
 

@@ -427,7 +427,8 @@ def run_main(*args):
 
 
 def greedy_sample(*args, prompt):
-    stdout, _ = run_main(*args, '--mode=sample', f'--prompt={prompt}', '--temperature=0', '--max_new_tokens=10')
+    stdout, _ = run_main(*args, '--mode=sample', f'--prompt={prompt}', '--temperature=0', '--max_new_tokens=10',
+                         '--ignore_eot')  # transformers' generate runs with eos_token_id=None
     return json.loads(stdout.strip().splitlines()[-1].removeprefix('sample: '))['tokens'][0]
 
 
