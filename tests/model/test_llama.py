@@ -165,6 +165,7 @@ def test_rms_norm_and_swiglu_match_numpy():
     np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), (silu(x @ g) * (x @ u)) @ d, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_grouped_query_attention_is_multi_head_with_shared_kv_heads():
     """G = 2 kv heads for 4 query heads equals multi-head attention whose head i has kv head i // 2
     (transformers' repeat_kv order): the logits of the two models agree."""

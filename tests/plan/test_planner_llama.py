@@ -164,6 +164,7 @@ SLOW_LAYOUTS = [
 # weight with collective-permutes the plan does not count: 2 % of the bytes).
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('layout', FAST_LAYOUTS, ids=str)
 def test_estimates_agree_with_xla(layout):
     check_against_xla(make_config(**layout))

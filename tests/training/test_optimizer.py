@@ -220,6 +220,7 @@ def references():
     return get
 
 
+@pytest.mark.slow
 def test_lion_zero1_matches_single_device(references):
     check_against_reference(run_layout(make_config(optimizer='lion', data=2, fsdp=2, tensor=2, zero1=True)),
                             references('lion'))

@@ -191,6 +191,7 @@ def _decisions(c, batches, devices):
     return flags, loss_values, jax.device_get(state['spike']), kept
 
 
+@pytest.mark.slow
 def test_eight_devices_skip_the_same_steps_as_one(tmp_path):
     """data 4 x tensor 2 and one device: the same skip decisions (taken from globally reduced values)."""
     c8, c1 = small(data=4, tensor=2), small(data=1, tensor=1)
