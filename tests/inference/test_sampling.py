@@ -47,6 +47,7 @@ def test_repetition_penalty_equals_transformers(penalty):
     assert np.asarray(short).sum(1).tolist() == [len(set(ids[0])), len(set(ids[1, :4])), 1]
 
 
+@pytest.mark.slow  # a model compile (~10 s); the processor itself is checked exactly in the fast tier
 def test_greedy_repetition_penalty_as_transformers_defines_it():
     """Each greedy token with the penalty is the argmax of the full model's logits after HF's processor."""
     c = small_config()
@@ -209,6 +210,7 @@ def test_cli_prompts_stops_and_penalty(family, tmp_path):
         penalised['tokens']
 
 
+@pytest.mark.slow  # two decode compiles (~9 s)
 def test_chunked_decoding_draws_the_same_tokens(tmp_path):
     """Sampling (not greedy) with a stop string that never matches decodes in chunks of 16: same tokens."""
     c, _ = cli_config('gpt')
