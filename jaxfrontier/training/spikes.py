@@ -111,11 +111,6 @@ def judge(c: ml_collections.ConfigDict, s: SpikeState, loss: jax.Array, grad_nor
     return skip, nxt, metrics
 
 
-def keep_if(skip: jax.Array, new: Any, old: Any) -> Any:
-    """`old` where `skip`, else `new`, leaf by leaf (one select per array, on the device)."""
-    return jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
-
-
 # --------------------------------------------------------------------------- host side
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jmp
 import ml_collections
 import optax
 from jax.sharding import NamedSharding
@@ -142,8 +143,8 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
         if 'spike' in state:  # a loss spike keeps the old params and moments too (training/spikes.py)
             overflow = None if scale_state is None else extra['train/step_skipped'] > 0
             skip, new_state['spike'], spike_metrics = spikes.judge(c, state['spike'], loss, grad_norm, overflow)
-            new_state['params'], new_state['opt_state'] = spikes.keep_if(
-                skip, (new_state['params'], new_state['opt_state']), (params, state['opt_state']))
+            new_state['params'], new_state['opt_state'] = jmp.select_tree(
+                skip, (params, state['opt_state']), (new_state['params'], new_state['opt_state']))
             extra = {**extra, **spike_metrics}
         metrics = {'train/loss': loss, 'train/grad_norm': grad_norm,
                    'train/param_norm': optax.tree.norm(new_state['params']), 'train/lr': lr_schedule(state['step']),
