@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxfrontier import config as config_lib
 from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.model import hf_names
 
@@ -50,11 +51,6 @@ def num_layers(hf: dict[str, Any]) -> int:
     return hf['n_layer']
 
 
-def mlp_width(m: dict[str, Any]) -> int:
-    """The MLP width of a saved config: model.mlp_dim where set, else mlp_ratio * d_model."""
-    return m.get('mlp_dim') or m['mlp_ratio'] * m['d_model']
-
-
 # --------------------------------------------------------------------------- configs
 
 
@@ -70,7 +66,7 @@ def hf_config(m: dict[str, Any], eot_id: int | None) -> dict[str, Any]:
     """transformers' GPT2Config fields for a saved config's model.*."""
     return {'architectures': [NAMES.architecture], 'model_type': NAMES.model_type, 'vocab_size': m['vocab_size'],
             'n_positions': m['seq_len'], 'n_ctx': m['seq_len'], 'n_embd': m['d_model'], 'n_layer': m['num_layers'],
-            'n_head': m['num_heads'], 'n_inner': mlp_width(m), 'activation_function': 'gelu_new',
+            'n_head': m['num_heads'], 'n_inner': config_lib.model_mlp_dim(m), 'activation_function': 'gelu_new',
             'layer_norm_epsilon': LAYER_NORM_EPS, 'initializer_range': m['init_std'], 'resid_pdrop': 0.0,
             'embd_pdrop': 0.0, 'attn_pdrop': 0.0, 'scale_attn_weights': True, 'use_cache': True,
             'tie_word_embeddings': bool(m['tied_embeddings']), 'bos_token_id': eot_id, 'eos_token_id': eot_id,

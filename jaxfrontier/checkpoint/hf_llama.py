@@ -62,11 +62,6 @@ def num_layers(hf: dict[str, Any]) -> int:
     return hf['num_hidden_layers']
 
 
-def _mlp_dim(m: dict[str, Any]) -> int:
-    return m.get('mlp_dim') or config_lib.llama_mlp_dim(m['d_model'], m.get('ffn_dim_multiplier', 0.0),
-                                                        m.get('multiple_of', 256))
-
-
 # --------------------------------------------------------------------------- our config -> HF
 
 
@@ -86,7 +81,7 @@ def hf_config(m: dict[str, Any], eot_id: int | None) -> dict[str, Any]:
                  **{theirs: float(m[ours]) for ours, theirs in LLAMA3_KEYS}}
     architecture, model_type = QWEN2 if m['qkv_bias'] else (NAMES.architecture, NAMES.model_type)
     out = {'architectures': [architecture], 'model_type': model_type, 'vocab_size': m['vocab_size'],
-           'hidden_size': m['d_model'], 'intermediate_size': _mlp_dim(m), 'num_hidden_layers': layers,
+           'hidden_size': m['d_model'], 'intermediate_size': config_lib.model_mlp_dim(m), 'num_hidden_layers': layers,
            'num_attention_heads': heads, 'num_key_value_heads': m.get('num_kv_heads') or heads,
            'head_dim': m['d_model'] // heads, 'hidden_act': 'silu', 'max_position_embeddings': m['seq_len'],
            'rms_norm_eps': float(m['norm_eps']), 'rope_parameters': rope,

@@ -33,6 +33,7 @@ from jaxfrontier.config.schema import (  # noqa: F401
     mesh_shape,
     llama_mlp_dim,
     mlp_dim,
+    model_mlp_dim,
     model_shape,
     model_size_config,
     num_devices,

@@ -407,14 +407,19 @@ def llama_mlp_dim(d_model: int, ffn_dim_multiplier: float, multiple_of: int) -> 
     return multiple_of * -(-hidden // multiple_of)
 
 
+def model_mlp_dim(m: Mapping[str, Any]) -> int:
+    """The MLP's width of `model.*` fields (a config's, or a saved config.json's): model.mlp_dim where
+    set, else the family's rule (see base_config). Fields a saved config predates take their defaults."""
+    if m.get('mlp_dim'):
+        return m['mlp_dim']
+    if m.get('family', 'gpt') == 'llama':
+        return llama_mlp_dim(m['d_model'], m.get('ffn_dim_multiplier', 0.0), m.get('multiple_of', 256))
+    return m['mlp_ratio'] * m['d_model']
+
+
 def mlp_dim(c: ml_collections.ConfigDict) -> int:
-    """The MLP's width: model.mlp_dim where set, else the family's rule (see base_config)."""
-    m = c.model
-    if m.mlp_dim:
-        return m.mlp_dim
-    if m.family == 'llama':
-        return llama_mlp_dim(m.d_model, m.ffn_dim_multiplier, m.multiple_of)
-    return m.mlp_ratio * m.d_model
+    """The MLP's width of config `c` (`model_mlp_dim` of its model fields)."""
+    return model_mlp_dim(c.model)
 
 
 def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> ModelShape:
