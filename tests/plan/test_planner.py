@@ -55,10 +55,11 @@ COMM_TOL, COMM_MIN_BYTES, COMM_MIN_SHARE = 0.10, 4096, 0.01
 
 def make_config(pipeline=1, data=1, fsdp=1, tensor=1, accum=1, zero1=False, remat='none', layers=2, d=64,
                 heads=4, seq=64, batch=16, vocab=256, tied=True, schedule='1f1b', virtual=1, dtype='float32',
-                attention='xla'):
+                attention='xla', **model):
+    """A small validated config of this layout; `model` sets further model.* fields (test_planner_llama)."""
     c = config_lib.base_config()
     c.model.update(num_layers=layers, d_model=d, num_heads=heads, seq_len=seq, vocab_size=vocab, vocab_multiple=32,
-                   dtype=dtype, remat=remat, attention=attention, tied_embeddings=tied)
+                   dtype=dtype, remat=remat, attention=attention, tied_embeddings=tied, **model)
     c.mesh.update(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor)
     c.pipeline.update(schedule=schedule, virtual_stages=virtual)
     c.train.update(global_batch=batch, micro_batch=batch // (data * fsdp * accum), accum_steps=accum)

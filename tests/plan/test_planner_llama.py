@@ -34,6 +34,7 @@ from jaxfrontier.training import memory_check
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
 
+import test_planner as planner_test  # noqa: E402  (its config builder)
 from test_planner import ROOT, check_against_xla  # the GPT tests' tolerances and comparison
 
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
@@ -44,20 +45,10 @@ PUBLISHED = {'1b': 1_235_814_400, '3b': 3_212_749_824, '8b': 8_030_261_248, '70b
              '405b': 405_853_388_800}
 
 
-def make_config(pipeline=1, data=1, fsdp=1, tensor=1, accum=1, zero1=False, remat='none', layers=2, d=64,
-                heads=4, kv=2, mlp=224, seq=64, batch=16, vocab=256, tied=False, schedule='1f1b', virtual=1,
-                attention='xla', qkv_bias=False):
-    c = config_lib.base_config()
-    c.model.update(family='llama', num_layers=layers, d_model=d, num_heads=heads, num_kv_heads=kv, mlp_dim=mlp,
-                   seq_len=seq, vocab_size=vocab, vocab_multiple=32, dtype='float32', remat=remat,
-                   attention=attention, tied_embeddings=tied, qkv_bias=qkv_bias, rope_theta=500000.0,
-                   rope_scaling='llama3')
-    c.mesh.update(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor)
-    c.pipeline.update(schedule=schedule, virtual_stages=virtual)
-    c.train.update(global_batch=batch, micro_batch=batch // (data * fsdp * accum), accum_steps=accum)
-    c.sharding.zero1 = zero1
-    config_lib.validate(c, config_lib.num_devices(c))
-    return c
+def make_config(kv=2, mlp=224, tied=False, qkv_bias=False, **layout):
+    """test_planner's config as a Llama: GQA, the MLP width, an untied head, scaled RoPE."""
+    return planner_test.make_config(tied=tied, family='llama', num_kv_heads=kv, mlp_dim=mlp, qkv_bias=qkv_bias,
+                                    rope_theta=500000.0, rope_scaling='llama3', **layout)
 
 
 # --------------------------------------------------------------------------- exact counts
