@@ -55,11 +55,7 @@ def save_llama(path, layers=3, **overrides):
         'vocab_size': VOCAB, 'hidden_size': 48, 'intermediate_size': 80, 'num_hidden_layers': layers,
         'num_attention_heads': 4, 'num_key_value_heads': 2, 'max_position_embeddings': 64, 'rms_norm_eps': 1e-5,
         'tie_word_embeddings': False, 'rope_parameters': {'rope_theta': 50000.0, **LLAMA3}} | overrides)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    _randomize(model)
-    model.save_pretrained(path)
-    return model
+    return _save(transformers.LlamaForCausalLM, config, 0, path)
 
 
 def save_qwen2(path, layers=2):
@@ -68,11 +64,7 @@ def save_qwen2(path, layers=2):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       rms_norm_eps=1e-6, tie_word_embeddings=True,
                                       rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0})
-    torch.manual_seed(1)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    _randomize(model)
-    model.save_pretrained(path)
-    return model
+    return _save(transformers.Qwen2ForCausalLM, config, 1, path)
 
 
 def save_mistral(path):
@@ -80,8 +72,13 @@ def save_mistral(path):
     config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=1, head_dim=12,
                                         max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False)
-    torch.manual_seed(2)
-    model = transformers.MistralForCausalLM(config).eval()
+    return _save(transformers.MistralForCausalLM, config, 2, path)
+
+
+def _save(model_class, config, seed: int, path):
+    """A random `model_class(config)` (torch seed `seed`, norms and biases randomized), saved at `path`."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
     _randomize(model)
     model.save_pretrained(path)
     return model
