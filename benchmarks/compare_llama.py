@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,38 +57,30 @@ def equal_parameter_llama():
 
 
 def torch_llama_step_time(c, steps: int, warmup: int) -> dict:
-    """transformers' LlamaForCausalLM of config `c`'s shape under torch.compile (fp32, CPU)."""
+    """transformers' LlamaForCausalLM of config `c`'s shape, timed by torch_gpt.time_step (torch.compile)."""
     import torch  # pylint: disable=g-import-not-at-top  (needs the test extra)
     import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
+    import torch_gpt  # pylint: disable=g-import-not-at-top
     m = c.model
     hf = transformers.LlamaConfig(vocab_size=config_lib.padded_vocab(c), hidden_size=m.d_model,
                                   intermediate_size=m.mlp_dim, num_hidden_layers=m.num_layers,
                                   num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
                                   max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
                                   tie_word_embeddings=True, attn_implementation='sdpa')
-    model = transformers.LlamaForCausalLM(hf)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
-    def step(tokens):
-        logits = model(input_ids=tokens[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    class Loss(torch.nn.Module):
+        """The mean next-token loss of the HF model: torch_gpt's `forward(tokens, targets)`."""
 
-    compiled = torch.compile(step)
-    tokens = torch.randint(0, m.vocab_size, (c.train.micro_batch, m.seq_len + 1))
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        float(compiled(tokens))
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    step_s = statistics.median(times)
-    return {'tokens_per_s': c.train.micro_batch * m.seq_len / step_s, 'step_s': step_s}
+        def __init__(self):
+            super().__init__()
+            self.llama = transformers.LlamaForCausalLM(hf)
+
+        def forward(self, tokens, targets):
+            logits = self.llama(input_ids=tokens).logits
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    return torch_gpt.time_step(c, steps=steps, warmup=warmup, model=Loss())
 
 
 def main():

@@ -57,12 +57,18 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def time_step(c, steps: int = 5, warmup: int = 2) -> dict:
-    """Median step time, tokens/s and MFU (jaxfrontier's FLOP convention) of config `c`'s model."""
+def time_step(c, steps: int = 5, warmup: int = 2, model: nn.Module | None = None) -> dict:
+    """Median step time, tokens/s and MFU (jaxfrontier's FLOP convention) of config `c`'s model.
+
+    `model`: a module of `c`'s shape whose `forward(tokens, targets)` is the mean loss (another
+    family's peer, benchmarks/compare_llama.py); this module's GPT by default.
+    """
     device = 'cuda' if torch.cuda.is_available() else 'cpu'  # ROCm builds of torch report 'cuda' too
     m, batch = c.model, c.train.micro_batch
-    model = GPT(config_lib.padded_vocab(c), m.seq_len, m.d_model, m.num_heads, m.num_layers,
-                m.mlp_ratio * m.d_model).to(device)
+    if model is None:
+        model = GPT(config_lib.padded_vocab(c), m.seq_len, m.d_model, m.num_heads, m.num_layers,
+                    m.mlp_ratio * m.d_model)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device == 'cuda')
     dtype = torch.bfloat16 if device == 'cuda' else torch.float32
