@@ -29,6 +29,7 @@ from flax import nnx
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.blockwise import blockwise_attention
 from jaxfrontier.model.layers import ACT_ND, param
+from jaxfrontier.model.sequence import Seq, as_seq
 
 ACT_BTHK = ('batch', None, 'heads', None)
 ACT_BTGK = ('batch', None, 'kv_heads', None)  # keys and values, also one layer's KV cache [B, S, G, K]
@@ -46,13 +47,29 @@ def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str
     return 'cudnn' if is_nvidia and jnp.dtype(dtype).itemsize == 2 else 'blockwise'
 
 
-def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:
-    """Causal softmax(q k^T / sqrt(k)) v with fp32 scores and softmax."""
+def visible(t: int, positions_bt: jax.Array | None = None, segments_bt: jax.Array | None = None) -> jax.Array:
+    """The attention mask of self-attention among T tokens: [T, T], or [B, T, T] with positions or
+    segments. Query i sees key j where pos_j <= pos_i and both are in one segment (document)."""
+    if positions_bt is None:
+        mask = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    else:
+        mask = positions_bt[:, :, None] >= positions_bt[:, None, :]
+    if segments_bt is not None:
+        mask = mask & (segments_bt[:, :, None] == segments_bt[:, None, :])
+    return mask
+
+
+def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array,
+                        positions_bt: jax.Array | None = None, segments_bt: jax.Array | None = None) -> jax.Array:
+    """Causal softmax(q k^T / sqrt(k)) v with fp32 scores and softmax (masked by `visible`).
+
+    Every query sees at least itself, so no row is wholly masked.
+    """
     scale = q_bthk.shape[-1] ** -0.5
     s_bhts = jnp.einsum('bthk,bshk->bhts', q_bthk, k_bshk, preferred_element_type=jnp.float32) * scale
-    t, s = s_bhts.shape[-2:]
-    causal_ts = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
-    s_bhts = jnp.where(causal_ts, s_bhts, jnp.finfo(jnp.float32).min)
+    mask = visible(s_bhts.shape[-1], positions_bt, segments_bt)
+    mask = mask if mask.ndim == 2 else mask[:, None]  # [T, S] or [B, 1, T, S]
+    s_bhts = jnp.where(mask, s_bhts, jnp.finfo(jnp.float32).min)
     p_bhts = jax.nn.softmax(s_bhts, axis=-1).astype(v_bshk.dtype)
     return jnp.einsum('bhts,bshk->bthk', p_bhts, v_bshk)
 
@@ -88,11 +105,13 @@ def repeat_kv(x_bsgk: jax.Array, num_heads: int) -> jax.Array:
 
 
 def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, blocks: tuple[int, int],
-           cache: KVCache | None = None, positions_bt: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+           cache: KVCache | None = None, positions_bt: jax.Array | None = None,
+           seq: int | Seq | None = None) -> tuple[jax.Array, KVCache | None]:
     """Attention of projected queries [B, T, H, K] over keys/values of G <= H heads [B, T, G, K].
 
     Training (no cache): causal attention among the T tokens with the configured kernel, kv
-    heads repeated to the query heads first. Decoding: the new keys and values are written to
+    heads repeated to the query heads first; `seq` (model/sequence.py) carries the tokens'
+    positions and documents where they are not plain (packed documents, context parallelism). Decoding: the new keys and values are written to
     this layer's cache {'k', 'v'} [B, S, G, K] at `positions_bt` (the cache holds G heads) and
     each query attends to the cached keys up to its own position. Returns (output [B, T, H, K],
     the cache or None).
@@ -102,18 +121,27 @@ def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, b
     k_btgk, v_btgk = (mesh_lib.constrain(x, ACT_BTGK) for x in (k_btgk, v_btgk))
     if cache is None:
         k_bthk, v_bthk = (mesh_lib.constrain(repeat_kv(x, h), ACT_BTHK) for x in (k_btgk, v_btgk))
-        return mesh_lib.constrain(dot_product_attention(q_bthk, k_bthk, v_bthk, impl, *blocks), ACT_BTHK), None
+        seq = as_seq(q_bthk.shape[1] if seq is None else seq)
+        o_bthk = dot_product_attention(q_bthk, k_bthk, v_bthk, impl, *blocks, positions_bt=seq.positions_bt,
+                                       segments_bt=seq.segments_bt)
+        return mesh_lib.constrain(o_bthk, ACT_BTHK), None
     cache = {name: mesh_lib.constrain(write_cache(cache[name], new, positions_bt), ACT_BTGK)
              for name, new in (('k', k_btgk), ('v', v_btgk))}
     k_bshk, v_bshk = (mesh_lib.constrain(repeat_kv(cache[name], h), ACT_BTHK) for name in ('k', 'v'))
     return mesh_lib.constrain(cached_attention(q_bthk, k_bshk, v_bshk, positions_bt), ACT_BTHK), cache
 
 
-def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str, block_q: int = 64, block_kv: int = 64) -> jax.Array:
-    """Causal attention with the named kernel (see the module docstring); block sizes: blockwise only."""
+def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str, block_q: int = 64, block_kv: int = 64, *,
+                          positions_bt: jax.Array | None = None, segments_bt: jax.Array | None = None) -> jax.Array:
+    """Causal attention with the named kernel (see the module docstring); block sizes: blockwise only.
+
+    With `positions_bt` / `segments_bt` [B, T] the mask is `visible`'s: by positions, within documents.
+    """
     impl = resolve_impl(impl, q_bthk.dtype)
     if impl == 'reference':
-        return reference_attention(q_bthk, k_bshk, v_bshk)
+        return reference_attention(q_bthk, k_bshk, v_bshk, positions_bt, segments_bt)
+    if positions_bt is not None or segments_bt is not None:
+        raise NotImplementedError(f'attention {impl!r} with positions or segments (issue 24: kernels)')
     if impl == 'blockwise':
         return blockwise_attention(q_bthk, k_bshk, v_bshk, block_q, block_kv)
     if impl in ('xla', 'cudnn'):
@@ -139,9 +167,9 @@ class Attention(nnx.Module):
         self.w_out = param(rngs.params(), (num_heads, head_dim, d_model), ('heads', 'head_dim', 'embed'), out_std)
         self.b_out = param(None, (d_model,), ('embed',), 0.0)
 
-    def __call__(self, x_nd: jax.Array, seq_len: int, cache: KVCache | None = None,
+    def __call__(self, x_nd: jax.Array, seq: int | Seq, cache: KVCache | None = None,
                  positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
-        """Attention of `x_nd` ([B*T, d], T = seq_len); with `cache`, also the extended cache.
+        """Attention of `x_nd` ([B*T, d], T = seq's length); with `cache`, also the extended cache.
 
         Training passes no cache; decoding passes this layer's cache {'k', 'v'} [B, S, H, K]
         and the tokens' positions [B, T] (`attend`).
@@ -149,9 +177,10 @@ class Attention(nnx.Module):
         dtype = x_nd.dtype
         qkv_n3hk = jnp.einsum('nd,dahk->nahk', x_nd, self.w_qkv[...].astype(dtype)) + self.b_qkv[...].astype(dtype)
         n, _, h, k = qkv_n3hk.shape
+        seq_len = as_seq(seq).length
         qkv_bt3hk = qkv_n3hk.reshape(n // seq_len, seq_len, 3, h, k)  # [B, T, 3, H, K]
         o_bthk, cache = attend(qkv_bt3hk[:, :, 0], qkv_bt3hk[:, :, 1], qkv_bt3hk[:, :, 2], self.impl, self.blocks,
-                               cache, positions_bt)
+                               cache, positions_bt, seq)
         o_nhk = o_bthk.reshape(n, h, k)  # [B*T, H, K]
         y_nd = jnp.einsum('nhk,hkd->nd', o_nhk, self.w_out[...].astype(dtype)) + self.b_out[...].astype(dtype)
         y_nd = mesh_lib.constrain(y_nd, ACT_ND)

@@ -14,6 +14,7 @@ from flax import nnx
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import stack
 from jaxfrontier.model.layers import cross_entropy
+from jaxfrontier.model.sequence import Seq
 
 EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes
 
@@ -29,10 +30,11 @@ class Decoder(nnx.Module):
     def dtype(self) -> jnp.dtype:
         return jnp.dtype(self.shape.dtype)
 
-    def apply_blocks(self, x_nd: jax.Array, seq_len: int, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Applies the blocks this module holds with the model's remat policy and unroll."""
+    def apply_blocks(self, x_nd: jax.Array, seq: int | Seq, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Applies the blocks this module holds with the model's remat policy and unroll
+        (`seq`: the sequence length, or a Seq with positions / documents; model/sequence.py)."""
         graphdef, stacked = nnx.split(self.blocks)
-        return stack.apply_stack(graphdef, stacked, x_nd, seq_len=seq_len, remat=self.shape.remat,
+        return stack.apply_stack(graphdef, stacked, x_nd, seq_len=seq, remat=self.shape.remat,
                                  dropout_key=dropout_key, unroll=self.shape.scan_unroll)
 
     def logits(self, x_nd: jax.Array) -> jax.Array:
@@ -46,9 +48,13 @@ class Decoder(nnx.Module):
         """Mean next-token cross-entropy (fp32) from the last block's output."""
         return cross_entropy(self.logits(x_nd), targets_bt.reshape(-1), self.shape.real_vocab_size)
 
-    def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Mean next-token cross-entropy (fp32) of one micro-batch."""
-        x_nd = self.apply_blocks(self.embed(tokens_bt, dropout_key), tokens_bt.shape[1], dropout_key)
+    def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None,
+             positions_bt: jax.Array | None = None, segments_bt: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy (fp32) of one micro-batch; positions and documents [B, T]
+        where they are not plain (model/sequence.py)."""
+        seq = Seq(tokens_bt.shape[1], positions_bt, segments_bt)
+        x_nd = self.apply_blocks(self.embed(tokens_bt, dropout_key, positions_bt), seq if not seq.plain else seq.length,
+                                 dropout_key)
         return self.head_loss(x_nd, targets_bt)
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:

@@ -23,6 +23,7 @@ from jaxfrontier.model import hf_names
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
 from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
 from jaxfrontier.model import stack
+from jaxfrontier.model.sequence import Seq
 
 
 class Block(nnx.Module):
@@ -37,15 +38,15 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(s.d_model, rngs=rngs)
         self.mlp = MLP(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x_nd: jax.Array, seq_len: int, key: jax.Array | None, cache: KVCache | None = None,
+    def __call__(self, x_nd: jax.Array, seq: int | Seq, key: jax.Array | None, cache: KVCache | None = None,
                  positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
-        """The block on `x_nd` [B*T, d]; decoding passes this layer's KV cache and the tokens'
-        positions [B, T] and gets the extended cache back too (`Attention.__call__`)."""
+        """The block on `x_nd` [B*T, d] (`seq`: model/sequence.py); decoding passes this layer's KV
+        cache and the tokens' positions [B, T] and gets the extended cache back too."""
         k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
         if cache is None:
-            y_nd = self.attn(self.ln1(x_nd), seq_len)
+            y_nd = self.attn(self.ln1(x_nd), seq)
         else:
-            y_nd, cache = self.attn(self.ln1(x_nd), seq_len, cache, positions_bt)
+            y_nd, cache = self.attn(self.ln1(x_nd), seq, cache, positions_bt)
         x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
         x_nd = x_nd + dropout(self.mlp(self.ln2(x_nd)), self.dropout_rate, k_mlp)
         x_nd = mesh_lib.constrain(x_nd, ACT_ND)

@@ -23,16 +23,12 @@ from flax import nnx
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import ModelShape
-from jaxfrontier.model import hf_names, rope, stack
+from jaxfrontier.model import hf_names, rope, sequence, stack
 from jaxfrontier.model.attention import KVCache, attend
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
 from jaxfrontier.model.family import Family, ParamSpec
 from jaxfrontier.model.layers import ACT_ND, RMSNorm, SwiGLU, dropout, embedding_lookup, param
-
-
-def default_positions(batch: int, seq_len: int) -> jax.Array:
-    """Positions 0..T-1 of every row [B, T]: training's contiguous sequences."""
-    return jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32)[None, :], (batch, seq_len))
+from jaxfrontier.model.sequence import Seq, as_seq
 
 
 class GroupedQueryAttention(nnx.Module):
@@ -53,9 +49,10 @@ class GroupedQueryAttention(nnx.Module):
             self.b_kv = param(None, (2, g, k), ('qkv', 'kv_heads', 'head_dim'), 0.0)
         self.w_out = param(rngs.params(), (h, k, d), ('heads', 'head_dim', 'embed'), out_std)
 
-    def __call__(self, x_nd: jax.Array, seq_len: int, positions_bt: jax.Array, cache: KVCache | None = None
+    def __call__(self, x_nd: jax.Array, seq: int | Seq, positions_bt: jax.Array, cache: KVCache | None = None
                  ) -> tuple[jax.Array, KVCache | None]:
         """Attention of `x_nd` [B*T, d] at `positions_bt` [B, T]; the extended cache with `cache`."""
+        seq_len = as_seq(seq).length
         dtype = x_nd.dtype
         q_nhk = jnp.einsum('nd,dhk->nhk', x_nd, self.w_q[...].astype(dtype))
         kv_n2gk = jnp.einsum('nd,dagk->nagk', x_nd, self.w_kv[...].astype(dtype))
@@ -68,7 +65,7 @@ class GroupedQueryAttention(nnx.Module):
         q_bthk = rope.apply_rope(q_nhk.reshape(b, seq_len, h, k), positions_bt, inv_freq)  # [B, T, H, K]
         kv_bt2gk = kv_n2gk.reshape(b, seq_len, *kv_n2gk.shape[1:])  # [B, T, 2, G, K]
         k_btgk = rope.apply_rope(kv_bt2gk[:, :, 0], positions_bt, inv_freq)
-        o_bthk, cache = attend(q_bthk, k_btgk, kv_bt2gk[:, :, 1], self.impl, self.blocks, cache, positions_bt)
+        o_bthk, cache = attend(q_bthk, k_btgk, kv_bt2gk[:, :, 1], self.impl, self.blocks, cache, positions_bt, seq)
         y_nd = jnp.einsum('nhk,hkd->nd', o_bthk.reshape(n, h, k), self.w_out[...].astype(dtype))
         return mesh_lib.constrain(y_nd, ACT_ND), cache
 
@@ -85,14 +82,15 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(s.d_model, eps=s.norm_eps, rngs=rngs)
         self.mlp = SwiGLU(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x_nd: jax.Array, seq_len: int, key: jax.Array | None, cache: KVCache | None = None,
+    def __call__(self, x_nd: jax.Array, seq: int | Seq, key: jax.Array | None, cache: KVCache | None = None,
                  positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
-        """The block on `x_nd` [B*T, d]; decoding passes this layer's KV cache and the tokens'
-        positions [B, T] and gets the extended cache back too. Training's positions are 0..T-1."""
+        """The block on `x_nd` [B*T, d] (`seq`: model/sequence.py); decoding passes this layer's KV
+        cache and the tokens' positions [B, T] and gets the extended cache back too. Training's
+        positions are the Seq's, or 0..T-1."""
         k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
         if positions_bt is None:
-            positions_bt = default_positions(x_nd.shape[0] // seq_len, seq_len)
-        y_nd, new_cache = self.attn(self.attn_norm(x_nd), seq_len, positions_bt, cache)
+            positions_bt = sequence.positions(seq, x_nd.shape[0] // as_seq(seq).length)
+        y_nd, new_cache = self.attn(self.attn_norm(x_nd), seq, positions_bt, cache)
         x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
         x_nd = x_nd + dropout(self.mlp(self.mlp_norm(x_nd)), self.dropout_rate, k_mlp)
         x_nd = mesh_lib.constrain(x_nd, ACT_ND)

@@ -3,7 +3,8 @@
 A family's blocks are created once with `nnx.vmap` (every parameter gets a leading `layers`
 axis) and applied with `jax.lax.scan` (`apply_stack`), so compile time does not grow with
 depth; per-layer activation checkpointing wraps the scanned body. A block is any NNX module
-called as `block(x_nd, seq_len, key)` on flat activations [B*T, d].
+called as `block(x_nd, seq, key)` on flat activations [B*T, d]; `seq` is the sequence length
+or a `model.sequence.Seq` (positions and documents), passed through unchanged.
 """
 
 from __future__ import annotations
