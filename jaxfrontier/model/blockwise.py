@@ -33,7 +33,7 @@ from jaxfrontier import mesh as mesh_lib
 # Blocked activations: [blocks, batch, heads, rows, head_dim] and statistics [blocks, batch, heads, rows].
 ACT_NBHRK = (None, 'batch', 'heads', None, None)
 ACT_NBHR = (None, 'batch', 'heads', None)
-_MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so exp(_MASKED - m) = 0 and never inf - inf
+MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so exp(MASKED - m) = 0 and never inf - inf
 
 
 def blockwise_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, block_q: int = 128,
@@ -93,7 +93,7 @@ def _scores(q_bhqk, k_bhsk, scale, q_start, kv_start, masked: bool) -> jax.Array
     if masked:
         q_pos = q_start + jnp.arange(q_bhqk.shape[2])
         kv_pos = kv_start + jnp.arange(k_bhsk.shape[2])
-        s_bhqs = jnp.where(q_pos[:, None] >= kv_pos[None, :], s_bhqs, _MASKED)
+        s_bhqs = jnp.where(q_pos[:, None] >= kv_pos[None, :], s_bhqs, MASKED)
     return s_bhqs
 
 
@@ -124,7 +124,7 @@ def _forward(block_q: int, block_kv: int, q_bthk, k_bshk, v_bshk):
         # kv blocks [0, n_full) lie wholly at or before the block's first query: no mask.
         n_full = jnp.minimum((q_start + 1) // block_kv, num_kv)
         n_total = jnp.minimum((q_start + block_q - 1) // block_kv + 1, num_kv)
-        init = (jnp.full((b, h, rows), _MASKED, jnp.float32), jnp.zeros((b, h, rows), jnp.float32),
+        init = (jnp.full((b, h, rows), MASKED, jnp.float32), jnp.zeros((b, h, rows), jnp.float32),
                 jnp.zeros((b, h, rows, head_dim), jnp.float32))
         carry = jax.lax.fori_loop(0, n_full, functools.partial(kv_step, False), init)
         m_bhq, l_bhq, acc_bhqk = jax.lax.fori_loop(n_full, n_total, functools.partial(kv_step, True), carry)
@@ -208,21 +208,24 @@ _PAD_Q_POS = int(np.iinfo(np.int32).min)  # padded queries see nothing (l = 0, o
 
 def block_visits(q_positions_bt, kv_positions_bs, q_segments_bt, kv_segments_bs, block_q: int, block_kv: int,
                  xp=jnp):
-    """[Nq, Nkv] bool: which (query block, key/value block) pairs hold a visible entry.
+    """[Nq, Nkv] bool: which (query block, key/value block) pairs hold a visible entry in some row.
 
     Pure array code over `xp` (jax.numpy in the kernel, numpy for `executed_block_pairs`), so the
-    count the planner and tests read is the kernel's own decision. A pair is skipped where the
-    key block's smallest position exceeds the query block's largest (causal), or where their
-    segment ranges do not overlap (documents).
+    count the planner and tests read is the kernel's own decision. Visible (seg_j == seg_i and
+    pos_j <= pos_i) implies (seg_j, pos_j) <= (seg_i, pos_i) in lexicographic order, so a pair is
+    empty in a row where the key block's smallest (segment, position) exceeds the query block's
+    largest, or the key block's segments all precede the query block's: causal skipping that
+    survives positions restarting per document, in any token order. Decided per row, then a
+    pair is visited if any row of the batch needs it.
     """
-    qp_lo, qp_hi = _block_ranges(q_positions_bt, block_q, xp)
-    kp_lo, _ = _block_ranges(kv_positions_bs, block_kv, xp)
-    visit = kp_lo[None, :] <= qp_hi[:, None]
-    if q_segments_bt is not None:
-        qs_lo, qs_hi = _block_ranges(q_segments_bt, block_q, xp)
-        ks_lo, ks_hi = _block_ranges(kv_segments_bs, block_kv, xp)
-        visit = visit & (ks_lo[None, :] <= qs_hi[:, None]) & (ks_hi[None, :] >= qs_lo[:, None])
-    return visit
+    q_lo, q_hi = _block_keys(q_positions_bt, q_segments_bt, block_q, xp)
+    k_lo, k_hi = _block_keys(kv_positions_bs, kv_segments_bs, block_kv, xp)
+    (qs_lo, _), (qs_hi, qp_hi) = q_lo, q_hi
+    (ks_lo, kp_lo), (ks_hi, _) = k_lo, k_hi
+    qs_lo, qs_hi, qp_hi = qs_lo[:, :, None], qs_hi[:, :, None], qp_hi[:, :, None]  # [B, Nq, 1]
+    ks_lo, ks_hi, kp_lo = ks_lo[:, None, :], ks_hi[:, None, :], kp_lo[:, None, :]  # [B, 1, Nkv]
+    causal = (ks_lo < qs_hi) | ((ks_lo == qs_hi) & (kp_lo <= qp_hi))
+    return (causal & (ks_hi >= qs_lo)).any(axis=0)
 
 
 def executed_block_pairs(q_positions_bt, kv_positions_bs, q_segments_bt=None, kv_segments_bs=None, *,
@@ -236,16 +239,26 @@ def executed_block_pairs(q_positions_bt, kv_positions_bs, q_segments_bt=None, kv
     return int(block_visits(*ids, block_q, block_kv, xp=np).sum())
 
 
-def _block_ranges(x_bt, block: int, xp):
-    """Per-block (min, max) of int ids [B, T] over the batch and each block's real rows: ([N], [N])."""
-    b, t = x_bt.shape
+def _block_keys(positions_bt, segments_bt, block: int, xp):
+    """Per row and block, the smallest and largest (segment, position) of its real tokens.
+
+    Returns ((seg_lo, pos_lo), (seg_hi, pos_hi)), each [B, N]: pos_lo is the smallest position
+    among the tokens of segment seg_lo, pos_hi the largest among those of seg_hi (no segments:
+    all 0). Padding rows are left out.
+    """
+    b, t = positions_bt.shape
     n = -(-t // block)
-    lo, hi = np.iinfo(np.int32).max, np.iinfo(np.int32).min
+    big, small = np.iinfo(np.int32).max, np.iinfo(np.int32).min
+    valid = xp.arange(n * block).reshape(n, block) < t  # [N, block]
     pad = ((0, 0), (0, n * block - t))
-    x_bt = x_bt.astype(xp.int32)
-    mins = xp.pad(x_bt, pad, constant_values=lo).reshape(b, n, block).min(axis=(0, 2))  # [B, N, block] -> [N]
-    maxs = xp.pad(x_bt, pad, constant_values=hi).reshape(b, n, block).max(axis=(0, 2))
-    return mins, maxs
+    pos = xp.pad(positions_bt.astype(xp.int32), pad).reshape(b, n, block)  # [B, N, block]
+    seg = (xp.zeros_like(pos) if segments_bt is None
+           else xp.pad(segments_bt.astype(xp.int32), pad).reshape(b, n, block))
+    seg_lo = xp.where(valid, seg, big).min(axis=2)
+    seg_hi = xp.where(valid, seg, small).max(axis=2)
+    pos_lo = xp.where(valid & (seg == seg_lo[..., None]), pos, big).min(axis=2)
+    pos_hi = xp.where(valid & (seg == seg_hi[..., None]), pos, small).max(axis=2)
+    return (seg_lo, pos_lo), (seg_hi, pos_hi)
 
 
 def _ids_to_blocks(x_bt: jax.Array, block: int, pad_value: int) -> jax.Array:
@@ -302,7 +315,7 @@ def masked_forward(q_bthk, k_bshk, v_bshk, q_positions_bt, kv_positions_bs, q_se
     passes the local queries and a visiting chunk). Segments: both or neither. Returns the
     normalised output [B, T, H, K] and the row logsumexp [B, T, H], both fp32, so partial results
     over several chunks merge exactly (ring.merge); a row that sees no key of this chunk gets
-    output 0 and logsumexp _MASKED (finite: merging it gives it weight 0, never NaN).
+    output 0 and logsumexp MASKED (finite: merging it gives it weight 0, never NaN).
     """
     head_dim = q_bthk.shape[3]
     t, scale = q_bthk.shape[1], head_dim ** -0.5
@@ -319,7 +332,7 @@ def masked_forward(q_bthk, k_bshk, v_bshk, q_positions_bt, kv_positions_bs, q_se
             m_bhq, l_bhq, acc_bhqk = carry
             mask = _pair_mask(qpos_bq, qseg_bq, kpos[j], None if kseg is None else kseg[j])
             s_bhqs = jnp.einsum('bhqk,bhsk->bhqs', q_bhqk, k_nbhsk[j], preferred_element_type=jnp.float32) * scale
-            s_bhqs = jnp.where(mask, s_bhqs, _MASKED)
+            s_bhqs = jnp.where(mask, s_bhqs, MASKED)
             m_new = jnp.maximum(m_bhq, s_bhqs.max(-1))
             alpha_bhq = jnp.exp(m_bhq - m_new)
             p_bhqs = jnp.where(mask, jnp.exp(s_bhqs - m_new[..., None]), 0.0)  # masked rows add nothing
@@ -330,12 +343,12 @@ def masked_forward(q_bthk, k_bshk, v_bshk, q_positions_bt, kv_positions_bs, q_se
         def kv_step(j, carry):
             return jax.lax.cond(visit_n[j], visit_pair, lambda _, c: c, j, carry)
 
-        init = (jnp.full((b, h, rows), _MASKED, jnp.float32), jnp.zeros((b, h, rows), jnp.float32),
+        init = (jnp.full((b, h, rows), MASKED, jnp.float32), jnp.zeros((b, h, rows), jnp.float32),
                 jnp.zeros((b, h, rows, head_dim), jnp.float32))
         m_bhq, l_bhq, acc_bhqk = jax.lax.fori_loop(*_visit_range(visit_n), kv_step, init)
-        empty = l_bhq == 0.0  # sees no key here: output 0, logsumexp _MASKED
+        empty = l_bhq == 0.0  # sees no key here: output 0, logsumexp MASKED
         l_safe = jnp.where(empty, 1.0, l_bhq)
-        return None, (acc_bhqk / l_safe[..., None], jnp.where(empty, _MASKED, m_bhq + jnp.log(l_safe)))
+        return None, (acc_bhqk / l_safe[..., None], jnp.where(empty, MASKED, m_bhq + jnp.log(l_safe)))
 
     _, (o_nbhqk, lse_nbhq) = jax.lax.scan(q_block, None, (q_nbhqk, qpos, qseg, visit))
     o_nbhqk, lse_nbhq = mesh_lib.constrain(o_nbhqk, ACT_NBHRK), mesh_lib.constrain(lse_nbhq, ACT_NBHR)
