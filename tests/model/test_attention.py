@@ -20,7 +20,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.model import attention as attention_lib
-from jaxfrontier.model.blockwise import blockwise_attention
+from jaxfrontier.model import blockwise
 from layout_check import check_against_reference, make_config, run_layout
 from test_model import ATOL, RTOL, assert_trees_close, numpy_causal_attention, params_and_tokens, tiny_config
 
@@ -71,6 +71,84 @@ def test_bad_block_sizes_fail_validation(field, value):
     c = tiny_config(attention='blockwise', **{field: value})
     with pytest.raises(ConfigError, match=f'model.{field}'):
         config_lib.validate(c)
+
+
+# --------------------------------------------------------------------------- masked: positions, segments
+
+
+def packed_ids(seq, seed=0):
+    """Positions and segments [2, seq] of packed documents (positions restart per document), the
+    tokens then shuffled (a token order nothing may assume sorted): row 0 has four documents,
+    row 1 two, so the rows' masks differ."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((2, seq), np.int32)
+    for row, docs in enumerate((4, 2)):
+        for cut in sorted(rng.choice(np.arange(1, seq), docs - 1, replace=False)):
+            seg[row, cut:] += 1
+    pos = np.stack([np.concatenate([np.arange(n) for n in np.bincount(r)]) for r in seg]).astype(np.int32)
+    order = rng.permutation(seq)
+    return jnp.asarray(pos[:, order]), jnp.asarray(seg[:, order]), order
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def masked_out_and_grads(impl, block_q, block_kv, q, k, v, do, pos, seg):
+    fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block_q, block_kv=block_kv,
+                           positions_bt=pos, segments_bt=seg)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(do)
+
+
+@pytest.mark.parametrize('impl,block_q,block_kv', [('blockwise', 4, 4), ('blockwise', 5, 3), ('xla', 0, 0)])
+def test_masked_kernels_equal_reference_forward_and_backward(impl, block_q, block_kv):
+    """Shuffled positions, several documents per row, blocks that do not divide 21."""
+    pos, seg, order = packed_ids(21)
+    q, k, v, do = (x[:, order] for x in qkv_do(21))
+    ref_out, ref_grads = masked_out_and_grads('reference', 0, 0, q, k, v, do, pos, seg)
+    out, grads = masked_out_and_grads(impl, block_q, block_kv, q, k, v, do, pos, seg)
+    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL)
+    for name, g, g_ref in zip('qkv', grads, ref_grads):
+        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
+
+
+def test_masked_blockwise_positions_alone_equal_reference():
+    """Positions without segments (context parallelism's zigzag order of one document)."""
+    order = np.concatenate([np.arange(0, 4), np.arange(12, 16), np.arange(4, 12)])
+    pos = jnp.asarray(np.stack([order, order]), jnp.int32)
+    q, k, v, do = qkv_do(16)
+    ref_out, ref_grads = masked_out_and_grads('reference', 0, 0, q, k, v, do, pos, None)
+    out, grads = masked_out_and_grads('blockwise', 4, 4, q, k, v, do, pos, None)
+    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL)
+    for name, g, g_ref in zip('qkv', grads, ref_grads):
+        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
+
+
+def test_queries_that_see_no_key_give_zero_not_nan():
+    """A key chunk wholly after the queries (ring attention's skipped step): output 0, logsumexp
+    the finite MASKED, zero gradients."""
+    @jax.jit
+    def forward_backward(q, k, v, do):
+        q_pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+        o, lse = blockwise.masked_forward(q, k, v, q_pos, q_pos + 6, block_q=4, block_kv=4)
+        grads = blockwise.masked_backward(q, k, v, do, lse, jnp.zeros(lse.shape), q_pos, q_pos + 6, block_q=4,
+                                          block_kv=4)
+        return o, lse, grads
+
+    o, lse, grads = forward_backward(*qkv_do(6))
+    assert np.all(np.asarray(o) == 0) and np.all(np.asarray(lse) == blockwise.MASKED)
+    assert all(np.all(np.asarray(g) == 0) for g in grads)
+
+
+def test_block_visits_skip_masked_pairs():
+    """Plain positions: the masked kernel visits exactly the plain kernel's causal pairs; two
+    documents of 8 tokens with blocks of 4: the two cross-document pairs below the diagonal go."""
+    for seq, bq, bkv in ((16, 4, 4), (21, 5, 3), (13, 8, 4)):
+        plain = np.broadcast_to(np.arange(seq), (2, seq))
+        assert blockwise.executed_block_pairs(plain, plain, block_q=bq, block_kv=bkv) == \
+            blockwise.visited_block_pairs(seq, bq, bkv)
+    seg = np.repeat([[0, 1]], 8, axis=1).repeat(2, axis=0)  # [2, 16]: tokens 0-7 doc 0, 8-15 doc 1
+    pos = np.tile(np.arange(8), (2, 2))
+    visits = blockwise.block_visits(pos, pos, seg, seg, 4, 4, xp=np)
+    np.testing.assert_array_equal(visits, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
 
 
 # --------------------------------------------------------------------------- in the model
