@@ -96,6 +96,21 @@ def ring_block_pairs(positions_bt, segments_bt, context: int, block_q: int, bloc
                          for j in range(context)) for r in range(context)])
 
 
+def ring_send_bytes(batch: int, seq_len: int, heads: int, head_dim: int, itemsize: int, context: int,
+                    segments: bool) -> dict[str, int]:
+    """Bytes each rank sends per ring attention call, {'forward', 'backward'} (no JAX; the planner's count).
+
+    `batch` and `heads` are the rank's own (after any data / tensor split), `itemsize` that of
+    k and v. The forward passes k, v and their int32 positions (and segments) c - 1 hops; the
+    backward passes them again c - 1 hops, and the fp32 dk, dv buffers c hops (home).
+    """
+    rows = batch * (seq_len // context)
+    kv = 2 * rows * heads * head_dim * itemsize + rows * 4 * (2 if segments else 1)
+    grads = 2 * rows * heads * head_dim * 4
+    hops = context - 1
+    return {'forward': hops * kv, 'backward': hops * kv + (context * grads if context > 1 else 0)}
+
+
 def _shard(axis: str, body, num_in: int, num_out: int):
     """`body` in a shard_map manual over `axis` only, every argument and result split on dim 1 (T)."""
     spec = P(None, axis)

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxfrontier.model import attention as attention_lib
 from jaxfrontier.model import ring
 from jaxfrontier.model.sequence import balanced_order
+from jaxfrontier.plan import hlo_collectives
 from test_model import ATOL, RTOL
 
 B, T, H, K = 4, 48, 6, 8
@@ -63,7 +64,9 @@ def assert_matches_reference(got, arrays, ids):
 
 
 def mesh_of(**axes):
-    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+    size = int(np.prod(list(axes.values())))
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
+                         devices=jax.devices()[:size])
 
 
 def run_sharded(mesh, spec_bthk, arrays, ids):
@@ -108,6 +111,24 @@ def test_ring_nested_in_a_pipeline_map_equals_one_device():
                                     check_vma=False))
         got = run(*arrays, *ids)
     assert_matches_reference(got, arrays, ids)
+
+
+@pytest.mark.slow
+def test_ring_traffic_is_ring_send_bytes():
+    """The compiled program's collective-permutes (plan/hlo_collectives: bytes x executions, per
+    device) are exactly what ring_send_bytes tells the planner, forward and backward, context 4.
+    (At context 2 XLA merges the backward's first k/v hop with the forward's when both are in one
+    program without rematerialisation: one hop less than counted.)"""
+    context = 4
+    mesh = mesh_of(context=context)
+    x = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32, sharding=NamedSharding(mesh, P(None, 'context')))
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P(None, 'context')))
+    with jax.set_mesh(mesh):
+        hlo = out_and_grads.lower(ring_attend, x, x, x, x, ids, ids).compile().as_text()
+    sent = sum(c.total_bytes for c in hlo_collectives.collectives(hlo, {'context': context})
+               if c.kind == 'collective-permute')
+    want = ring.ring_send_bytes(B, T, H, K, 4, context, segments=True)
+    assert sent == want['forward'] + want['backward'], (sent, want)
 
 
 def test_balanced_order_evens_each_ranks_attention_work():
