@@ -5,6 +5,11 @@ attention; GPT: G = H) and calls `attend`, which repeats kv heads to the query h
 the kernel. With a KV cache (decoding, model/decode.py) the cache holds the G kv heads and
 the queries attend to it (`cached_attention`, fp32 scores as in `reference_attention`).
 
+Each kernel also takes the tokens' positions and segments (`visible`'s mask: packed
+documents, context parallelism's token order; docs/models.md): reference and xla as a
+[B, 1, T, T] mask, cudnn as JAX's additive bias from that mask, blockwise by block pair,
+skipping wholly masked pairs. Without them each runs its plain causal program.
+
 Kernels (config.model.attention):
   reference  einsum + causal mask + fp32 softmax, written out here; runs everywhere.
   xla        jax.nn.dot_product_attention(implementation='xla').

@@ -13,6 +13,12 @@ inside, over the query blocks at or after each; it recomputes each block's proba
 p = exp(q k^T * scale - lse) from the saved logsumexp, accumulates dK and dV in the loop
 carry and adds each block's dQ into an O(s) dQ buffer.
 
+With positions and segments (`blockwise_attention(..., positions_bt=, segments_bt=)`) a
+masked path replaces the block-index arithmetic: the mask per visited block pair, the pairs to
+visit decided once from per-block id ranges (`block_visits`; the masked-path section below).
+Its lower-level form, queries against a separate key/value chunk, is what ring attention
+(model/ring.py) runs at each step.
+
 Everything is `lax.scan` / `lax.fori_loop` (trip counts depend on the block index), einsum
 and elementwise ops, so XLA compiles it for the CPU, ROCm and CUDA alike. Matmul inputs stay
 in the compute dtype; scores, softmax statistics and accumulators are fp32 (as in
