@@ -216,16 +216,19 @@ def test_blockwise_inside_pipeline_matches_single_device():
 # --------------------------------------------------------------------------- memory
 
 
-def attention_temp_bytes(impl, seq, block=64):
-    """XLA's compiled temporary bytes of forward + backward of the attention core alone."""
+def attention_temp_bytes(impl, seq, block=64, masked=False):
+    """XLA's compiled temporary bytes of forward + backward of the attention core alone (`masked`:
+    with positions and segments [1, seq])."""
     x = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.float32)
-    fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block, block_kv=block)
+    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32) if masked else None
 
-    def fwd_bwd(q, k, v, do):
+    def fwd_bwd(q, k, v, do, pos, seg):
+        fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block, block_kv=block,
+                               positions_bt=pos, segments_bt=seg)
         out, vjp = jax.vjp(fn, q, k, v)
         return vjp(do)
 
-    return jax.jit(fwd_bwd).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+    return jax.jit(fwd_bwd).lower(x, x, x, x, ids, ids).compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow
@@ -239,6 +242,15 @@ def test_blockwise_memory_grows_linearly_reference_quadratically():
     for small, large in zip(reference, reference[1:]):
         assert 3.6 < large / small < 4.4, reference
     assert reference[-1] > 50 * blockwise[-1], (reference, blockwise)
+
+
+@pytest.mark.slow
+def test_masked_blockwise_memory_grows_linearly():
+    """The masked path stays O(s) too: its id blocks are O(s) and its visit table [B, Nq, Nkv]
+    bools is 64 x 64 smaller than the scores. 2k -> 4k -> 8k: temporaries about double."""
+    masked = [attention_temp_bytes('blockwise', s, masked=True) for s in (2048, 4096, 8192)]
+    for small, large in zip(masked, masked[1:]):
+        assert 1.8 < large / small < 2.3, masked
 
 
 # --------------------------------------------------------------------------- remat, unrolled
