@@ -302,33 +302,38 @@ def _pair_mask(qpos_bq, qseg_bq, kpos_bs, kseg_bs) -> jax.Array:
     return mask_bqs[:, None]
 
 
-def _blocked_ids(q_positions_bt, kv_positions_bs, q_segments_bt, kv_segments_bs, block_q, block_kv):
-    """Positions and segments cut into blocks (segments None stays None), and the visit table."""
+def _blocked_ids(q_positions_bt, kv_positions_bs, q_segments_bt, kv_segments_bs, block_q, block_kv, visits):
+    """Positions and segments cut into blocks (segments None stays None), and the visit table
+    (`visits` if given, else block_visits')."""
     qpos = _ids_to_blocks(q_positions_bt, block_q, _PAD_Q_POS)
     kpos = _ids_to_blocks(kv_positions_bs, block_kv, _PAD_KV_POS)
     has_seg = q_segments_bt is not None
     qseg = _ids_to_blocks(q_segments_bt, block_q, 0) if has_seg else None
     kseg = _ids_to_blocks(kv_segments_bs, block_kv, 0) if has_seg else None
-    visit = block_visits(q_positions_bt, kv_positions_bs, q_segments_bt, kv_segments_bs, block_q, block_kv)
-    return qpos, kpos, qseg, kseg, visit
+    if visits is None:
+        visits = block_visits(q_positions_bt, kv_positions_bs, q_segments_bt, kv_segments_bs, block_q, block_kv)
+    return qpos, kpos, qseg, kseg, visits
 
 
 def masked_forward(q_bthk, k_bshk, v_bshk, q_positions_bt, kv_positions_bs, q_segments_bt=None,
-                   kv_segments_bs=None, *, block_q: int, block_kv: int) -> tuple[jax.Array, jax.Array]:
+                   kv_segments_bs=None, *, block_q: int, block_kv: int,
+                   visits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Queries against one key/value chunk under `attention.visible`'s mask: (o, lse).
 
     q [B, T, H, K] and k, v [B, S, H, K] may differ in length and positions (ring attention
     passes the local queries and a visiting chunk). Segments: both or neither. Returns the
     normalised output [B, T, H, K] and the row logsumexp [B, T, H], both fp32, so partial results
     over several chunks merge exactly (ring.merge); a row that sees no key of this chunk gets
-    output 0 and logsumexp MASKED (finite: merging it gives it weight 0, never NaN).
+    output 0 and logsumexp MASKED (finite: merging it gives it weight 0, never NaN). `visits`:
+    the pairs to compute ([Nq, Nkv] bool, block_visits' for these ids), where the caller made
+    them already (ring attention, once for every step); None: decided here.
     """
     head_dim = q_bthk.shape[3]
     t, scale = q_bthk.shape[1], head_dim ** -0.5
     q_nbhqk = _to_blocks(q_bthk, block_q)
     k_nbhsk, v_nbhsk = _to_blocks(k_bshk, block_kv), _to_blocks(v_bshk, block_kv)
     qpos, kpos, qseg, kseg, visit = _blocked_ids(q_positions_bt, kv_positions_bs, q_segments_bt, kv_segments_bs,
-                                                 block_q, block_kv)
+                                                 block_q, block_kv, visits)
 
     def q_block(_, xs):
         q_bhqk, qpos_bq, qseg_bq, visit_n = xs
@@ -362,13 +367,14 @@ def masked_forward(q_bthk, k_bshk, v_bshk, q_positions_bt, kv_positions_bs, q_se
 
 
 def masked_backward(q_bthk, k_bshk, v_bshk, do_bthk, lse_bth, delta_bth, q_positions_bt, kv_positions_bs,
-                    q_segments_bt=None, kv_segments_bs=None, *, block_q: int, block_kv: int):
+                    q_segments_bt=None, kv_segments_bs=None, *, block_q: int, block_kv: int,
+                    visits: jax.Array | None = None):
     """(dq, dk, dv), fp32, of the queries against one key/value chunk, FlashAttention-2 style.
 
     `lse_bth` is the final row logsumexp over every chunk the queries saw and `delta_bth` =
     rowsum(dO * O) of the final output (fp32 [B, T, H]); with those, each chunk's share of the
     gradient is exact on its own (ring attention sums dq over chunks and sends dk, dv home).
-    Skips the pairs `block_visits` rules out, as the forward does.
+    Skips the pairs `block_visits` rules out (or those `visits` does not list), as the forward does.
     """
     t, s, head_dim = q_bthk.shape[1], k_bshk.shape[1], q_bthk.shape[3]
     scale = head_dim ** -0.5
@@ -376,7 +382,7 @@ def masked_backward(q_bthk, k_bshk, v_bshk, do_bthk, lse_bth, delta_bth, q_posit
     k_nbhsk, v_nbhsk = _to_blocks(k_bshk, block_kv), _to_blocks(v_bshk, block_kv)
     lse_nbhq, delta_nbhq = _stats_to_blocks(lse_bth, block_q), _stats_to_blocks(delta_bth, block_q)
     qpos, kpos, qseg, kseg, visit = _blocked_ids(q_positions_bt, kv_positions_bs, q_segments_bt, kv_segments_bs,
-                                                 block_q, block_kv)
+                                                 block_q, block_kv, visits)
 
     def kv_block(dq_nbhqk, xs):
         k_bhsk, v_bhsk, kpos_bs, kseg_bs, visit_n = xs

@@ -3,7 +3,10 @@
 Each of the c context ranks holds T/c tokens of q, k, v and of their positions and segments
 (in whatever order the caller laid them out: natural, or sequence.balanced_order's zigzag, in
 which rank r holds chunks r and 2c-1-r of the sequence). The keys and values travel around the
-ring with `lax.ppermute`, one hop per step, so after c steps every rank has seen every chunk:
+ring with `lax.ppermute`, one hop per step, so after c steps every rank has seen every chunk.
+The ids are small (int32 per token): one all-gather before the ring gives each rank every
+chunk's, and every step's visit table (blockwise.block_visits) is made then, so the loop
+passes only k and v and waits on nothing else; the tables are saved for the backward.
 
   forward   c steps; step s computes the local queries against the chunk of rank r - s with the
             masked blockwise kernel (blockwise.masked_forward: normalised output and row
@@ -98,24 +101,26 @@ def ring_block_pairs(positions_bt, segments_bt, context: int, block_q: int, bloc
 
 def ring_send_bytes(batch: int, seq_len: int, heads: int, head_dim: int, itemsize: int, context: int,
                     segments: bool) -> dict[str, int]:
-    """Bytes each rank sends per ring attention call, {'forward', 'backward'} (no JAX; the planner's count).
+    """The ring's traffic per rank and call, {'forward', 'backward'} in bytes (no JAX; the planner's count).
 
-    `batch` and `heads` are the rank's own (after any data / tensor split), `itemsize` that of
-    k and v. The forward passes k, v and their int32 positions (and segments) c - 1 hops; the
-    backward passes them again c - 1 hops, and the fp32 dk, dv buffers c hops (home).
+    `batch` and `heads` are the rank's own (after any data / tensor split), `itemsize` that of k
+    and v. The forward all-gathers the int32 positions (and segments) once and passes k, v c - 1
+    hops; the backward passes k, v c - 1 hops again and the fp32 dk, dv buffers c hops (home).
+    Bytes as plan/hlo_collectives counts them (a collective-permute: the buffer sent; an
+    all-gather: the gathered buffer).
     """
+    if context == 1:
+        return {'forward': 0, 'backward': 0}
     rows = batch * (seq_len // context)
-    kv = 2 * rows * heads * head_dim * itemsize + rows * 4 * (2 if segments else 1)
+    kv = 2 * rows * heads * head_dim * itemsize
+    gathered_ids = batch * seq_len * 4 * (2 if segments else 1)
     grads = 2 * rows * heads * head_dim * 4
-    hops = context - 1
-    return {'forward': hops * kv, 'backward': hops * kv + (context * grads if context > 1 else 0)}
+    return {'forward': (context - 1) * kv + gathered_ids, 'backward': (context - 1) * kv + context * grads}
 
 
-def _shard(axis: str, body, num_in: int, num_out: int):
-    """`body` in a shard_map manual over `axis` only, every argument and result split on dim 1 (T)."""
-    spec = P(None, axis)
-    return jax.shard_map(body, in_specs=(spec,) * num_in, out_specs=(spec,) * num_out, axis_names={axis},
-                         check_vma=False)
+def _shard(axis: str, body, in_specs, out_specs):
+    """`body` in a shard_map manual over `axis` only (every other mesh axis stays automatic)."""
+    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False)
 
 
 def _ring_perm(context: int) -> list[tuple[int, int]]:
@@ -128,16 +133,20 @@ def _ring(axis, context, block_q, block_kv, q_bthk, k_bthk, v_bthk, ids):
 
 
 def _ring_fwd(axis, context, block_q, block_kv, q_bthk, k_bthk, v_bthk, ids):
+    tokens, steps = P(None, axis), P(axis)  # [B, T, ...] split on T; per-step tables stacked by rank
     body = functools.partial(_forward_body, axis, context, block_q, block_kv, len(ids))
-    o_bthk, lse_bth = _shard(axis, body, 3 + len(ids), 2)(q_bthk, k_bthk, v_bthk, *ids)
+    o_bthk, lse_bth, plan = _shard(axis, body, (tokens,) * (3 + len(ids)), (tokens, tokens, steps))(
+        q_bthk, k_bthk, v_bthk, *ids)
     o_bthk = o_bthk.astype(q_bthk.dtype)
-    return o_bthk, (q_bthk, k_bthk, v_bthk, o_bthk, lse_bth, ids)
+    return o_bthk, (q_bthk, k_bthk, v_bthk, o_bthk, lse_bth, ids, plan)
 
 
 def _ring_bwd(axis, context, block_q, block_kv, residuals, do_bthk):
-    q_bthk, k_bthk, v_bthk, o_bthk, lse_bth, ids = residuals
+    q_bthk, k_bthk, v_bthk, o_bthk, lse_bth, ids, plan = residuals
+    tokens, steps = P(None, axis), P(axis)
     body = functools.partial(_backward_body, axis, context, block_q, block_kv, len(ids))
-    grads = _shard(axis, body, 6 + len(ids), 3)(q_bthk, k_bthk, v_bthk, o_bthk, lse_bth, do_bthk, *ids)
+    grads = _shard(axis, body, (tokens,) * 6 + (steps,) + (tokens,) * len(ids), (tokens,) * 3)(
+        q_bthk, k_bthk, v_bthk, o_bthk, lse_bth, do_bthk, plan, *ids)
     dq, dk, dv = (g.astype(x.dtype) for g, x in zip(grads, (q_bthk, k_bthk, v_bthk)))
     return dq, dk, dv, jax.tree.map(lambda _: None, ids)
 
@@ -150,55 +159,71 @@ def _split_ids(num_ids, ids):
     return ids[0], (ids[1] if num_ids == 2 else None)
 
 
+def _step_plan(axis, context, block_q, block_kv, num_ids, ids):
+    """What each of the c steps visits, made once: (visit tables [c, Nq, Nkv], the visiting chunks'
+    ids, each [c, B, T/c]).
+
+    The ids are small (int32 per token), so one all-gather brings every chunk's; step s visits
+    rank r - s's. Deciding every step's block pairs here (one reduction over an automatic batch
+    axis, not one per step) leaves the ring loop only k and v to pass and nothing to wait on.
+    """
+    q_pos, q_seg = _split_ids(num_ids, ids)
+    source = (jax.lax.axis_index(axis) - jnp.arange(context)) % context
+    step_ids = tuple(jnp.take(jax.lax.all_gather(x, axis), source, axis=0) for x in ids)  # [c, B, T/c] each
+
+    def visits(kv_ids):
+        kv_pos, kv_seg = _split_ids(num_ids, kv_ids)
+        return blockwise.block_visits(q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv)
+
+    return jax.vmap(visits)(step_ids), step_ids
+
+
 def _forward_body(axis, context, block_q, block_kv, num_ids, q_bthk, k_bthk, v_bthk, *ids):
-    """One rank: local queries against each chunk as it passes; (o fp32, lse) of the local rows."""
+    """One rank: local queries against each chunk as it passes; (o fp32, lse, the step plan)."""
     q_pos, q_seg = _split_ids(num_ids, ids)
     perm = _ring_perm(context)
+    plan = _step_plan(axis, context, block_q, block_kv, num_ids, ids)
 
-    def partial(kv):
-        k, v, *kv_ids = kv
+    def partial(kv, visits, kv_ids):
         kv_pos, kv_seg = _split_ids(num_ids, kv_ids)
-        return blockwise.masked_forward(q_bthk, k, v, q_pos, kv_pos, q_seg, kv_seg, block_q=block_q,
-                                        block_kv=block_kv)
+        return blockwise.masked_forward(q_bthk, *kv, q_pos, kv_pos, q_seg, kv_seg, block_q=block_q,
+                                        block_kv=block_kv, visits=visits)
 
-    def step(carry, _):
+    def step(carry, plan_s):
         o, lse, kv = carry
         arriving = jax.lax.ppermute(kv, axis, perm)  # issued first: overlaps the compute below
-        o, lse = merge(o, lse, *partial(kv))
+        o, lse = merge(o, lse, *partial(kv, *plan_s))
         return (o, lse, arriving), None
 
     init = (jnp.zeros(q_bthk.shape, jnp.float32), jnp.full(q_bthk.shape[:3], blockwise.MASKED, jnp.float32),
-            (k_bthk, v_bthk, *ids))
-    (o, lse, kv), _ = jax.lax.scan(step, init, None, length=context - 1)
-    return merge(o, lse, *partial(kv))  # the last visitor: nothing more to send
+            (k_bthk, v_bthk))
+    (o, lse, kv), _ = jax.lax.scan(step, init, jax.tree.map(lambda x: x[:-1], plan))
+    o, lse = merge(o, lse, *partial(kv, *jax.tree.map(lambda x: x[-1], plan)))  # the last visitor: no send
+    return o, lse, plan
 
 
 def _backward_body(axis, context, block_q, block_kv, num_ids, q_bthk, k_bthk, v_bthk, o_bthk, lse_bth, do_bthk,
-                   *ids):
+                   plan, *ids):
     """One rank's share of the second ring pass: (dq, dk, dv) fp32 of the local rows."""
     q_pos, q_seg = _split_ids(num_ids, ids)
     delta_bth = blockwise.row_delta(do_bthk, o_bthk)
     perm = _ring_perm(context)
 
-    def grads(kv):
-        k, v, *kv_ids = kv
+    def visit(dq, kv, dkv, visits, kv_ids):
         kv_pos, kv_seg = _split_ids(num_ids, kv_ids)
-        return blockwise.masked_backward(q_bthk, k, v, do_bthk, lse_bth, delta_bth, q_pos, kv_pos, q_seg, kv_seg,
-                                         block_q=block_q, block_kv=block_kv)
-
-    def visit(dq, kv, dkv):
-        dq_s, dk_s, dv_s = grads(kv)
+        dq_s, dk_s, dv_s = blockwise.masked_backward(q_bthk, *kv, do_bthk, lse_bth, delta_bth, q_pos, kv_pos, q_seg,
+                                                     kv_seg, block_q=block_q, block_kv=block_kv, visits=visits)
         # dk, dv of the visiting chunk travel on with it; after c hops they are home.
         return dq + dq_s, jax.lax.ppermute((dkv[0] + dk_s, dkv[1] + dv_s), axis, perm)
 
-    def step(carry, _):
+    def step(carry, plan_s):
         dq, kv, dkv = carry
         arriving = jax.lax.ppermute(kv, axis, perm)  # issued first: overlaps the compute below
-        dq, dkv = visit(dq, kv, dkv)
+        dq, dkv = visit(dq, kv, dkv, *plan_s)
         return (dq, arriving, dkv), None
 
     zeros = jnp.zeros(k_bthk.shape, jnp.float32)
-    init = (jnp.zeros(q_bthk.shape, jnp.float32), (k_bthk, v_bthk, *ids), (zeros, zeros))
-    (dq, kv, dkv), _ = jax.lax.scan(step, init, None, length=context - 1)
-    dq, (dk, dv) = visit(dq, kv, dkv)
+    init = (jnp.zeros(q_bthk.shape, jnp.float32), (k_bthk, v_bthk), (zeros, zeros))
+    (dq, kv, dkv), _ = jax.lax.scan(step, init, jax.tree.map(lambda x: x[:-1], plan))
+    dq, (dk, dv) = visit(dq, kv, dkv, *jax.tree.map(lambda x: x[-1], plan))
     return dq, dk, dv

@@ -115,8 +115,9 @@ def test_ring_nested_in_a_pipeline_map_equals_one_device():
 
 @pytest.mark.slow
 def test_ring_traffic_is_ring_send_bytes():
-    """The compiled program's collective-permutes (plan/hlo_collectives: bytes x executions, per
-    device) are exactly what ring_send_bytes tells the planner, forward and backward, context 4.
+    """The compiled program's collectives (plan/hlo_collectives: bytes x executions, per device;
+    the ids' all-gather and the k/v and dk/dv collective-permutes) are exactly what
+    ring_send_bytes tells the planner, forward and backward, context 4.
     (At context 2 XLA merges the backward's first k/v hop with the forward's when both are in one
     program without rematerialisation: one hop less than counted.)"""
     context = 4
@@ -125,10 +126,10 @@ def test_ring_traffic_is_ring_send_bytes():
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P(None, 'context')))
     with jax.set_mesh(mesh):
         hlo = out_and_grads.lower(ring_attend, x, x, x, x, ids, ids).compile().as_text()
-    sent = sum(c.total_bytes for c in hlo_collectives.collectives(hlo, {'context': context})
-               if c.kind == 'collective-permute')
+    found = hlo_collectives.collectives(hlo, {'context': context})
+    sent = sum(c.total_bytes for c in found)
     want = ring.ring_send_bytes(B, T, H, K, 4, context, segments=True)
-    assert sent == want['forward'] + want['backward'], (sent, want)
+    assert sent == want['forward'] + want['backward'], (sent, want, found)
 
 
 def test_balanced_order_evens_each_ranks_attention_work():
