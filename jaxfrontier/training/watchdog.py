@@ -50,7 +50,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, TextIO
 
 import ml_collections
 
@@ -129,25 +129,33 @@ class StepClock:
         return f'no progress for {waited:.1f} s, over the limit of {seconds:.3g} s ({rule}); {seen}'
 
 
-def native_stacks(pid: int, timeout_s: float = NATIVE_TIMEOUT_S) -> str:
-    """Every thread's native stack of process `pid` (this process: the caller's), by py-spy or gdb."""
+def native_stacks(pid: int, out: TextIO, timeout_s: float = NATIVE_TIMEOUT_S) -> None:
+    """Appends every thread's native stack of process `pid` to `out` (a file), by py-spy or gdb.
+
+    The tool writes straight to the file: this process may be the one it stops (gdb halts every
+    thread of its target), so no thread here could drain a pipe (a full pipe deadlocked gdb) or
+    enforce a timeout; `timeout -s KILL`, a process of its own, does.
+    """
     if shutil.which('py-spy'):
         cmd = ['py-spy', 'dump', '--native', '--pid', str(pid)]
     elif shutil.which('gdb'):
-        cmd = ['gdb', '-p', str(pid), '-batch', '-nx', '-ex', 'set pagination off', '-ex', 'thread apply all bt']
+        cmd = ['gdb', '-p', str(pid), '-batch', '-nx', '-iex', 'set debuginfod enabled off', '-ex',
+               'set pagination off', '-ex', 'thread apply all bt']
     else:
-        return 'native stacks: neither py-spy nor gdb is installed (pip install py-spy to get them)\n'
+        out.write('native stacks: neither py-spy nor gdb is installed (pip install py-spy to get them)\n')
+        return
     if pid == os.getpid():  # Yama's ptrace_scope=1 lets only ancestors attach: allow our own child
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return f'native stacks: {cmd[0]} did not finish within {timeout_s:g} s\n'
-    return f'native stacks by {" ".join(cmd)} (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}'
+    out.write(f'native stacks by {" ".join(cmd)}:\n')
+    out.flush()
+    code = subprocess.run(['timeout', '-s', 'KILL', f'{timeout_s:g}', *cmd], stdout=out, stderr=subprocess.STDOUT,
+                          stdin=subprocess.DEVNULL, check=False).returncode
+    out.write(f'\n{cmd[0]} exited with status {code}' + (f' (killed after {timeout_s:g} s)' if code in (137, -9)
+                                                         else '') + '\n')
 
 
-def write_stacks(path: str, header: str, native: Callable[[int], str] = native_stacks) -> None:
+def write_stacks(path: str, header: str, native: Callable[[int, TextIO], None] = native_stacks) -> None:
     """`header`, every Python thread's stack and the native stacks of this process, to `path`."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'w', encoding='utf-8') as f:
@@ -156,7 +164,7 @@ def write_stacks(path: str, header: str, native: Callable[[int], str] = native_s
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.write('\n')
         f.flush()
-        f.write(native(os.getpid()))
+        native(os.getpid(), f)
 
 
 def stacks_path(workdir: str, process: int, now: datetime.datetime | None = None) -> str:
@@ -201,11 +209,11 @@ class Watchdog:
       workdir: where `hang/` is written.
       process: this process's index (the stack file's name).
       on_hang: what ends the process (tests replace it); default: one line on stderr, exit 5.
-      native: the native stacks of a pid (tests replace it); default `native_stacks`.
+      native: writes the native stacks of a pid to a file (tests replace it); default `native_stacks`.
     """
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str, process: int,
-                 on_hang: Callable[[str], None] | None = None, native: Callable[[int], str] = native_stacks):
+                 on_hang: Callable[[str], None] | None = None, native: Callable[[int, TextIO], None] = native_stacks):
         self.limits = Limits.from_config(c)
         self.workdir, self.process = workdir, process
         self.on_hang, self.native = on_hang or _exit_hung, native

@@ -100,7 +100,8 @@ def test_thread_writes_every_stack_and_ends_the_process(tmp_path):
         messages.append(message)
         ended.set()
 
-    dog = watchdog.Watchdog(c, str(tmp_path), 3, on_hang=on_hang, native=lambda pid: f'native of {pid}\n')
+    dog = watchdog.Watchdog(c, str(tmp_path), 3, on_hang=on_hang,
+                            native=lambda pid, out: out.write(f'native of {pid}\n'))
     try:
         assert ended.wait(120), 'the watchdog never reported'  # a bound on the test, not a timing assertion
     finally:
@@ -121,14 +122,16 @@ def test_hang_error_has_its_own_exit_code():
 
 
 @pytest.mark.skipif(not (shutil.which('gdb') or shutil.which('py-spy')), reason='neither gdb nor py-spy installed')
-def test_native_stacks_of_a_process():
+def test_native_stacks_of_a_process(tmp_path):
     child = subprocess.Popen(['sleep', '600'])
     try:
-        text = watchdog.native_stacks(child.pid, timeout_s=120)
+        with open(tmp_path / 'stacks.txt', 'w') as out:
+            watchdog.native_stacks(child.pid, out, timeout_s=120)
     finally:
         child.kill()
         child.wait()
-    assert 'native stacks by' in text and ('sleep' in text or 'nanosleep' in text), text[-2000:]
+    text = (tmp_path / 'stacks.txt').read_text()
+    assert 'native stacks by' in text and 'exited with status 0' in text and 'sleep' in text, text[-2000:]
 
 
 def test_injected_fault_fires_once(tmp_path):
