@@ -300,6 +300,8 @@ def _check_spikes(c: ml_collections.ConfigDict) -> None:
 def _check_hang(c: ml_collections.ConfigDict) -> None:
     """train.hang_* (training/watchdog.py): the floor no larger than the timeout (bounds.py: each >= 0)."""
     t = c.train
+    _require(isinstance(t.hang_native_stacks, bool), 'train.hang_native_stacks', t.hang_native_stacks,
+             'must be True or False', 'set train.hang_native_stacks=False to write only the Python stacks')
     _require(t.hang_timeout_s == 0 or t.hang_min_s <= t.hang_timeout_s, 'train.hang_min_s', t.hang_min_s,
              f'exceeds train.hang_timeout_s ({t.hang_timeout_s}), which caps every limit',
              'set train.hang_min_s below train.hang_timeout_s, or hang_timeout_s=0 to turn hang detection off')

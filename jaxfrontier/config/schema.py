@@ -205,6 +205,7 @@ def base_config() -> ml_collections.ConfigDict:
         hang_factor=10.0,
         hang_min_s=120.0,
         hang_timeout_s=1800.0,
+        hang_native_stacks=True,  # also the native stacks (py-spy or gdb: a minute for a large process)
     ))
 
     c.data = ml_collections.ConfigDict(dict(

@@ -23,8 +23,8 @@ installed, or a line saying neither is) and ends the process with `errors.HangEr
 collective, so each writes its own stacks, unless Slurm ends it first.
 
 `train.hang_timeout_s = 0` turns the watchdog off; `train.hang_factor = 0` keeps only the
-timeout. The clock logic (`StepClock`) takes the time as an argument, so tests drive it without
-waiting.
+timeout; `train.hang_native_stacks = False` skips the native stacks. The clock logic
+(`StepClock`) takes the time as an argument, so tests drive it without waiting.
 
 For tests only, `JAXFRONTIER_TEST_HANG=<dir>` injects faults at a beat (the process stalls
 exactly where a stuck collective would leave it): a file `<dir>/hang-<process>-<step>` holding
@@ -149,8 +149,8 @@ def native_stacks(pid: int, out: TextIO, timeout_s: float = NATIVE_TIMEOUT_S) ->
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
     out.write(f'native stacks by {" ".join(cmd)}:\n')
     out.flush()
-    code = subprocess.run(['timeout', '-s', 'KILL', f'{timeout_s:g}', *cmd], stdout=out, stderr=subprocess.STDOUT,
-                          stdin=subprocess.DEVNULL, check=False).returncode
+    code = subprocess.run(['timeout', '-s', 'KILL', f'{timeout_s:g}', *cmd], stdout=out,
+                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False).returncode
     out.write(f'\n{cmd[0]} exited with status {code}' + (f' (killed after {timeout_s:g} s)' if code in (137, -9)
                                                          else '') + '\n')
 
@@ -165,6 +165,10 @@ def write_stacks(path: str, header: str, native: Callable[[int, TextIO], None] =
         f.write('\n')
         f.flush()
         native(os.getpid(), f)
+
+
+def _no_native_stacks(pid: int, out: TextIO) -> None:  # pylint: disable=unused-argument
+    out.write('native stacks: not written (train.hang_native_stacks=False)\n')
 
 
 def stacks_path(workdir: str, process: int, now: datetime.datetime | None = None) -> str:
@@ -216,7 +220,8 @@ class Watchdog:
                  on_hang: Callable[[str], None] | None = None, native: Callable[[int, TextIO], None] = native_stacks):
         self.limits = Limits.from_config(c)
         self.workdir, self.process = workdir, process
-        self.on_hang, self.native = on_hang or _exit_hung, native
+        self.on_hang = on_hang or _exit_hung
+        self.native = native if c.train.hang_native_stacks else _no_native_stacks
         self.inject_dir = os.environ.get(TEST_HANG_ENV)  # tests only: see the module docstring
         self._lock = threading.Lock()
         self._clock = StepClock(self.limits, time.monotonic())
