@@ -143,7 +143,8 @@ def test_slurm_job_restarts_inside_its_allocation_after_a_kill_and_a_hang(slurm,
                             '--gpus-per-node=2', '--time=15', f'--output={output}', 'launch/slurm.sbatch',
                             'configs/tiny.py', *TINY[1:], '--config.sharding.zero1=True', '--config.train.steps=4',
                             '--config.checkpoint.every_steps=1', '--config.train.hang_timeout_s=30',
-                            '--config.train.hang_native_stacks=False', '--config.distributed.heartbeat_timeout_s=600'],
+                            '--config.train.hang_min_s=10', '--config.train.hang_native_stacks=False',
+                            '--config.distributed.heartbeat_timeout_s=600'],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
