@@ -305,12 +305,14 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 save, forced = guard.save_decision(step, checkpointer.due(done) or done == c.train.steps,
                                                    lambda: step_metrics['spike/skipped'])
                 if guard.rollback_due():  # the step in flight is dropped with the state it came from
+                    watchdog.relax()  # the interval now running holds the saves' wait and the restore
                     commits.poll(committed=True)
                     state, step = _roll_back(guard, checkpointer, target, writer, reporter)
                     commits.poll(committed=True)
                     pending = None
-                    watchdog.relax()  # the next interval holds the restore
                     continue
+                if save:  # Orbax first waits for the previous save's commit: a slow file system, not a hang
+                    watchdog.relax()
                 # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
                 if save and checkpointer.save(done, state, force=forced, metrics=step_metrics,
                                               data_skips=guard.record and guard.record.as_json()):

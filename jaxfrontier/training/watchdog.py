@@ -12,8 +12,10 @@ step's metrics returned). The thread compares the time since the last beat with 
   intervals, at least `train.hang_min_s` (a save's device-to-host copy or a slow batch must not
   count as a hang), at most `train.hang_timeout_s`;
 - before that (the first step, which pays for autotuning and the first collectives' set-up),
-  and for an interval the loop marks as unusual (`relax`: an evaluation, a roll-back's restore,
-  the final save): `train.hang_timeout_s`, the generous limit.
+  and for an interval the loop marks as unusual (`relax`: a save, which first waits for the
+  previous one's commit; an evaluation; a roll-back's restore; the final save):
+  `train.hang_timeout_s`, the generous limit. With a checkpoint every step only the timeout
+  applies.
 
 Past the limit it writes `<workdir>/hang/<process>-<UTC time>.txt` (every Python thread's stack by
 `faulthandler`, then the native stacks by `py-spy dump --native` or `gdb`, whichever is
