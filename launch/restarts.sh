@@ -16,8 +16,9 @@
 #
 # Variables:
 #   JF_MAX_RESTARTS  restarts inside one allocation (default 3); after them, or when too few healthy nodes
-#                    are left, a restartable failure requeues the job (at most JF_MAX_REQUEUES times in
-#                    all, default 1, counted by Slurm's SLURM_RESTART_COUNT); 0: never restart.
+#                    are left, a restartable failure requeues the job (at most JF_MAX_REQUEUES times per
+#                    job id, default 1, counted in restarts.jsonl: time-limit requeues do not count);
+#                    0: never restart.
 #   JF_SPARE_NODES   nodes of the allocation kept as spares (default 0). Ask for the nodes the run needs
 #                    plus the spares (`sbatch -N $((N + S))`, JF_SPARE_NODES=S): the step runs on
 #                    SLURM_JOB_NUM_NODES - S nodes, and a restart excludes (srun --exclude) the node of a
@@ -80,12 +81,14 @@ jf_log_restart() {  # RESTART FAILURE CODE EXCLUDED STARTED FAILED_AT
     "$(( last > ckpt ? last - ckpt : 0 )) step(s) and $(( failed_at - lost_from )) s of work lost);" \
     "excluded nodes: ${excluded:-none}" >&2
   mkdir -p "${WORKDIR}"
-  printf '{"time": "%s", "job": "%s", "restart": %d, "failure": "%s", "code": "%s", "excluded": "%s", ' \
-    "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${SLURM_JOB_ID}" "${n}" "${failure//\"/}" "${code}" "${excluded}" \
-    >> "${WORKDIR}/restarts.jsonl"
-  printf '"attempt_s": %d, "checkpoint_step": %d, "last_step": %d, "lost_steps": %d, "lost_s": %d}\n' \
-    "$(( failed_at - started ))" "${ckpt}" "${last}" "$(( last > ckpt ? last - ckpt : 0 ))" \
-    "$(( failed_at - lost_from ))" >> "${WORKDIR}/restarts.jsonl"
+  local record  # one append per line
+  record="$(printf '{"event": "restart", "time": "%s", "job": "%s", "restart": %d, "failure": "%s", "code": "%s", ' \
+    "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${SLURM_JOB_ID}" "${n}" "${failure//\"/}" "${code}")"
+  record+="$(printf '"excluded": "%s", "attempt_s": %d, "checkpoint_step": %d, "last_step": %d, ' "${excluded}" \
+    "$(( failed_at - started ))" "${ckpt}" "${last}")"
+  record+="$(printf '"lost_steps": %d, "lost_s": %d}' "$(( last > ckpt ? last - ckpt : 0 ))" \
+    "$(( failed_at - lost_from ))")"
+  echo "${record}" >> "${WORKDIR}/restarts.jsonl"
 }
 
 jf_train() {
@@ -153,10 +156,20 @@ jf_train() {
     scontrol requeue "${SLURM_JOB_ID}"
   elif (( requeue )); then
     echo "jaxfrontier: not requeueing: the training step exited with status ${status} after the signal" >&2
-  elif (( exhausted && ${SLURM_RESTART_COUNT:-0} < ${JF_MAX_REQUEUES:-1} )); then
-    echo "jaxfrontier: requeueing job ${SLURM_JOB_ID} (requeue $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of" \
-      "JF_MAX_REQUEUES=${JF_MAX_REQUEUES:-1})" >&2
-    scontrol requeue "${SLURM_JOB_ID}"
+  elif (( exhausted )); then
+    local requeues
+    requeues="$(grep -c "\"event\": \"requeue\", \"job\": \"${SLURM_JOB_ID}\"" "${WORKDIR}/restarts.jsonl" 2>/dev/null \
+                || true)"
+    if (( ${requeues:-0} < ${JF_MAX_REQUEUES:-1} )); then
+      echo "jaxfrontier: requeueing job ${SLURM_JOB_ID} after failures (requeue $(( ${requeues:-0} + 1 )) of" \
+        "JF_MAX_REQUEUES=${JF_MAX_REQUEUES:-1})" >&2
+      mkdir -p "${WORKDIR}"
+      printf '{"event": "requeue", "job": "%s", "time": "%s", "restarts": %d}\n' "${SLURM_JOB_ID}" \
+        "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${restarts}" >> "${WORKDIR}/restarts.jsonl"
+      scontrol requeue "${SLURM_JOB_ID}"
+    else
+      echo "jaxfrontier: not requeueing job ${SLURM_JOB_ID}: JF_MAX_REQUEUES=${JF_MAX_REQUEUES:-1} spent" >&2
+    fi
   fi
   return "${status}"
 }

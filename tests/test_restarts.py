@@ -33,8 +33,9 @@ def exited(code, node='node1', task=0):
             f'echo "srun: error: node2: tasks 1-7: Terminated" >&2; exit 143')
 
 
-def run_train(tmp_path, attempts, **env):
-    fake = tmp_path / 'fake'
+def run_train(tmp_path, attempts, keep=False, **env):
+    """jf_train with these attempts; `keep`: in the workdir of an earlier call (a requeued job's)."""
+    fake = tmp_path / ('fake_again' if keep else 'fake')
     (fake / 'attempts').mkdir(parents=True)
     for name, text in (('srun', _SRUN), ('scontrol', _SCONTROL)):
         (fake / name).write_text(text)
@@ -42,7 +43,7 @@ def run_train(tmp_path, attempts, **env):
     for k, body in enumerate(attempts, 1):
         (fake / 'attempts' / str(k)).write_text(body + '\n')
     workdir = tmp_path / 'workdir'
-    (workdir / 'checkpoints' / '20').mkdir(parents=True)
+    (workdir / 'checkpoints' / '20').mkdir(parents=True, exist_ok=keep)
     (workdir / 'metrics.jsonl').write_text('{"step": 24, "train/loss": 3.0}\n')
     variables = dict(os.environ, FAKE=str(fake), PATH=f'{fake}:{os.environ["PATH"]}', WORKDIR=str(workdir),
                      **{'SLURM_JOB_ID': '77', 'SLURM_JOB_NUM_NODES': '3', **env})
@@ -59,7 +60,8 @@ def test_lost_process_and_hang_restart_then_finish(tmp_path):
     proc, calls, records = run_train(tmp_path, [exited(5), exited(4, 'node2', 3), DONE])
     assert proc.returncode == 0, proc.stderr
     assert calls == ['srun --kill-on-bad-exit=1 python -m jaxfrontier.main'] * 3  # no spares: nothing excluded
-    assert [(r['restart'], r['code'], r['excluded']) for r in records] == [(1, '5', ''), (2, '4', '')]
+    assert [(r['event'], r['restart'], r['code'], r['excluded']) for r in records] == [
+        ('restart', 1, '5', ''), ('restart', 2, '4', '')]
     assert records[0]['checkpoint_step'] == 20 and records[0]['last_step'] == 24 and records[0]['lost_steps'] == 4
     assert records[0]['failure'] == 'task on node1: exit 5' and records[0]['job'] == '77'
     assert 'jaxfrontier: restart 1/3 of job 77 inside its allocation: task on node1: exit 5' in proc.stderr
@@ -85,11 +87,14 @@ def test_user_errors_nans_and_bugs_are_not_restarted(tmp_path, code):
 
 def test_restarts_spent_then_one_requeue(tmp_path):
     proc, calls, records = run_train(tmp_path, [exited(5)] * 3, JF_MAX_RESTARTS='2')
-    assert proc.returncode == 143 and len(records) == 2
+    assert proc.returncode == 143 and [r['event'] for r in records] == ['restart', 'restart', 'requeue']
     assert calls[-1] == 'scontrol requeue 77' and calls.count('scontrol requeue 77') == 1
     assert '2 restart(s) used of JF_MAX_RESTARTS=2' in proc.stderr
-    proc, calls, _ = run_train(tmp_path / 'again', [exited(5)], JF_MAX_RESTARTS='0', SLURM_RESTART_COUNT='1')
-    assert proc.returncode == 143 and not any(c.startswith('scontrol') for c in calls)  # JF_MAX_REQUEUES=1 spent
+    # The requeued job (same id, same workdir; SLURM_RESTART_COUNT also counts time-limit requeues): spent.
+    proc, calls, records = run_train(tmp_path, [exited(5)], JF_MAX_RESTARTS='0', SLURM_RESTART_COUNT='4',
+                                     keep=True)
+    assert proc.returncode == 143 and not any(c.startswith('scontrol') for c in calls), calls
+    assert 'JF_MAX_REQUEUES=1 spent' in proc.stderr and len(records) == 3
 
 
 def test_too_few_healthy_nodes_leave_the_allocation(tmp_path):
@@ -98,5 +103,5 @@ def test_too_few_healthy_nodes_leave_the_allocation(tmp_path):
     killed_node1 = KILLED.replace('node2', 'node1')
     proc, calls, records = run_train(tmp_path / 'b', [KILLED, killed_node1, DONE], JF_SPARE_NODES='1',
                                      SLURM_JOB_NUM_NODES='2')
-    assert [r['excluded'] for r in records] == ['node2']  # the spare took node2's place once
+    assert [(r['event'], r.get('excluded')) for r in records] == [('restart', 'node2'), ('requeue', None)]
     assert calls[-1] == 'scontrol requeue 77' and '0 healthy node(s) for 1: leaving this allocation' in proc.stderr
