@@ -254,8 +254,13 @@ class Watchdog:
             if reason is not None and not self._stop.is_set():
                 path = stacks_path(self.workdir, self.process)
                 header = f'hang detected in process {self.process} (pid {os.getpid()}): {reason}'
-                write_stacks(path, header, self.native)
-                self.on_hang(f'{errors.HangError.describe(reason)}; stacks of process {self.process} in {path}')
+                try:
+                    write_stacks(path, header, self.native)
+                    where = f'stacks of process {self.process} in {path}'
+                except OSError as e:  # a full or lost file system must not keep a hung process alive
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    where = f'stacks of process {self.process} on stderr ({path}: {e.strerror})'
+                self.on_hang(f'{errors.HangError.describe(reason)}; {where}')
                 return
 
 

@@ -115,6 +115,19 @@ def test_thread_writes_every_stack_and_ends_the_process(tmp_path):
                         f'{path}'] and messages[0].startswith('hang: no progress for')
 
 
+def test_stacks_that_cannot_be_written_still_end_the_process(tmp_path):
+    c = config_lib.base_config()
+    c.train.hang_timeout_s, c.train.hang_min_s = 0.2, 0.1
+    (tmp_path / 'hang').write_text('a file where the directory would go')
+    ended, messages = threading.Event(), []
+    dog = watchdog.Watchdog(c, str(tmp_path), 0, on_hang=lambda m: (messages.append(m), ended.set()))
+    try:
+        assert ended.wait(120), 'the watchdog never reported'
+    finally:
+        dog.stop()
+    assert messages[0].startswith('hang: no progress for') and 'stacks of process 0 on stderr' in messages[0]
+
+
 def test_hang_error_has_its_own_exit_code():
     codes = {cls.__name__: getattr(cls, 'exit_code', None) for cls in
              (errors.UserError, errors.NonFiniteLossError, errors.DistributedError, errors.HangError)}
