@@ -106,6 +106,7 @@ jf_train() {
   fi
   errors="$(mktemp)"
   while true; do
+    if (( requeue )); then status=0; break; fi  # the time-limit signal came between attempts: requeue
     local place=()
     if (( ${JF_SPARE_NODES:-0} > 0 )); then
       place=(--nodes="${needed}" --ntasks="$(( needed * tasks_per_node ))")
