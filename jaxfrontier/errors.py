@@ -21,6 +21,10 @@ traceback, exit 1. A malformed flag or `--config.*` override is `cli.fail`: one 
 | NonFiniteLossError | RuntimeError          |    3 | the training loss became NaN or Inf (training/metrics.py, checkpoint/restore.py) |
 | LossSpikeError     | NonFiniteLossError    |    3 | loss spikes outlasted every roll-back allowed, or there was no checkpoint to roll back to (training/spikes.py) |
 | DistributedError   | RuntimeError          |    4 | the processes of a job could not start together, or lost one another (distributed.py) |
+| HangError          | RuntimeError          |    5 | no step finished within the hang limit: stacks written, restart from the newest checkpoint (training/watchdog.py) |
+
+Exit codes 4 and 5, and a task killed by a signal, are what launch/restarts.sh restarts inside the
+allocation; 2 and 3 would fail again and are not restarted.
 """
 
 from __future__ import annotations
@@ -118,3 +122,14 @@ class DistributedError(RuntimeError):
     """The processes of a job could not start together, or lost one another."""
 
     exit_code = 4
+
+
+class HangError(RuntimeError):
+    """No step finished within the hang limit (training/watchdog.py). Never raised: the stuck main
+    thread cannot catch it, so the watchdog thread prints `describe(...)` and exits with this code."""
+
+    exit_code = 5
+
+    @staticmethod
+    def describe(reason: str) -> str:
+        return f'hang: {reason}. Fix: restart from the newest checkpoint (the sbatch scripts do, launch/restarts.sh)'

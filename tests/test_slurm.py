@@ -10,11 +10,16 @@ the single-process 8-device run's to fp32 rounding (rtol 2e-6), and that both wr
 checkpoint shards. A second job records how Slurm's GPU binding sets the visible devices and
 checks the GPU each task then selects. A third, with a stand-in for the trainer, checks the
 time-limit path: USR1 to the batch shell reaches both tasks and the job requeues itself; and
-that launch/slurm.sbatch's binding gives each task one GPU of its own.
+that launch/slurm.sbatch's binding gives each task one GPU of its own. A fourth kills one task's
+process mid-run, then stops one (SIGSTOP: a hang) in the restarted step: the job restarts inside
+its allocation twice (launch/restarts.sh), process 0's watchdog writes its stacks for the hang,
+and the run ends with the uninterrupted run's losses.
 """
 
+import glob
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -119,3 +124,49 @@ def test_slurm_time_limit_signal_reaches_tasks_then_job_requeues(slurm, tmp_path
     gpus = {l.split()[1]: l.split()[3] for l in lines if ' gpus ' in l}
     assert sorted(gpus.values()) == ['0', '1'], lines
     assert 'time limit near: checkpointing, then requeueing job' in open(output).read()
+
+
+@pytest.mark.slow
+def test_slurm_job_restarts_inside_its_allocation_after_a_kill_and_a_hang(slurm, tmp_path):
+    """Faults through the job's environment (training/watchdog.py, JAXFRONTIER_TEST_HANG), each fired once.
+
+    Attempt 1: process 1 stalls when it sees step 2's result; the test kills it (SIGKILL, by the pid
+    it left). Attempt 2 resumes from the newest checkpoint; process 1 stops itself (SIGSTOP) at step
+    3, so process 0 waits on it until its watchdog's timeout: stacks, exit 5. Attempt 3 finishes.
+    """
+    workdir, output, faults = tmp_path / 'workdir', str(tmp_path / 'job.out'), tmp_path / 'faults'
+    faults.mkdir()
+    (faults / 'hang-1-2').write_text('sleep')
+    (faults / 'hang-1-3').write_text('stop')
+    env = job_env(slurm, WORKDIR=str(workdir), JAXFRONTIER_TEST_HANG=str(faults), JF_MAX_RESTARTS='3')
+    job = subprocess.Popen(['sbatch', '--wait', '--chdir', REPO, '--nodes=1', '--ntasks-per-node=2',
+                            '--gpus-per-node=2', '--time=15', f'--output={output}', 'launch/slurm.sbatch',
+                            'configs/tiny.py', *TINY[1:], '--config.sharding.zero1=True', '--config.train.steps=4',
+                            '--config.checkpoint.every_steps=1', '--config.train.hang_timeout_s=30',
+                            '--config.train.hang_min_s=10', '--config.train.hang_native_stacks=False',
+                            '--config.distributed.heartbeat_timeout_s=600'],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (faults / 'hung-1-2').exists() or not (faults / 'hung-1-2').read_text().strip():
+            assert job.poll() is None and time.monotonic() < deadline, open(output).read()[-5000:]
+            time.sleep(0.2)
+        os.kill(int((faults / 'hung-1-2').read_text()), signal.SIGKILL)  # a process dies mid-run
+        text, _ = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    job_output = open(output).read()
+    assert job.returncode == 0, (text, job_output[-6000:])
+    records = [json.loads(line) for line in open(workdir / 'restarts.jsonl')]
+    assert [(r['restart'], r['code']) for r in records] == [(1, 'signal'), (2, '5')], records
+    assert 'restart 2/3 of job' in job_output and 'requeueing' not in job_output
+    [stacks] = glob.glob(str(workdir / 'hang' / '0-*.txt'))  # process 0 saw the hang (process 1 was stopped)
+    text = open(stacks).read()
+    assert text.startswith('hang detected in process 0') and 'train.hang_timeout_s=30' in text
+    assert 'Current thread' in text and '_train_and_evaluate' in text
+    rows = read_metrics(str(workdir))
+    reference = single_process_losses('--config.sharding.zero1=True')
+    assert rows[-1]['step'] == 4
+    for row in rows:  # every attempt's rows, replayed ones too, equal the uninterrupted run's
+        assert row['train/loss'] == pytest.approx(reference[row['step']], rel=LOSS_RTOL), row

@@ -118,6 +118,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
         _require(isinstance(t[field], int) and t[field] >= 1, f'train.{field}', t[field],
                  'must be a positive integer', f'set train.{field} to a positive integer')
     _check_spikes(c)
+    _check_hang(c)
     for field in ('profile_start', 'profile_steps'):
         _require(isinstance(t[field], int) and t[field] >= 0, f'train.{field}', t[field],
                  'must be an integer >= 0', f'set train.{field} to 0 or a number of steps')
@@ -294,3 +295,13 @@ def _check_spikes(c: ml_collections.ConfigDict) -> None:
              'train.spike_rollback_after', t.spike_rollback_after,
              'a roll-back needs a checkpoint, and checkpoint.enabled is False',
              'set train.spike_rollback_after=0 (skip spikes without rolling back), or checkpoint.enabled=True')
+
+
+def _check_hang(c: ml_collections.ConfigDict) -> None:
+    """train.hang_* (training/watchdog.py): the floor no larger than the timeout (bounds.py: each >= 0)."""
+    t = c.train
+    _require(isinstance(t.hang_native_stacks, bool), 'train.hang_native_stacks', t.hang_native_stacks,
+             'must be True or False', 'set train.hang_native_stacks=False to write only the Python stacks')
+    _require(t.hang_timeout_s == 0 or t.hang_min_s <= t.hang_timeout_s, 'train.hang_min_s', t.hang_min_s,
+             f'exceeds train.hang_timeout_s ({t.hang_timeout_s}), which caps every limit',
+             'set train.hang_min_s below train.hang_timeout_s, or hang_timeout_s=0 to turn hang detection off')

@@ -198,6 +198,14 @@ def base_config() -> ml_collections.ConfigDict:
         spike_window=100,
         spike_skip_batches=0,
         spike_max_rollbacks=3,
+        # Hang detection (training/watchdog.py, docs/checkpoints.md): no step result for
+        # max(hang_min_s, hang_factor x the median step time) after 3 steps, or for hang_timeout_s
+        # (the first step, evaluations, the final save; and the cap), writes every thread's stack
+        # to <workdir>/hang/ and exits 5. hang_timeout_s=0: off; hang_factor=0: the timeout only.
+        hang_factor=10.0,
+        hang_min_s=120.0,
+        hang_timeout_s=1800.0,
+        hang_native_stacks=True,  # also the native stacks (py-spy or gdb: a minute for a large process)
     ))
 
     c.data = ml_collections.ConfigDict(dict(

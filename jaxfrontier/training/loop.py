@@ -39,6 +39,7 @@ from jaxfrontier.training import profile as profile_lib
 from jaxfrontier.training import spikes
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import validation
+from jaxfrontier.training import watchdog as watchdog_lib
 from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
@@ -278,6 +279,8 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     profiler = profile_lib.StepProfiler(c, workdir)
     pending, stop, step_metrics, final_saved, newest = None, False, None, True, None
     commits = _CommitLog(checkpointer)
+    # A stuck step ends the process with its stacks on disk (exit 5, training/watchdog.py).
+    watchdog = watchdog_lib.Watchdog(c, workdir, jax.process_index())
     try:
         with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
             step = done
@@ -291,6 +294,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 # next fetch would return at once, and the step time of one row would be that gap.
                 if pending is not None:
                     _observe(guard, pending, reporter.report(*pending))
+                    watchdog.beat(pending[0])
                 step_metrics = {**step_metrics, **train_source.epochs(data_step, c.train.global_batch)}
                 if guard.on:
                     step_metrics['data/step'] = data_step
@@ -301,11 +305,14 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 save, forced = guard.save_decision(step, checkpointer.due(done) or done == c.train.steps,
                                                    lambda: step_metrics['spike/skipped'])
                 if guard.rollback_due():  # the step in flight is dropped with the state it came from
+                    watchdog.relax()  # the interval now running holds the saves' wait and the restore
                     commits.poll(committed=True)
                     state, step = _roll_back(guard, checkpointer, target, writer, reporter)
                     commits.poll(committed=True)
                     pending = None
                     continue
+                if save:  # Orbax first waits for the previous save's commit: a slow file system, not a hang
+                    watchdog.relax()
                 # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
                 if save and checkpointer.save(done, state, force=forced, metrics=step_metrics,
                                               data_skips=guard.record and guard.record.as_json()):
@@ -313,12 +320,15 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 commits.poll()
                 stop = preemption.should_stop(done) and done < c.train.steps
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
+                if eval_due and not stop:
+                    watchdog.relax()  # the interval now running holds the evaluation
                 evals = (evaluation.evaluate(eval_step, state['params'], val_source, c, batch_sharding)
                          if eval_due and not stop else None)
                 pending = (done, step_metrics, evals)
                 step = done
                 if stop:
                     break
+            watchdog.relax()  # the last result and the final save, waited for until committed
             if pending is not None:
                 _observe(guard, pending, reporter.report(*pending, last=True))
             # 7. final save (end of training or preemption), waited for until committed; none inside a spike
@@ -332,6 +342,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     except NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
         raise checkpointer.with_resume_hint(e) from None
     finally:
+        watchdog.stop()
         profiler.close()
         writer.close()
         checkpointer.close()
