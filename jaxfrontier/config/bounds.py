@@ -22,7 +22,8 @@ MAX_SIZES = {'model.seq_len': 2**24, 'model.d_model': 2**20, 'model.num_layers':
 # Floats: the range each must lie in (all finite), and a usual value.
 FLOAT_RANGES = {'model.init_std': (0.0, math.inf, 0.02), 'optim.eps': (0.0, math.inf, 1e-8),
                 'optim.weight_decay': (0.0, math.inf, 0.1), 'optim.clip_norm': (0.0, math.inf, 1.0),
-                'data.val_fraction': (0.0, 1.0, 0.02), 'optim.decay_fraction': (0.0, 1.0, 0.2)}
+                'data.val_fraction': (0.0, 1.0, 0.02), 'optim.decay_fraction': (0.0, 1.0, 0.2),
+                'train.straggler_factor': (0.0, math.inf, 1.5)}
 
 
 def _get(c: Any, dotted: str) -> Any:
