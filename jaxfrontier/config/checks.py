@@ -54,10 +54,6 @@ def _check_observers(c: ml_collections.ConfigDict) -> None:
     t = c.train
     _require(t.wandb_mode in WANDB_MODES, 'train.wandb_mode', t.wandb_mode, 'unknown W&B mode',
              f'use one of {WANDB_MODES}')
-    for field in ('wandb_project', 'wandb_entity', 'wandb_name', 'wandb_group', 'wandb_tags', 'wandb_notes',
-                  'wandb_dir'):
-        _require(isinstance(t[field], str), f'train.{field}', t[field], 'must be a string',
-                 f"set train.{field} to text, or '' for W&B's default")
     _require(bool(t.wandb_project) and not set(t.wandb_project) & set('/\\#?%:'), 'train.wandb_project',
              t.wandb_project, 'W&B project names are not empty and hold none of / \\ # ? % :',
              'set e.g. --config.train.wandb_project=my-model')
