@@ -312,7 +312,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 ledger.step(step + 1)
                 data_step = guard.data_step(step)  # the step itself unless loss spikes made it skip data
                 batch = data_lib.make_global_batch(train_source, data_step, batch_sharding, c.train.global_batch)
-                with profiler.step(step):
+                with profiler.step(step), ledger.span('wait'):  # a full device queue holds the dispatch back
                     state, step_metrics = train_step(state, batch)
                 # The previous step's metrics, fetched first while this step runs: the reporter's clock
                 # reads when that step is seen finished. After a save (which waits for this step) the
@@ -347,7 +347,8 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                     if saved:
                         commits.started(done, state)
                 commits.poll()
-                stop = preemption.should_stop(done) and done < c.train.steps
+                with ledger.span('wait'):  # with several processes a barrier: waiting for the others
+                    stop = preemption.should_stop(done) and done < c.train.steps
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
                 evals = None
                 if eval_due and not stop:
@@ -365,6 +366,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 with ledger.span('wait'):
                     jax.block_until_ready(pending[1])
                 _observe(guard, pending, reporter.report(*pending, last=True))
+            watch.finish()
             # 7. final save (end of training or preemption), waited for until committed; none inside a spike
             final_saved = not guard.is_open(done - 1)
             with ledger.span('checkpoint'):

@@ -70,14 +70,21 @@ class Watch:
         self.path = os.path.join(workdir, 'process_times.jsonl')
         self.process, self.count = jax.process_index(), jax.process_count()
         self._last = (0.0, 0.0, 0)  # step seconds, wait seconds, step count at the last round
+        self._ticks = 0
         self._previous: int | None = None  # the last round's step
         self._metrics: dict[str, float] = {}
 
     def tick(self, done: int) -> None:
         """After step `done` (every process calls this alike): every `log_every` steps a round."""
-        if not self.on or done % self.every:
+        if not self.on:
             return
+        self._ticks += 1
         step_s, wait_s, steps = self.ledger.step_seconds(), self.ledger.waited_s, done
+        if self._ticks <= 2:  # the clock starts after the second step: the first two hold the start-up skew
+            self._last = (step_s, wait_s, steps)  # (the first fetch waits for the last process to start)
+            return
+        if done % self.every:
+            return
         n = max(steps - self._last[2], 1)
         host = (step_s - self._last[0] - (wait_s - self._last[1])) / n
         wait = (wait_s - self._last[1]) / n
@@ -89,6 +96,12 @@ class Watch:
                 values = self._gather(client, self._previous)
             self._judge(self._previous, values)
         self._previous = done
+
+    def finish(self) -> None:
+        """After the last step (every process): process 0 judges the last round."""
+        if self.on and self.process == 0 and self._previous is not None:
+            self._judge(self._previous, self._gather(_client(), self._previous))
+            self._previous = None
 
     def _gather(self, client: Any, step: int) -> list[list[float]]:
         values = []
