@@ -388,7 +388,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     record = {**reporter.last_record, **memory}
     final = ledger.metrics(finished=True)  # goodput.json; the summary of the W&B run
     writer.summary(final)
-    record.update({k: final[k] for k in ('goodput/goodput', 'goodput/total/goodput')})
+    record.update(final)  # the last row's figures, now with the final save's
     _log(ledger.summary())
     if not final_saved:
         record['spike_open_at_step'] = done

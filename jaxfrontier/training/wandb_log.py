@@ -69,10 +69,15 @@ class WandbSink:
         t = c.train
         where = directory(c, workdir)
         os.makedirs(where, exist_ok=True)
-        self.run = wandb.init(
-            project=t.wandb_project, entity=t.wandb_entity or None, name=t.wandb_name or None,
-            group=t.wandb_group or None, tags=[x.strip() for x in t.wandb_tags.split(',') if x.strip()] or None,
-            notes=t.wandb_notes or None, mode=t.wandb_mode, dir=where, id=run_id(workdir), resume='allow')
+        try:
+            self.run = wandb.init(
+                project=t.wandb_project, entity=t.wandb_entity or None, name=t.wandb_name or None,
+                group=t.wandb_group or None, tags=[x.strip() for x in t.wandb_tags.split(',') if x.strip()] or None,
+                notes=t.wandb_notes or None, mode=t.wandb_mode, dir=where, id=run_id(workdir), resume='allow')
+        except wandb.errors.Error as e:  # no API key, no network, a project that is not yours: one line
+            raise ConfigError('train.wandb_mode', t.wandb_mode, f'W&B could not start the run: {e}',
+                              'log in (`wandb login`, or set WANDB_API_KEY), or use --config.train.wandb_mode=offline '
+                              'and `wandb sync` the run later') from None
         # After init: on resume a changed value (a raised train.steps) replaces the old one, no error.
         self.run.config.update(json.loads(c.to_json_best_effort()), allow_val_change=True)
         self.last_step = -1

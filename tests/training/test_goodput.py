@@ -5,6 +5,7 @@ CLI (a restart, W&B offline) are tests/training/test_observe.py, the two-process
 tests/training/test_stragglers.py.
 """
 
+import importlib.util
 import json
 import logging
 import subprocess
@@ -167,3 +168,15 @@ def test_the_writer_hands_every_row_and_its_replayed_mark_to_its_sinks(tmp_path)
     writer.summary({'goodput/goodput': 0.5})
     assert sink.rows == [(2, {'train/loss': 2.5}, True), (3, {'train/loss': 2.25, 'eval/loss': 2.75}, False)]
     assert sink.summaries == [{'goodput/goodput': 0.5}]
+
+
+@pytest.mark.slow  # W&B's service starts (a few seconds); nothing compiles
+@pytest.mark.skipif(importlib.util.find_spec('wandb') is None, reason="wandb is not installed (the test extra has it)")
+def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv('HOME', str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv('WANDB_API_KEY', raising=False)
+    monkeypatch.setenv('WANDB_SILENT', 'true')
+    c = config_lib.base_config()
+    c.train.wandb_mode = 'online'
+    with pytest.raises(errors.ConfigError, match='W&B could not start the run: .*Fix: log in'):
+        wandb_log.WandbSink(c, str(tmp_path))
