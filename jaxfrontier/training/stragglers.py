@@ -71,7 +71,8 @@ class Watch:
         self.process, self.count = jax.process_index(), jax.process_count()
         self._last = (0.0, 0.0, 0)  # step seconds, wait seconds, step count at the last round
         self._ticks = 0
-        self._previous: int | None = None  # the last round's step
+        self._rounds = 0  # rounds put: the key (every process counts alike; a roll-back repeats steps)
+        self._previous: tuple[int, int] | None = None  # the last round's (number, step)
         self._metrics: dict[str, float] = {}
 
     def tick(self, done: int) -> None:
@@ -90,23 +91,24 @@ class Watch:
         wait = (wait_s - self._last[1]) / n
         self._last = (step_s, wait_s, steps)
         client = _client()
-        client.key_value_set(f'{_PREFIX}/{done}/{self.process}', json.dumps([host, wait]))
+        self._rounds += 1
+        client.key_value_set(f'{_PREFIX}/{self._rounds}/{self.process}', json.dumps([host, wait]))
         if self.process == 0 and self._previous is not None:
             with self.ledger.span('wait'):
-                values = self._gather(client, self._previous)
-            self._judge(self._previous, values)
-        self._previous = done
+                values = self._gather(client, self._previous[0])
+            self._judge(self._previous[1], values)
+        self._previous = (self._rounds, done)
 
     def finish(self) -> None:
         """After the last step (every process): process 0 judges the last round."""
         if self.on and self.process == 0 and self._previous is not None:
-            self._judge(self._previous, self._gather(_client(), self._previous))
+            self._judge(self._previous[1], self._gather(_client(), self._previous[0]))
             self._previous = None
 
-    def _gather(self, client: Any, step: int) -> list[list[float]]:
+    def _gather(self, client: Any, number: int) -> list[list[float]]:
         values = []
         for p in range(self.count):
-            key = f'{_PREFIX}/{step}/{p}'
+            key = f'{_PREFIX}/{number}/{p}'
             values.append(json.loads(client.blocking_key_value_get(key, _GET_TIMEOUT_MS)))
             client.key_value_delete(key)  # the service keeps no history
         return values

@@ -86,6 +86,17 @@ def test_ledger_places_every_second_and_counts_replayed_steps_over_restarts(tmp_
     assert 'over 2 attempts' in line and '4 replayed steps 4.0 s' in line, line
 
 
+def test_steps_run_again_after_a_roll_back_in_the_same_attempt_are_replayed(tmp_path):
+    clock = Clock()
+    ledger = goodput.Ledger(str(tmp_path), clock(), write=True, clock=clock)
+    with ledger.span('step'):
+        for number in (1, 2, 3, 4, 2, 3, 4, 5):  # a loss-spike roll-back after step 4 to step 1's checkpoint
+            ledger.step(number)
+            clock.advance(1.0)
+    record = ledger.attempt()
+    assert (record['replayed_steps'], record['replayed_s'], record['productive_s']) == (3, 3.0, 5.0)
+
+
 def test_a_process_other_than_0_neither_reads_nor_writes_the_file(tmp_path):
     (tmp_path / goodput.FILE).write_text(json.dumps({'attempts': [], 'total': {}}))
     ledger = goodput.Ledger(str(tmp_path), None, write=False, clock=Clock())
