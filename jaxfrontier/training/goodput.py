@@ -81,7 +81,8 @@ class Ledger:
         self.reached = max((a.get('end_step', 0) for a in self.earlier), default=0)
         self.started = clock() if started is None else started
         self.seconds = dict.fromkeys(PARTS, 0.0)
-        self.waited_s = 0.0  # time the step span spent waiting for the devices (stragglers.py)
+        self.waited_s = 0.0  # time the step span spent waiting for the devices or the others (stragglers.py)
+        self.synced_s = 0.0  # of the step span, waiting for a step to end before a save or an evaluation
         self.replayed_steps, self.start_step, self.end_step = 0, None, None
         self._stack: list[str] = ['startup']  # from here to the first step: start-up (memory check, writers)
         self._mark = self.clock()
@@ -97,18 +98,22 @@ class Ledger:
     def _credit(self, now: float) -> None:
         if self._stack:
             kind = self._stack[-1]
-            if kind in ('step', 'wait'):
+            if kind in ('step', 'wait', 'sync'):
                 kind = 'replayed' if self._replaying else 'productive'
             self.seconds[kind] += now - self._mark
             if self._stack[-1] == 'wait':
                 self.waited_s += now - self._mark
+            elif self._stack[-1] == 'sync':
+                self.synced_s += now - self._mark
         self._mark = now
 
     @contextlib.contextmanager
     def span(self, kind: str) -> Iterator[None]:
         """Time inside is `kind`'s ('step': productive or replayed by the step running; 'wait': the
-        step's, and also counted as waiting for the devices) unless an inner span claims it."""
-        assert kind in (*PARTS, 'step', 'wait'), kind
+        step's, also counted as waiting for the devices or the other processes; 'sync': the step's, also
+        counted as the wait for a step to end that a save or an evaluation needs) unless an inner span
+        claims it."""
+        assert kind in (*PARTS, 'step', 'wait', 'sync'), kind
         self._credit(self.clock())
         self._stack.append(kind)
         try:

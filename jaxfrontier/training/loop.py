@@ -339,7 +339,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                     continue
                 # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
                 if save:
-                    with ledger.span('wait'):
+                    with ledger.span('sync'):
                         jax.block_until_ready(state)
                     with ledger.span('checkpoint'):
                         saved = checkpointer.save(done, state, force=forced, metrics=step_metrics,
@@ -352,7 +352,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
                 evals = None
                 if eval_due and not stop:
-                    with ledger.span('wait'):
+                    with ledger.span('sync'):
                         jax.block_until_ready(step_metrics)
                     with ledger.span('eval'):
                         evals = jax.block_until_ready(

@@ -122,6 +122,12 @@ def test_the_straggler_is_the_process_with_the_most_host_work():
     assert line.startswith('straggler: steps up to 40: process 2 0.500 s (') and 'of 4 processes' in line, line
 
 
+def test_of_two_processes_the_slower_is_judged_against_the_other():
+    # 3 x the other: the median of both (their mean) would need more than 3 x at a factor of 1.5.
+    assert stragglers.stragglers([0.25, 0.74], 1.5) == [1]
+    assert stragglers.stragglers([0.25, 0.37], 1.5) == []
+
+
 def test_device_bound_processes_are_no_stragglers():
     # Everyone waits for the devices; host work differs by milliseconds, the own step times do not.
     host, wait = [0.003, 0.009, 0.004], [0.297, 0.291, 0.296]
