@@ -1,9 +1,9 @@
 """Two processes, one made slow by the test (tests/delayed_main.py): the warning names it.
 
-Process 1 sleeps 0.5 s in every batch's assembly (JF_TEST_STEP_DELAY_PROCESS=1:0.5, a delay
+Process 1 sleeps 1 s in every batch's assembly (JF_TEST_STEP_DELAY_PROCESS=1:1.0, a delay
 the test injects, not a clock reading). Both processes train configs/tiny.py's small layer over
-data 2 x fsdp 2 x tensor 2; every 2 steps after the second they exchange their host and wait seconds per step
-(training/stragglers.py) and process 0 judges the previous round.
+data 2 x fsdp 2 x tensor 2; every 2 steps after the second they exchange their host and wait
+seconds per step (training/stragglers.py) and process 0 judges the previous round.
 """
 
 import json
@@ -15,7 +15,7 @@ import pytest
 
 from tests import processes
 
-DELAY_S = 0.5
+DELAY_S = 1.0  # well above the tiny step's device time even on a loaded CPU
 
 
 @pytest.mark.slow  # two processes, 6 steps
