@@ -136,17 +136,17 @@ def main(argv: list[str]) -> int:
             startup = {'flags_and_imports': time.perf_counter() - _STARTED}  # JAX comes in with distributed/preflight
             t0 = time.perf_counter()
             distributed.initialize(processes, config.distributed)
+            logging.info(distributed.describe_process(processes, os.environ))  # starts JAX's backend: timed here
             startup['distributed'] = time.perf_counter() - t0
-            logging.info(distributed.describe_process(processes, os.environ))
+            t0 = time.perf_counter()
             if processes.process_id != 0:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             run_files.check_not_hf_export(_WORKDIR.value)  # training would overwrite the export's config.json
-            t0 = time.perf_counter()
             from jaxfrontier.plan import preflight  # pylint: disable=g-import-not-at-top
             preflight.check(config)  # the planner's bytes per device vs. a device's, before any allocation
             from jaxfrontier.training import loop  # pylint: disable=g-import-not-at-top
             startup['preflight'] = time.perf_counter() - t0
-            loop.train_and_evaluate(config, _WORKDIR.value, validated=True, startup=startup)
+            loop.train_and_evaluate(config, _WORKDIR.value, validated=True, startup=startup, started=_STARTED)
     except (UserError, NonFiniteLossError, DistributedError) as e:
         return cli.exit_code(e)
     return 0

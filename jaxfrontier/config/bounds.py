@@ -24,7 +24,8 @@ FLOAT_RANGES = {'model.init_std': (0.0, math.inf, 0.02), 'optim.eps': (0.0, math
                 'optim.weight_decay': (0.0, math.inf, 0.1), 'optim.clip_norm': (0.0, math.inf, 1.0),
                 'data.val_fraction': (0.0, 1.0, 0.02), 'optim.decay_fraction': (0.0, 1.0, 0.2),
                 'train.hang_factor': (0.0, math.inf, 10.0), 'train.hang_min_s': (0.0, math.inf, 120.0),
-                'train.hang_timeout_s': (0.0, math.inf, 1800.0)}
+                'train.hang_timeout_s': (0.0, math.inf, 1800.0),
+                'train.straggler_factor': (0.0, math.inf, 1.5)}
 
 
 def _get(c: Any, dotted: str) -> Any:

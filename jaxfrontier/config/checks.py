@@ -12,7 +12,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier.config import bounds
-from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, data_parallel_size, mesh_shape, mlp_dim, num_devices)
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, data_parallel_size, mesh_shape, mlp_dim, num_devices)
 from jaxfrontier.errors import ConfigError
 
 
@@ -47,6 +47,21 @@ def _validate_optimizer(c: ml_collections.ConfigDict) -> None:
         _require(o.warmup_steps >= 1, 'optim.warmup_steps', o.warmup_steps,
                  'inverse_sqrt decays as lr * sqrt(warmup_steps / step), so it needs a warm-up',
                  'set optim.warmup_steps >= 1')
+
+
+def _check_observers(c: ml_collections.ConfigDict) -> None:
+    """train.wandb_* and train.straggler_factor (training/wandb_log.py, training/stragglers.py)."""
+    t = c.train
+    _require(t.wandb_mode in WANDB_MODES, 'train.wandb_mode', t.wandb_mode, 'unknown W&B mode',
+             f'use one of {WANDB_MODES}')
+    _require(bool(t.wandb_project) and not set(t.wandb_project) & set('/\\#?%:'), 'train.wandb_project',
+             t.wandb_project, 'W&B project names are not empty and hold none of / \\ # ? % :',
+             'set e.g. --config.train.wandb_project=my-model')
+    _require(all(len(tag.strip()) <= 64 for tag in t.wandb_tags.split(',')), 'train.wandb_tags', t.wandb_tags,
+             'a W&B tag has at most 64 characters', "separate tags with commas: 'baseline,1.3b'")
+    _require(isinstance(t.straggler_factor, (int, float)) and (t.straggler_factor == 0 or t.straggler_factor > 1),
+             'train.straggler_factor', t.straggler_factor, 'must be 0 (off) or a factor above 1',
+             'set e.g. 1.5: a process 1.5 x slower than the median is named')
 
 
 def _divides(divisor_field: str, divisor: int, field: str, value: int, what: str) -> None:
@@ -119,6 +134,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
                  'must be a positive integer', f'set train.{field} to a positive integer')
     _check_spikes(c)
     _check_hang(c)
+    _check_observers(c)
     for field in ('profile_start', 'profile_steps'):
         _require(isinstance(t[field], int) and t[field] >= 0, f'train.{field}', t[field],
                  'must be an integer >= 0', f'set train.{field} to 0 or a number of steps')

@@ -51,6 +51,7 @@ LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'inverse_sqrt')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
 PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
+WANDB_MODES = ('disabled', 'online', 'offline')  # train.wandb_mode (training/wandb_log.py)
 MESH_AXES = ('pipeline', 'data', 'fsdp', 'tensor')
 
 # name -> (layers, hidden, heads). The paper's models and the GPT-3 family sizes.
@@ -206,6 +207,20 @@ def base_config() -> ml_collections.ConfigDict:
         hang_min_s=120.0,
         hang_timeout_s=1800.0,
         hang_native_stacks=True,  # also the native stacks (py-spy or gdb: a minute for a large process)
+        # Weights & Biases (training/wandb_log.py, docs/training.md; pip install 'jaxfrontier[wandb]'):
+        # process 0 logs every metrics row and the resolved config; a restart resumes the same W&B
+        # run (its id is kept in <workdir>/wandb_run_id). wandb_dir '': the workdir; tags: 'a,b'.
+        wandb_mode='disabled',  # disabled | online | offline
+        wandb_project='jaxfrontier',
+        wandb_entity='',  # '': your default entity
+        wandb_name='',  # '': W&B picks one
+        wandb_group='',
+        wandb_tags='',
+        wandb_notes='',
+        wandb_dir='',
+        # With several processes, a process whose own step time exceeds this x the median is named in
+        # a warning every train.log_every steps (training/stragglers.py); 0: off.
+        straggler_factor=1.5,
     ))
 
     c.data = ml_collections.ConfigDict(dict(

@@ -23,6 +23,7 @@ from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
 from jaxfrontier.training import evaluation
+from jaxfrontier.training import goodput
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
@@ -37,9 +38,11 @@ from jaxfrontier.training import metrics as metrics_lib
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import profile as profile_lib
 from jaxfrontier.training import spikes
+from jaxfrontier.training import stragglers
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import validation
 from jaxfrontier.training import watchdog as watchdog_lib
+from jaxfrontier.training import wandb_log
 from jaxfrontier.training import workdir_lock
 from jaxfrontier.model import params as params_lib
 
@@ -73,6 +76,7 @@ class _Reporter:
         self.tokens_per_step = c.train.global_batch * c.model.seq_len
         self.constants = {'pipeline/bubble': pipeline_schedule.bubble} if pipeline_schedule is not None else {}
         self.last_time, self.last_step, self.last_record = None, None, {}
+        self.extras = []  # callables adding to every written row (goodput, stragglers)
 
     def report(self, step: int, metrics: dict[str, jax.Array], evals: dict[str, jax.Array] | None,
                last: bool = False) -> dict[str, float]:
@@ -105,6 +109,8 @@ class _Reporter:
         if due:
             scalars.update(self.first_row)
             self.first_row = {}
+            for extra in self.extras:
+                scalars.update(extra())
             self.writer.write(step, scalars)
             self.last_record = {'step': step, **scalars}
         return scalars
@@ -172,6 +178,13 @@ def _roll_back(guard: spikes.SpikeGuard, checkpointer, target, writer, reporter)
     return state, back_to
 
 
+def _wandb_sink(c: ml_collections.ConfigDict, workdir: str, handlers: contextlib.ExitStack) -> wandb_log.WandbSink:
+    """The W&B run of this workdir (process 0), finished when the run ends (as failed on an exception)."""
+    sink = wandb_log.WandbSink(c, workdir)
+    handlers.push(lambda kind, value, tb: sink.close(failed=kind is not None))
+    return sink
+
+
 def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
     if jax.process_index() == 0:
         path = os.path.join(workdir, 'config.json')
@@ -181,20 +194,22 @@ def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated: bool = False,
-                       startup: dict[str, float] | None = None) -> dict[str, float]:
+                       startup: dict[str, float] | None = None, started: float | None = None) -> dict[str, float]:
     """Trains `c` on all devices, writing metrics to `workdir`; returns the last log record.
 
     `validated`: `validation.validate_run(c)` already ran (main does, before JAX starts); otherwise it
     runs here. `startup`: seconds of the phases before this call (main times flags, imports,
     distributed init and the preflight), logged with the loop's own in one `start-up:` line and
-    written with the first metrics row (`startup/<phase>_s`). The run holds
+    written with the first metrics row (`startup/<phase>_s`). `started`: the process's start on
+    `time.perf_counter` (main's), where goodput's wall time begins (training/goodput.py; None: this
+    call). The run holds
     `<workdir>/workdir.lock` from before its first write to the end
     (training/workdir_lock.py): a second run on the same workdir refuses to start.
     """
     locks: list[workdir_lock.WorkdirLock] = []
     try:
         with contextlib.ExitStack() as handlers:  # the preemption handlers, restored on the way out
-            return _train_and_evaluate(c, workdir, locks, validated, dict(startup or {}), handlers)
+            return _train_and_evaluate(c, workdir, locks, validated, dict(startup or {}), handlers, started)
     except Exception as e:  # pylint: disable=broad-except  (a full disk or device: one line, not tracebacks)
         if memory_check.is_out_of_memory(e):
             raise memory_check.out_of_memory_error(e) from e
@@ -208,7 +223,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
 
 
 def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list, validated: bool,
-                        startup: dict[str, float], handlers: contextlib.ExitStack) -> dict[str, float]:
+                        startup: dict[str, float], handlers: contextlib.ExitStack,
+                        started: float | None) -> dict[str, float]:
+    started = time.perf_counter() - sum(startup.values()) if started is None else started
     phase = _PhaseTimer(startup)
     # 1. validate everything before writing or compiling anything
     if validated:
@@ -258,10 +275,16 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
         if jax.process_index() == 0:
             print(message, flush=True)
         return {'restored_step': int(state['step']), 'steps_run': 0}
+    sinks = ()
+    if wandb_log.enabled(c):
+        sinks = (_wandb_sink(c, workdir, handlers),) if jax.process_index() == 0 else ()
+        phase.done('wandb')
 
     # 5. compile
     train_step, eval_step, batch_sharding = step_lib.compile_steps(c, layout)
     compile_s = phase.done('compile')
+    ledger = goodput.Ledger(workdir, started, write=jax.process_index() == 0)  # start-up until the first step
+    ledger.phases(phase.phases)
     memory = _memory_summary(train_step)
     _log(f'compile: {compile_s:.1f} s; ' + ', '.join(f'{k} {v:.3f}' for k, v in memory.items()))
     _log(phase.summary())
@@ -273,26 +296,33 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                       if spikes.enabled(c) and origin.startswith('restored') else None)
     guard = spikes.SpikeGuard(c, workdir, restored_skips)  # loss spikes: skip, roll back (training/spikes.py)
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
-                                       progress=c.train.progress, initial_step=done)
+                                       progress=c.train.progress, initial_step=done, sinks=sinks)
     reporter = _Reporter(c, writer, jax.device_count(), layout.pipeline_schedule,
                          first_row={'compile/time_s': compile_s, **memory, **phase.metrics()})
+    watch = stragglers.Watch(c, workdir, ledger)
+    reporter.extras = [ledger.metrics, watch.metrics]
     profiler = profile_lib.StepProfiler(c, workdir)
     pending, stop, step_metrics, final_saved, newest = None, False, None, True, None
     commits = _CommitLog(checkpointer)
     # A stuck step ends the process with its stacks on disk (exit 5, training/watchdog.py).
     watchdog = watchdog_lib.Watchdog(c, workdir, jax.process_index())
     try:
-        with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+        # Goodput (training/goodput.py): the loop is step time, but for its waits for a save or an
+        # evaluation; those wait for the step first, as step time, so their spans hold only their own.
+        with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules), ledger.span('step'):
             step = done
             while step < c.train.steps:
+                ledger.step(step + 1)
                 data_step = guard.data_step(step)  # the step itself unless loss spikes made it skip data
                 batch = data_lib.make_global_batch(train_source, data_step, batch_sharding, c.train.global_batch)
-                with profiler.step(step):
+                with profiler.step(step), ledger.span('wait'):  # a full device queue holds the dispatch back
                     state, step_metrics = train_step(state, batch)
                 # The previous step's metrics, fetched first while this step runs: the reporter's clock
                 # reads when that step is seen finished. After a save (which waits for this step) the
                 # next fetch would return at once, and the step time of one row would be that gap.
                 if pending is not None:
+                    with ledger.span('wait'):
+                        jax.block_until_ready(pending[1])
                     _observe(guard, pending, reporter.report(*pending))
                     watchdog.beat(pending[0])
                 step_metrics = {**step_metrics, **train_source.epochs(data_step, c.train.global_batch)}
@@ -306,38 +336,54 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                                                    lambda: step_metrics['spike/skipped'])
                 if guard.rollback_due():  # the step in flight is dropped with the state it came from
                     watchdog.relax()  # the interval now running holds the saves' wait and the restore
-                    commits.poll(committed=True)
-                    state, step = _roll_back(guard, checkpointer, target, writer, reporter)
-                    commits.poll(committed=True)
+                    with ledger.span('checkpoint'):
+                        commits.poll(committed=True)
+                        state, step = _roll_back(guard, checkpointer, target, writer, reporter)
+                        commits.poll(committed=True)
                     pending = None
                     continue
                 if save:  # Orbax first waits for the previous save's commit: a slow file system, not a hang
                     watchdog.relax()
                 # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
-                if save and checkpointer.save(done, state, force=forced, metrics=step_metrics,
-                                              data_skips=guard.record and guard.record.as_json()):
-                    commits.started(done, state)
+                if save:
+                    with ledger.span('sync'):
+                        jax.block_until_ready(state)
+                    with ledger.span('checkpoint'):
+                        saved = checkpointer.save(done, state, force=forced, metrics=step_metrics,
+                                                  data_skips=guard.record and guard.record.as_json())
+                    if saved:
+                        commits.started(done, state)
                 commits.poll()
-                stop = preemption.should_stop(done) and done < c.train.steps
+                with ledger.span('wait'):  # with several processes a barrier: waiting for the others
+                    stop = preemption.should_stop(done) and done < c.train.steps
                 eval_due = done == c.train.steps or (c.train.eval_every and done % c.train.eval_every == 0)
+                evals = None
                 if eval_due and not stop:
+                    with ledger.span('sync'):
+                        jax.block_until_ready(step_metrics)
                     watchdog.relax()  # the interval now running holds the evaluation
-                evals = (evaluation.evaluate(eval_step, state['params'], val_source, c, batch_sharding)
-                         if eval_due and not stop else None)
+                    with ledger.span('eval'):
+                        evals = jax.block_until_ready(
+                            evaluation.evaluate(eval_step, state['params'], val_source, c, batch_sharding))
+                watch.tick(done)
                 pending = (done, step_metrics, evals)
                 step = done
                 if stop:
                     break
             watchdog.relax()  # the last result and the final save, waited for until committed
             if pending is not None:
+                with ledger.span('wait'):
+                    jax.block_until_ready(pending[1])
                 _observe(guard, pending, reporter.report(*pending, last=True))
+            watch.finish()
             # 7. final save (end of training or preemption), waited for until committed; none inside a spike
             final_saved = not guard.is_open(done - 1)
-            if final_saved and checkpointer.save(done, state, force=True, metrics=step_metrics,
-                                                 data_skips=guard.record and guard.record.as_json()):
-                commits.started(done, state)
-            checkpointer.wait()
-            commits.poll(committed=True)
+            with ledger.span('checkpoint'):
+                if final_saved and checkpointer.save(done, state, force=True, metrics=step_metrics,
+                                                     data_skips=guard.record and guard.record.as_json()):
+                    commits.started(done, state)
+                checkpointer.wait()
+                commits.poll(committed=True)
             newest = checkpointer.latest_step()
     except NonFiniteLossError as e:  # seen one step late: name the checkpoint to resume from
         raise checkpointer.with_resume_hint(e) from None
@@ -350,6 +396,10 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     if any(p is not None for p in peaks):  # accelerators: the allocator's measured peak
         memory['memory/measured_peak_gib_per_device'] = max(p for p in peaks if p is not None) / 2**30
     record = {**reporter.last_record, **memory}
+    final = ledger.metrics(finished=True)  # goodput.json; the summary of the W&B run
+    writer.summary(final)
+    record.update(final)  # the last row's figures, now with the final save's
+    _log(ledger.summary())
     if not final_saved:
         record['spike_open_at_step'] = done
         _log(f'no checkpoint of step {done}: a loss spike is open (a step skipped within the last '

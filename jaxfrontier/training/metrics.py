@@ -81,12 +81,15 @@ class MetricsWriter:
     log, a pipe, or the bar switched off) one plain line per written row (`progress_line`).
     Only an enabled writer on process 0 does anything; elsewhere every method is a no-op.
     Non-finite values are written to the JSON file as `null` so every line is strict JSON.
+    `sinks` get every row too (`write(step, values, replayed)`, `summary(values)`: W&B,
+    training/wandb_log.py); their owner closes them.
     """
 
     def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool, initial_step: int = 0,
-                 terminal: bool | None = None):
+                 terminal: bool | None = None, sinks: tuple = ()):
         self.enabled = bool(enabled) and jax.process_index() == 0
         self.total_steps = total_steps
+        self.sinks = tuple(sinks) if self.enabled else ()
         terminal = sys.stderr.isatty() if terminal is None else terminal
         self.lines = self.enabled and not (progress and terminal)
         self._jsonl = self._tb = self._bar = None
@@ -118,6 +121,8 @@ class MetricsWriter:
             row['replayed'] = True
         self._jsonl.write(json.dumps(row, allow_nan=False) + '\n')
         self._jsonl.flush()
+        for sink in self.sinks:
+            sink.write(int(step), values, replayed=row.get('replayed', False))
         for key, value in values.items():
             self._tb.add_scalar(key, value, global_step=int(step))
         self._tb.flush()
@@ -145,6 +150,11 @@ class MetricsWriter:
         """Moves the progress bar to `step` completed steps."""
         if self.enabled and step > self._bar.n:
             self._bar.update(step - self._bar.n)
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        """Hands the run's closing figures (goodput) to the sinks that keep a summary."""
+        for sink in self.sinks:
+            sink.summary(values)
 
     def log_line(self, text: str) -> None:
         """Prints a line above the progress bar without breaking it."""

@@ -10,6 +10,7 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader as data_lib
+from jaxfrontier.training import wandb_log
 
 
 def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
@@ -20,8 +21,9 @@ def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> 
     `config.check_device_count`).
 
     Raises:
-      ConfigError: naming the field, the value and the fix.
+      ConfigError: naming the field, the value and the fix (also: W&B asked for, `wandb` not installed).
     """
     data_lib.resolve_vocab(c)
     config_lib.validate(c, n_devices)
     data_lib.check_data(c)
+    wandb_log.check_installed(c)  # a missing optional extra: one line before JAX starts
