@@ -1,0 +1,144 @@
+"""The lm-evaluation-harness adapter: requests scored on a split mesh equal a direct one-device computation.
+
+The fast test drives inference/scoring.py (no lm-eval needed) on data 2 x fsdp 2 x tensor 2
+(vocabulary and heads split) against the model's plain forward on one device. The slow test runs
+`--mode=lm_eval` on a multiple-choice task it writes (a task YAML and a JSONL dataset, read by
+the harness's `json` loader: no download) and checks every choice's log-likelihood, and the
+accuracy, against the same direct computation.
+"""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxfrontier import config as config_lib
+from jaxfrontier.checkpoint import readers
+from jaxfrontier.inference import load as load_lib
+from jaxfrontier.inference import scoring
+from jaxfrontier.model.params import ModelDef
+from tests import processes
+from tests.inference.test_inference import small_config, sharp_params
+
+
+def direct_logprob(forward, params, context, continuation, seq_len):
+    """Sum of log p(continuation token | everything before it), one unpadded row on one device."""
+    whole = (context + continuation)[-(seq_len + 1):]
+    row = np.zeros((1, seq_len), np.int32)  # zeros after the row change nothing before them (causal): one compile
+    row[0, :len(whole) - 1] = whole[:-1]
+    logits = np.asarray(forward(params, row), np.float64)[0, :len(whole) - 1]
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    first = len(whole) - 1 - len(continuation)
+    picked = [logp[first + i, t] for i, t in enumerate(continuation)]
+    greedy = all(logits[first + i].argmax() == t for i, t in enumerate(continuation))
+    return float(np.sum(picked)), greedy
+
+
+@pytest.fixture(scope='module')
+def one_device(tmp_path_factory):
+    """Parameters as a .safetensors file, and the model's forward on one device (real vocabulary only).
+
+    Made with the split mesh's config, so the vocabulary is padded as that mesh pads it (512 rows).
+    """
+    c = small_config(data=2, fsdp=2, tensor=2)
+    params = sharp_params(c)
+    path = str(tmp_path_factory.mktemp('lm_eval') / 'params.safetensors')
+    save_file({n: np.asarray(a, np.float32) for n, a in readers.flatten_names(params).items()}, path)
+    model_def, real = ModelDef.create(config_lib.model_shape(c)), c.model.vocab_size
+    return path, params, jax.jit(lambda p, t: model_def.bind(p)(t)[..., :real])
+
+
+def test_scores_on_a_split_mesh_equal_one_device(one_device, tmp_path):
+    path, params, forward = one_device
+    c = small_config(data=2, fsdp=2, tensor=2)
+    c.checkpoint.init_params_from = path
+    loaded = load_lib.load(c, str(tmp_path / 'none'))
+    seq_len = c.model.seq_len  # 40
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(0, c.model.vocab_size, n).tolist()  # noqa: E731
+    requests = [(ids(3), ids(2)), (ids(17), ids(5)), (ids(1), ids(1)), (ids(50), ids(7)),  # 50 + 7 > 40: cut
+                (ids(9), ids(40)), (ids(20), [])]
+    greedy_context = ids(6)
+    run = greedy_context
+    for _ in range(3):  # the greedy continuation, computed directly
+        row = np.zeros((1, seq_len), np.int32)
+        row[0, :len(run)] = run
+        run = run + [int(np.asarray(forward(params, row))[0, len(run) - 1].argmax())]
+    requests.append((greedy_context, run[6:]))
+    scorer = scoring.Scorer(loaded, batch_rows=3)  # 4 rows per batch (data x fsdp 4): two batches of two widths
+    assert scorer.rows == 4
+    got = scorer.score(requests)
+    for (context, continuation), score in zip(requests, got):
+        expected, greedy = direct_logprob(forward, params, context, continuation, seq_len)
+        np.testing.assert_allclose(score.logprob, expected, rtol=2e-6, atol=2e-5)
+        assert score.greedy == greedy
+    assert got[-1].greedy and not got[0].greedy and got[5] == scoring.Score(0.0, True)
+    assert [scoring.width_for(n, seq_len) for n in (1, 16, 17, 33, 40)] == [16, 16, 32, 40, 40]
+
+
+# --------------------------------------------------------------------------- through the harness
+
+TASK = """task: jf_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+DOCS = [dict(question='def f(x):', choices=[' return x', ' pass', ' yield'], answer=0),
+        dict(question='import', choices=[' os', ' sys', ' re', ' json'], answer=1),
+        dict(question='The quick brown', choices=[' fox', ' dog'], answer=0),
+        dict(question='1 + 1 =', choices=[' 2', ' 3', ' 11'], answer=2),
+        dict(question='for i in', choices=[' range(3):', ' x:'], answer=1)]
+
+
+@pytest.mark.slow  # the harness's import (~10 s) and a forward compile on 8 simulated devices
+def test_cli_multiple_choice_equals_direct_loglikelihood(tmp_path):
+    pytest.importorskip('lm_eval', reason='lm-eval is an optional extra (pip install jaxfrontier[lm_eval])')
+    data = tmp_path / 'docs.jsonl'
+    data.write_text(''.join(json.dumps(d) + '\n' for d in DOCS))
+    tasks = tmp_path / 'tasks'
+    tasks.mkdir()
+    (tasks / 'jf_choice.yaml').write_text(TASK.format(data=data))
+    # test_sampling's CLI model (it imports torch: only here, not in the fast tier's import)
+    from tests.inference.test_sampling import PRINTABLE, cli_config, printable_params  # pylint: disable=import-outside-toplevel
+    _, model_flags = cli_config('gpt')
+    params = printable_params('gpt', str(tmp_path / 'gpt.safetensors'))
+    out = tmp_path / 'results.json'
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/tiny.py', *model_flags,
+                           '--mode=lm_eval', f'--workdir={tmp_path / "none"}',
+                           f'--config.checkpoint.init_params_from={params}', '--tasks=jf_choice',
+                           f'--lm_eval_include={tasks}', f'--lm_eval_json={out}', '--lm_eval_batch=5'],
+                          cwd=processes.REPO, capture_output=True, text=True, timeout=600,
+                          env=processes.subprocess_env(HF_DATASETS_OFFLINE='1', HF_HOME=str(tmp_path / 'hf')))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reported = json.loads(proc.stdout.splitlines()[-1].removeprefix('lm_eval: '))['jf_choice']
+
+    c, _ = cli_config('gpt')
+    model_def, real = ModelDef.create(config_lib.model_shape(c)), c.model.vocab_size
+    forward = jax.jit(lambda p, t: model_def.bind(p)(t)[..., :real])
+    one_params = sharp_params(c)  # as printable_params wrote them: rows of unprintable tokens zeroed
+    keep = np.isin(np.arange(one_params['wte'].shape[0]), PRINTABLE)
+    one_params = {**one_params, 'wte': one_params['wte'] * keep[:, None]}
+    samples = sorted(json.loads(out.read_text())['samples']['jf_choice'], key=lambda s: s['doc_id'])
+    assert len(samples) == len(DOCS)
+    correct = 0
+    for doc, s in zip(DOCS, samples):
+        direct = [direct_logprob(forward, one_params, list(doc['question'].encode()), list(choice.encode()),
+                                 c.model.seq_len)[0] for choice in doc['choices']]
+        got = [float(r[0][0]) for r in s['resps']]
+        np.testing.assert_allclose(got, direct, rtol=2e-6, atol=2e-5)
+        correct += int(np.argmax(direct)) == doc['answer']
+    assert reported['acc,none'] == correct / len(DOCS)
