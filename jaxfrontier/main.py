@@ -74,8 +74,8 @@ _NUM_FEWSHOT = flags.DEFINE_integer('num_fewshot', None, 'mode=lm_eval: few-shot
 _LIMIT = flags.DEFINE_float('limit', 0, 'mode=lm_eval: documents per task (a fraction if < 1; 0: all).')
 _LM_EVAL_INCLUDE = flags.DEFINE_string('lm_eval_include', '', 'mode=lm_eval: a directory of your own task YAMLs.')
 _LM_EVAL_BATCH = flags.DEFINE_integer('lm_eval_batch', 0, 'mode=lm_eval: rows per batch (0: train.global_batch).')
-_LM_EVAL_JSON = flags.DEFINE_string('lm_eval_json', '', 'mode=lm_eval: also write the harness\'s results as JSON '
-                                    'here.')
+_LM_EVAL_JSON = flags.DEFINE_string('lm_eval_json', '', 'mode=lm_eval: also write the harness\'s results, with '
+                                    'every document\'s requests and answers (samples), as JSON here.')
 _HARDWARE = flags.DEFINE_string('hardware', 'mi250x', 'mode=plan: the device to plan for: '
                                  f'{", ".join(hardware_lib.NAMES)} (local: this machine), or a description '
                                  'path.json (python -m jaxfrontier.calibrate writes one).')
@@ -214,10 +214,15 @@ def _run_lm_eval(config) -> str:
         raise UserError('--mode=lm_eval needs lm-evaluation-harness. Fix: pip install "jaxfrontier[lm_eval]" '
                         '(or pip install lm-eval).') from None
     results = harness.run(config, _WORKDIR.value, _TASKS.value, num_fewshot=_NUM_FEWSHOT.value, limit=_LIMIT.value,
-                          include_path=_LM_EVAL_INCLUDE.value, batch_size=_LM_EVAL_BATCH.value)
+                          include_path=_LM_EVAL_INCLUDE.value, batch_size=_LM_EVAL_BATCH.value,
+                          log_samples=bool(_LM_EVAL_JSON.value))
     if _LM_EVAL_JSON.value:
-        with open(_LM_EVAL_JSON.value, 'w', encoding='utf-8') as f:
-            json.dump(results, f, indent=1, default=str)
+        try:
+            with open(_LM_EVAL_JSON.value, 'w', encoding='utf-8') as f:
+                json.dump(results, f, indent=1, default=str)
+        except OSError as e:
+            raise UserError(f'cannot write --lm_eval_json={_LM_EVAL_JSON.value}: {e.strerror}. Fix: name a file in '
+                            'a writable directory.') from None
     return harness.report(results)
 
 

@@ -97,11 +97,12 @@ metric_list:
   - metric: acc
 """
 
-DOCS = [dict(question='def f(x):', choices=[' return x', ' pass', ' yield'], answer=0),
-        dict(question='import', choices=[' os', ' sys', ' re', ' json'], answer=1),
-        dict(question='The quick brown', choices=[' fox', ' dog'], answer=0),
-        dict(question='1 + 1 =', choices=[' 2', ' 3', ' 11'], answer=2),
-        dict(question='for i in', choices=[' range(3):', ' x:'], answer=1)]
+# Choices without their leading space: the harness puts its target_delimiter (" ") between question and choice.
+DOCS = [dict(question='def f(x):', choices=['return x', 'pass', 'yield'], answer=0),
+        dict(question='import', choices=['os', 'sys', 're', 'json'], answer=1),
+        dict(question='The quick brown', choices=['fox', 'dog'], answer=0),
+        dict(question='1 + 1 =', choices=['2', '3', '11'], answer=2),
+        dict(question='for i in', choices=['range(3):', 'x:'], answer=1)]
 
 
 @pytest.mark.slow  # the harness's import (~10 s) and a forward compile on 8 simulated devices
@@ -136,7 +137,7 @@ def test_cli_multiple_choice_equals_direct_loglikelihood(tmp_path):
     assert len(samples) == len(DOCS)
     correct = 0
     for doc, s in zip(DOCS, samples):
-        direct = [direct_logprob(forward, one_params, list(doc['question'].encode()), list(choice.encode()),
+        direct = [direct_logprob(forward, one_params, list(doc['question'].encode()), list(b' ' + choice.encode()),
                                  c.model.seq_len)[0] for choice in doc['choices']]
         got = [float(r[0][0]) for r in s['resps']]
         np.testing.assert_allclose(got, direct, rtol=2e-6, atol=2e-5)
