@@ -20,6 +20,7 @@ from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
+from jaxfrontier import logs  # no JAX import either
 from jaxfrontier.checkpoint import run_files  # no JAX import
 from jaxfrontier.data import loader as data_lib  # no JAX import at module level
 from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError, UserError
@@ -120,6 +121,7 @@ def main(argv: list[str]) -> int:
     except (UserError, DistributedError) as e:
         return cli.exit_code(e)
     logging.set_verbosity(logging.INFO)
+    logs.quiet_library_logs()  # JAX's backend probing and the like: nothing a user can act on
 
     try:
         if _MODE.value == 'plan':
