@@ -95,6 +95,8 @@ doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{answer}}}}"
 metric_list:
   - metric: acc
+    aggregation: mean
+    higher_is_better: true
 """
 
 # Choices without their leading space: the harness puts its target_delimiter (" ") between question and choice.
