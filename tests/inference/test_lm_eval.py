@@ -2,9 +2,10 @@
 
 The fast test drives inference/scoring.py (no lm-eval needed) on data 2 x fsdp 2 x tensor 2
 (vocabulary and heads split) against the model's plain forward on one device. The slow test runs
-`--mode=lm_eval` on a multiple-choice task it writes (a task YAML and a JSONL dataset, read by
-the harness's `json` loader: no download) and checks every choice's log-likelihood, and the
-accuracy, against the same direct computation.
+`--mode=lm_eval` on a multiple-choice, a generation and a perplexity task it writes (task YAMLs
+and JSONL data, read by the harness's `json` loader: no download) and checks every choice's
+log-likelihood and the accuracy, every generated text and every document's log-likelihood
+against the same direct computation.
 """
 
 import json
@@ -83,13 +84,14 @@ def test_scores_on_a_split_mesh_equal_one_device(one_device, tmp_path):
 
 # --------------------------------------------------------------------------- through the harness
 
-TASK = """task: jf_choice
+HEAD = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
-output_type: multiple_choice
+"""
+CHOICE = """output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{answer}}}}"
@@ -98,6 +100,24 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
+GENERATE = """output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[answer]}}}}"
+generation_kwargs:
+  until: [{until}]
+  max_gen_toks: {max_new}
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+ROLLING = """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+"""
 
 # Choices without their leading space: the harness puts its target_delimiter (" ") between question and choice.
 DOCS = [dict(question='def f(x):', choices=['return x', 'pass', 'yield'], answer=0),
@@ -105,43 +125,74 @@ DOCS = [dict(question='def f(x):', choices=['return x', 'pass', 'yield'], answer
         dict(question='The quick brown', choices=['fox', 'dog'], answer=0),
         dict(question='1 + 1 =', choices=['2', '3', '11'], answer=2),
         dict(question='for i in', choices=['range(3):', 'x:'], answer=1)]
+# Documents for perplexity: one of 4 windows of the model's 40 positions, one of a single window.
+TEXTS = [dict(text='The quick brown fox jumps over the lazy dog; ' * 2 + 'pack my box with five dozen jugs.'),
+         dict(text='import os')]
+MAX_NEW = 8
 
 
-@pytest.mark.slow  # the harness's import (~10 s) and a forward compile on 8 simulated devices
-def test_cli_multiple_choice_equals_direct_loglikelihood(tmp_path):
-    pytest.importorskip('lm_eval', reason='lm-eval is an optional extra (pip install jaxfrontier[lm_eval])')
-    data = tmp_path / 'docs.jsonl'
-    data.write_text(''.join(json.dumps(d) + '\n' for d in DOCS))
-    tasks = tmp_path / 'tasks'
-    tasks.mkdir()
-    (tasks / 'jf_choice.yaml').write_text(TASK.format(data=data))
+def greedy_text(forward, params, prompt, max_new, seq_len):
+    """Greedy bytes after `prompt`, recomputing the whole row each step (no cache), on one device."""
+    run = list(prompt.encode())
+    for _ in range(max_new):
+        row = np.zeros((1, seq_len), np.int32)
+        row[0, :len(run)] = run
+        run.append(int(np.asarray(forward(params, row))[0, len(run) - 1].argmax()))
+    return bytes(run[len(prompt.encode()):]).decode()
+
+
+@pytest.mark.slow  # the harness's import (~10 s) and forward and decode compiles on 8 simulated devices
+def test_cli_tasks_equal_direct_computation(tmp_path):
+    """A multiple-choice, a generation and a perplexity task through --mode=lm_eval on data 2 x fsdp 2 x
+    tensor 2: every log-likelihood and every generated text as computed directly on one device."""
+    lm_utils = pytest.importorskip('lm_eval.utils', reason='lm-eval is an optional extra '
+                                   '(pip install jaxfrontier[lm_eval])')
     # test_sampling's CLI model (it imports torch: only here, not in the fast tier's import)
     from tests.inference.test_sampling import PRINTABLE, cli_config, printable_params  # pylint: disable=import-outside-toplevel
-    _, model_flags = cli_config('gpt')
+    c, model_flags = cli_config('gpt')
+    seq_len, real = c.model.seq_len, c.model.vocab_size
+    model_def = ModelDef.create(config_lib.model_shape(c))
+    forward = jax.jit(lambda p, t: model_def.bind(p)(t)[..., :real])
+    one_params = sharp_params(c)  # as printable_params writes them: rows of unprintable tokens zeroed
+    keep = np.isin(np.arange(one_params['wte'].shape[0]), PRINTABLE)
+    one_params = {**one_params, 'wte': one_params['wte'] * keep[:, None]}
+    greedy = [greedy_text(forward, one_params, d['question'], MAX_NEW, seq_len) for d in DOCS]
+    stop = next(greedy[0][i:i + 2] for i in range(2, MAX_NEW - 2) if greedy[0][i:i + 2].strip(' "\\'))
+
+    tasks = tmp_path / 'tasks'
+    tasks.mkdir()
+    for name, docs, body in (('jf_choice', DOCS, CHOICE), ('jf_gen', DOCS, GENERATE), ('jf_roll', TEXTS, ROLLING)):
+        (tmp_path / f'{name}.jsonl').write_text(''.join(json.dumps(d) + '\n' for d in docs))
+        (tasks / f'{name}.yaml').write_text(HEAD.format(name=name, data=tmp_path / f'{name}.jsonl') +
+                                            body.format(until=json.dumps(stop), max_new=MAX_NEW))
     params = printable_params('gpt', str(tmp_path / 'gpt.safetensors'))
     out = tmp_path / 'results.json'
     proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/tiny.py', *model_flags,
                            '--mode=lm_eval', f'--workdir={tmp_path / "none"}',
-                           f'--config.checkpoint.init_params_from={params}', '--tasks=jf_choice',
+                           f'--config.checkpoint.init_params_from={params}', '--tasks=jf_choice,jf_gen,jf_roll',
                            f'--lm_eval_include={tasks}', f'--lm_eval_json={out}', '--lm_eval_batch=5'],
                           cwd=processes.REPO, capture_output=True, text=True, timeout=600,
                           env=processes.subprocess_env(HF_DATASETS_OFFLINE='1', HF_HOME=str(tmp_path / 'hf')))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reported = json.loads(proc.stdout.splitlines()[-1].removeprefix('lm_eval: '))['jf_choice']
+    reported = json.loads(proc.stdout.splitlines()[-1].removeprefix('lm_eval: '))
+    samples = {task: sorted(rows, key=lambda s: s['doc_id']) for task, rows in json.loads(out.read_text())['samples'].items()}
 
-    c, _ = cli_config('gpt')
-    model_def, real = ModelDef.create(config_lib.model_shape(c)), c.model.vocab_size
-    forward = jax.jit(lambda p, t: model_def.bind(p)(t)[..., :real])
-    one_params = sharp_params(c)  # as printable_params wrote them: rows of unprintable tokens zeroed
-    keep = np.isin(np.arange(one_params['wte'].shape[0]), PRINTABLE)
-    one_params = {**one_params, 'wte': one_params['wte'] * keep[:, None]}
-    samples = sorted(json.loads(out.read_text())['samples']['jf_choice'], key=lambda s: s['doc_id'])
-    assert len(samples) == len(DOCS)
     correct = 0
-    for doc, s in zip(DOCS, samples):
+    for doc, s in zip(DOCS, samples['jf_choice'], strict=True):
         direct = [direct_logprob(forward, one_params, list(doc['question'].encode()), list(b' ' + choice.encode()),
-                                 c.model.seq_len)[0] for choice in doc['choices']]
-        got = [float(r[0][0]) for r in s['resps']]
-        np.testing.assert_allclose(got, direct, rtol=2e-6, atol=2e-5)
+                                 seq_len)[0] for choice in doc['choices']]
+        np.testing.assert_allclose([float(r[0][0]) for r in s['resps']], direct, rtol=2e-6, atol=2e-5)
         correct += int(np.argmax(direct)) == doc['answer']
-    assert reported['acc,none'] == correct / len(DOCS)
+    assert reported['jf_choice']['acc,none'] == correct / len(DOCS)
+
+    expected = [text[:text.find(stop)] if stop in text else text for text in greedy]
+    assert [s['resps'][0][0] for s in samples['jf_gen']] == expected
+    assert expected[0] != greedy[0]  # the stop string cut it
+
+    for doc, s in zip(TEXTS, samples['jf_roll'], strict=True):
+        tokens = list(doc['text'].encode())
+        windows = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
+            token_list=tokens, prefix_token=ord('\n'), max_seq_len=seq_len, context_len=1)]
+        assert sum(len(w[1]) for w in windows) == len(tokens) and len(windows) == -(-len(tokens) // seq_len)
+        direct = sum(direct_logprob(forward, one_params, ctx, cont, seq_len)[0] for ctx, cont in windows)
+        np.testing.assert_allclose(float(s['resps'][0][0]), direct, rtol=2e-6, atol=2e-5)
