@@ -100,6 +100,9 @@ def main(argv: list[str]) -> int:
         processes = distributed.ProcessSettings('none')
         if _MODE.value == 'plan':
             data_lib.resolve_vocab(config)  # model.vocab_size=0: from the token file header
+        if _MODE.value == 'lm_eval' and not _TASKS.value:  # before the seconds JAX and the harness take to import
+            raise UserError('--mode=lm_eval needs --tasks. Fix: --tasks=hellaswag,arc_easy (harness task names), '
+                            'or your own task YAMLs with --lm_eval_include=DIR.')
         if _MODE.value == 'train':
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)

@@ -196,3 +196,23 @@ def test_cli_tasks_equal_direct_computation(tmp_path):
         assert sum(len(w[1]) for w in windows) == len(tokens) and len(windows) == -(-len(tokens) // seq_len)
         direct = sum(direct_logprob(forward, one_params, ctx, cont, seq_len)[0] for ctx, cont in windows)
         np.testing.assert_allclose(float(s['resps'][0][0]), direct, rtol=2e-6, atol=2e-5)
+
+
+def test_cli_without_tasks_is_one_line(tmp_path):
+    """Refused before JAX or the harness is imported."""
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/tiny.py', '--mode=lm_eval',
+                           f'--workdir={tmp_path / "none"}'], cwd=processes.REPO, capture_output=True, text=True,
+                          timeout=300, env=processes.subprocess_env())
+    assert proc.returncode == 2 and proc.stderr.count('\n') == 1, proc.stderr[-2000:]
+    assert '--mode=lm_eval needs --tasks' in proc.stderr and 'Fix:' in proc.stderr
+
+
+@pytest.mark.slow  # the harness's import and its index of every task it ships (~20 s)
+def test_cli_unknown_task_is_one_line(tmp_path):
+    pytest.importorskip('lm_eval', reason='lm-eval is an optional extra (pip install jaxfrontier[lm_eval])')
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/tiny.py', '--mode=lm_eval',
+                           f'--workdir={tmp_path / "none"}', '--tasks=arc_easy,no_such_task'], cwd=processes.REPO,
+                          capture_output=True, text=True, timeout=300, env=processes.subprocess_env(HF_DATASETS_OFFLINE='1'))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "unknown task(s) ['no_such_task']" in proc.stderr and 'Fix:' in proc.stderr
+    assert 'Traceback' not in proc.stderr
