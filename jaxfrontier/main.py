@@ -100,9 +100,8 @@ def main(argv: list[str]) -> int:
         processes = distributed.ProcessSettings('none')
         if _MODE.value == 'plan':
             data_lib.resolve_vocab(config)  # model.vocab_size=0: from the token file header
-        if _MODE.value == 'lm_eval' and not _TASKS.value:  # before the seconds JAX and the harness take to import
-            raise UserError('--mode=lm_eval needs --tasks. Fix: --tasks=hellaswag,arc_easy (harness task names), '
-                            'or your own task YAMLs with --lm_eval_include=DIR.')
+        if _MODE.value == 'lm_eval':  # before the seconds JAX and the harness take to import
+            _check_lm_eval_flags()
         if _MODE.value == 'train':
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
@@ -207,6 +206,20 @@ def _run_inference(config) -> str:
     prompts = sample.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
     return sample.report(sample.sample(config, _WORKDIR.value, prompts, max_new=_MAX_NEW.value, rule=rule,
                                        seed=_SEED.value, stops=tuple(_STOP.value), eot=not _IGNORE_EOT.value))
+
+
+def _check_lm_eval_flags() -> None:
+    """mode=lm_eval's flags: one line for a mistake, before JAX or the harness is imported."""
+    if not _TASKS.value:
+        raise UserError('--mode=lm_eval needs --tasks. Fix: --tasks=hellaswag,arc_easy (harness task names), '
+                        'or your own task YAMLs with --lm_eval_include=DIR.')
+    for name, value in (('num_fewshot', _NUM_FEWSHOT.value), ('limit', _LIMIT.value),
+                        ('lm_eval_batch', _LM_EVAL_BATCH.value)):
+        if value is not None and value < 0:
+            raise UserError(f'--{name}={value}: must be >= 0. Fix: leave it out for the default.')
+    if _LM_EVAL_INCLUDE.value and not os.path.isdir(_LM_EVAL_INCLUDE.value):
+        raise UserError(f'--lm_eval_include={_LM_EVAL_INCLUDE.value} is not a directory. Fix: name the directory '
+                        'that holds your task YAMLs.')
 
 
 def _run_lm_eval(config) -> str:

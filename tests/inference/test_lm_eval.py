@@ -185,6 +185,10 @@ def test_cli_tasks_equal_direct_computation(tmp_path):
         correct += int(np.argmax(direct)) == doc['answer']
     assert reported['jf_choice']['acc,none'] == correct / len(DOCS)
 
+    from lm_eval.api.registry import get_model  # pylint: disable=import-outside-toplevel
+    from jaxfrontier.inference import harness  # pylint: disable=import-outside-toplevel
+    assert get_model('jaxfrontier') is harness.JaxFrontierLM  # what lm_eval.simple_evaluate(model='jaxfrontier') finds
+
     expected = [text[:text.find(stop)] if stop in text else text for text in greedy]
     assert [s['resps'][0][0] for s in samples['jf_gen']] == expected
     assert expected[0] != greedy[0]  # the stop string cut it
@@ -198,13 +202,16 @@ def test_cli_tasks_equal_direct_computation(tmp_path):
         np.testing.assert_allclose(float(s['resps'][0][0]), direct, rtol=2e-6, atol=2e-5)
 
 
-def test_cli_without_tasks_is_one_line(tmp_path):
+@pytest.mark.parametrize('flags, named', [([], '--mode=lm_eval needs --tasks'),
+                                          (['--tasks=arc_easy', '--limit=-1'], '--limit=-1.0: must be >= 0'),
+                                          (['--tasks=arc_easy', '--lm_eval_include=/no/such'], 'is not a directory')])
+def test_cli_flag_mistakes_are_one_line(tmp_path, flags, named):
     """Refused before JAX or the harness is imported."""
     proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/tiny.py', '--mode=lm_eval',
-                           f'--workdir={tmp_path / "none"}'], cwd=processes.REPO, capture_output=True, text=True,
-                          timeout=300, env=processes.subprocess_env())
+                           f'--workdir={tmp_path / "none"}', *flags], cwd=processes.REPO, capture_output=True,
+                          text=True, timeout=300, env=processes.subprocess_env())
     assert proc.returncode == 2 and proc.stderr.count('\n') == 1, proc.stderr[-2000:]
-    assert '--mode=lm_eval needs --tasks' in proc.stderr and 'Fix:' in proc.stderr
+    assert named in proc.stderr and 'Fix:' in proc.stderr
 
 
 @pytest.mark.slow  # the harness's import and its index of every task it ships (~20 s)
