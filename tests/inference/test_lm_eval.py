@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.checkpoint import readers
+from jaxfrontier.errors import UserError
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import scoring
 from jaxfrontier.model.params import ModelDef
@@ -61,7 +62,10 @@ def test_scores_on_a_split_mesh_equal_one_device(one_device, tmp_path):
     loaded = load_lib.load(c, str(tmp_path / 'none'))
     seq_len = c.model.seq_len  # 40
     rng = np.random.default_rng(0)
-    ids = lambda n: rng.integers(0, c.model.vocab_size, n).tolist()  # noqa: E731
+
+    def ids(n):
+        return rng.integers(0, c.model.vocab_size, n).tolist()
+
     requests = [(ids(3), ids(2)), (ids(17), ids(5)), (ids(1), ids(1)), (ids(50), ids(7)),  # 50 + 7 > 40: cut
                 (ids(9), ids(40)), (ids(20), [])]
     greedy_context = ids(6)
@@ -80,6 +84,8 @@ def test_scores_on_a_split_mesh_equal_one_device(one_device, tmp_path):
         assert score.greedy == greedy
     assert got[-1].greedy and not got[0].greedy and got[5] == scoring.Score(0.0, True)
     assert [scoring.width_for(n, seq_len) for n in (1, 16, 17, 33, 40)] == [16, 16, 32, 40, 40]
+    with pytest.raises(UserError, match='continuation of 41 tokens is longer than the model'):
+        scorer.score([([1], [2] * 41)])
 
 
 # --------------------------------------------------------------------------- through the harness
