@@ -3,12 +3,29 @@
 Every module logs under its own name, `logs.process0(__name__)`, so a line is attributed to
 the module that wrote it. Under `absl.app` (every entry point) absl's handler on the root
 logger formats and shows these records at the verbosity `main` sets.
+
+At that verbosity (INFO) the libraries' own INFO records show too; `quiet_library_logs` keeps
+the ones that say nothing a user can act on to their warnings (QUIET_LOGGERS).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+
+
+# Library loggers whose INFO records are noise to a user: JAX's backend probing ("Unable to initialize backend
+# 'tpu': ... libtpu.so" on every machine without a TPU, and likewise for each GPU plugin absent), and the
+# Hugging Face `datasets` library's start-up notes ("JAX version ... available"; --mode=lm_eval). Their
+# warnings and errors still show; JAX's other loggers (jax._src.distributed: joining a job) keep INFO.
+# Orbax's INFO chatter is dropped by checkpoint/manager.quiet_orbax_logs (Orbax logs through absl's logger).
+QUIET_LOGGERS = ('jax._src.xla_bridge', 'datasets')
+
+
+def quiet_library_logs() -> None:
+    """Raises QUIET_LOGGERS to WARNING (idempotent; before or after the libraries are imported)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class _Process0(logging.Filter):

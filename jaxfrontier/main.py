@@ -1,4 +1,4 @@
-"""Entry point: `python -m jaxfrontier.main --config=configs/tiny.py --workdir=DIR [--mode=train|plan|export|sample|eval]`.
+"""Entry point: `python -m jaxfrontier.main --config=configs/tiny.py --workdir=DIR [--mode=train|plan|export|sample|eval|lm_eval]`.
 
 The only module that reads flags. Config overrides come as `--config.train.steps=10`;
 a misspelt key is rejected. JAX is imported only after the config is read, so that
@@ -7,6 +7,7 @@ a misspelt key is rejected. JAX is imported only after the config is read, so th
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -19,6 +20,7 @@ from jaxfrontier import cli
 from jaxfrontier import config as config_lib  # no JAX import: safe before XLA_FLAGS is set
 from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
+from jaxfrontier import logs  # no JAX import either
 from jaxfrontier.checkpoint import run_files  # no JAX import
 from jaxfrontier.data import loader as data_lib  # no JAX import at module level
 from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError, UserError
@@ -38,13 +40,14 @@ _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safeten
                                    'with --export_format=hf a directory, default <workdir>/hf).')
 _EXPORT_ALLOW_NONFINITE = flags.DEFINE_bool('export_allow_nonfinite', False, 'mode=export: write parameters '
                                             'that hold NaN or Inf instead of refusing.')
-_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export', 'sample', 'eval'],
+_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export', 'sample', 'eval', 'lm_eval'],
                           'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
                           'verify: the layout shrunk to a small model on simulated CPU devices against one device: '
                           'a certificate, exit 0 (pass) or 1 (docs/preflight.md). '
                           'export: parameters of the newest checkpoint in --workdir to --export_path. '
                           'sample: continue --prompt with the newest checkpoint. eval: loss, perplexity and bits '
-                          'per byte over --eval_path or the validation split (docs/inference.md).')
+                          'per byte over --eval_path or the validation split (docs/inference.md). lm_eval: '
+                          'lm-evaluation-harness --tasks on the newest checkpoint (pip install jaxfrontier[lm_eval]).')
 _EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors', 'hf'],
                                    'mode=export: our safetensors names, or a Hugging Face directory: GPT-2, '
                                    'Llama or Qwen2 by the model (--export_path=DIR, loads with '
@@ -66,6 +69,14 @@ _IGNORE_EOT = flags.DEFINE_bool('ignore_eot', False, 'mode=sample: do not end a 
 _SEED = flags.DEFINE_integer('seed', 0, 'mode=sample: random seed of the sampling.')
 _EVAL_PATH = flags.DEFINE_string('eval_path', '', 'mode=eval: a token file to score whole (default: the run\'s '
                                  'data.val_path, else its validation split).')
+_TASKS = flags.DEFINE_list('tasks', [], 'mode=lm_eval: harness task names (or globs), comma-separated.')
+_NUM_FEWSHOT = flags.DEFINE_integer('num_fewshot', None, 'mode=lm_eval: few-shot examples per prompt '
+                                    '(default: each task\'s own).')
+_LIMIT = flags.DEFINE_float('limit', 0, 'mode=lm_eval: documents per task (a fraction if < 1; 0: all).')
+_LM_EVAL_INCLUDE = flags.DEFINE_string('lm_eval_include', '', 'mode=lm_eval: a directory of your own task YAMLs.')
+_LM_EVAL_BATCH = flags.DEFINE_integer('lm_eval_batch', 0, 'mode=lm_eval: rows per batch (0: train.global_batch).')
+_LM_EVAL_JSON = flags.DEFINE_string('lm_eval_json', '', 'mode=lm_eval: also write the harness\'s results, with '
+                                    'every document\'s requests and answers (samples), as JSON here.')
 _HARDWARE = flags.DEFINE_string('hardware', 'mi250x', 'mode=plan: the device to plan for: '
                                  f'{", ".join(hardware_lib.NAMES)} (local: this machine), or a description '
                                  'path.json (python -m jaxfrontier.calibrate writes one).')
@@ -89,6 +100,8 @@ def main(argv: list[str]) -> int:
         processes = distributed.ProcessSettings('none')
         if _MODE.value == 'plan':
             data_lib.resolve_vocab(config)  # model.vocab_size=0: from the token file header
+        if _MODE.value == 'lm_eval':  # before the seconds JAX and the harness take to import
+            _check_lm_eval_flags()
         if _MODE.value == 'train':
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
@@ -110,6 +123,7 @@ def main(argv: list[str]) -> int:
     except (UserError, DistributedError) as e:
         return cli.exit_code(e)
     logging.set_verbosity(logging.INFO)
+    logs.quiet_library_logs()  # JAX's backend probing and the like: nothing a user can act on
 
     try:
         if _MODE.value == 'plan':
@@ -125,7 +139,7 @@ def main(argv: list[str]) -> int:
                     f.write(text.rsplit('\n', 1)[0] + '\n')
             print(text)
             return 0 if passed else 1
-        elif _MODE.value in ('sample', 'eval') or (_MODE.value == 'export' and _EXPORT_FORMAT.value == 'hf'):
+        elif _MODE.value in ('sample', 'eval', 'lm_eval') or (_MODE.value == 'export' and _EXPORT_FORMAT.value == 'hf'):
             print(_run_inference(config))
         elif _MODE.value == 'export':
             from jaxfrontier.checkpoint import safetensors as safetensors_lib  # pylint: disable=g-import-not-at-top
@@ -182,6 +196,8 @@ def _run_inference(config) -> str:
         summary = hf.export_hf(_WORKDIR.value, out)
         return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face {summary["architecture"]} ' \
                f'directory {out} ({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]})'
+    if _MODE.value == 'lm_eval':
+        return _run_lm_eval(config)
     if _MODE.value == 'eval':
         from jaxfrontier.inference import evaluate
         return evaluate.report(evaluate.evaluate(config, _WORKDIR.value, _EVAL_PATH.value))
@@ -190,6 +206,42 @@ def _run_inference(config) -> str:
     prompts = sample.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
     return sample.report(sample.sample(config, _WORKDIR.value, prompts, max_new=_MAX_NEW.value, rule=rule,
                                        seed=_SEED.value, stops=tuple(_STOP.value), eot=not _IGNORE_EOT.value))
+
+
+def _check_lm_eval_flags() -> None:
+    """mode=lm_eval's flags: one line for a mistake, before JAX or the harness is imported."""
+    if not _TASKS.value:
+        raise UserError('--mode=lm_eval needs --tasks. Fix: --tasks=hellaswag,arc_easy (harness task names), '
+                        'or your own task YAMLs with --lm_eval_include=DIR.')
+    for name, value in (('num_fewshot', _NUM_FEWSHOT.value), ('limit', _LIMIT.value),
+                        ('lm_eval_batch', _LM_EVAL_BATCH.value)):
+        if value is not None and value < 0:
+            raise UserError(f'--{name}={value}: must be >= 0. Fix: leave it out for the default.')
+    if _LM_EVAL_INCLUDE.value and not os.path.isdir(_LM_EVAL_INCLUDE.value):
+        raise UserError(f'--lm_eval_include={_LM_EVAL_INCLUDE.value} is not a directory. Fix: name the directory '
+                        'that holds your task YAMLs.')
+
+
+def _run_lm_eval(config) -> str:
+    """mode=lm_eval: the harness, imported only here (it is heavy and optional; inference/harness.py)."""
+    try:
+        from jaxfrontier.inference import harness  # pylint: disable=g-import-not-at-top
+    except ModuleNotFoundError as e:
+        if e.name != 'lm_eval' and not (e.name or '').startswith('lm_eval.'):
+            raise
+        raise UserError('--mode=lm_eval needs lm-evaluation-harness. Fix: pip install "jaxfrontier[lm_eval]" '
+                        '(or pip install lm-eval).') from None
+    results = harness.run(config, _WORKDIR.value, _TASKS.value, num_fewshot=_NUM_FEWSHOT.value, limit=_LIMIT.value,
+                          include_path=_LM_EVAL_INCLUDE.value, batch_size=_LM_EVAL_BATCH.value,
+                          log_samples=bool(_LM_EVAL_JSON.value))
+    if _LM_EVAL_JSON.value:
+        try:
+            with open(_LM_EVAL_JSON.value, 'w', encoding='utf-8') as f:
+                json.dump(results, f, indent=1, default=str)
+        except OSError as e:
+            raise UserError(f'cannot write --lm_eval_json={_LM_EVAL_JSON.value}: {e.strerror}. Fix: name a file in '
+                            'a writable directory.') from None
+    return harness.report(results)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from jaxfrontier.data import builtin, token_files
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.inference import load as load_lib
+from jaxfrontier.inference import scoring
 from jaxfrontier.inference import text
 
 
@@ -39,16 +40,9 @@ def windows(tokens: np.ndarray, start: int, stop: int, seq_len: int):
 def make_nll_step(layout):
     """`(params, tokens [B, S + 1], weights [B, S]) -> (weighted nll sum, weight sum)`, jitted."""
     def nll(params, tokens_bt, weights_bt):
-        model = layout.model_def.bind(params)
-        inputs, targets = tokens_bt[:, :-1], tokens_bt[:, 1:]
-        logits_nv = model.logits(model.apply_blocks(model.embed(inputs), inputs.shape[1]))
-        vocab_v = jnp.arange(logits_nv.shape[-1])
-        logits_nv = jnp.where(vocab_v < model.shape.real_vocab_size, logits_nv, jnp.finfo(jnp.float32).min)
-        target_n = targets.reshape(-1)
-        nll_n = jax.nn.logsumexp(logits_nv, axis=-1) - jnp.sum(
-            jnp.where(vocab_v == target_n[:, None], logits_nv, 0.0), axis=-1)
+        logp_n, _ = scoring.target_logprobs(layout.model_def.bind(params), tokens_bt[:, :-1], tokens_bt[:, 1:])
         w_n = weights_bt.reshape(-1)
-        return jnp.sum(nll_n * w_n), jnp.sum(w_n)
+        return -jnp.sum(logp_n * w_n), jnp.sum(w_n)
     return jax.jit(nll)
 
 

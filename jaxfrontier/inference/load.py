@@ -23,6 +23,7 @@ from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import hf
 from jaxfrontier.checkpoint import hf_files
 from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint import manager
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 
@@ -73,6 +74,7 @@ def decode_config(c: ml_collections.ConfigDict, model: dict[str, Any]) -> ml_col
 
 def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
     """Reads the parameters to run (see the module docstring) onto this config's devices."""
+    manager.quiet_orbax_logs()  # Orbax's INFO lines (handlers created, read throughput) tell a user nothing
     source = resolve_source(c, workdir)
     step, run_config, hf_dir = None, {}, None
     if hf_files.looks_like_hf(source):
@@ -84,9 +86,9 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
         meta = readers.read_meta(readers.step_dir_of(source))
         step, run_config, model = meta['step'], meta['config'], meta['config']['model']
     c = decode_config(c, model)
-    mesh = mesh_lib.mesh_from_config(c)
     if config_lib.num_devices(c) != jax.device_count():
         raise ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
                                      f'devices but {jax.device_count()} are present', 'change the mesh sizes')
+    mesh = mesh_lib.mesh_from_config(c)
     layout = target_lib.param_placement(c, mesh)  # the parameters alone: no optimizer state
     return Loaded(c, layout, init_from.load_params(source, c, layout.target()), source, step, run_config, hf_dir)

@@ -57,11 +57,12 @@ def encode_prompts(codec, prompts: list[str], max_new: int, seq_len: int) -> lis
     return encoded
 
 
-def batch_prompts(encoded: list[list[int]], rows_multiple: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded prompts [B, P] and lengths [B]; B rounded up to a multiple (extra rows repeat the first)."""
+def batch_prompts(encoded: list[list[int]], rows_multiple: int, width: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded prompts [B, P] and lengths [B]; B rounded up to a multiple (extra rows repeat the first),
+    P the longest prompt or `width` if wider."""
     b = -(-len(encoded) // rows_multiple) * rows_multiple
     rows = encoded + [encoded[0]] * (b - len(encoded))
-    p = max(len(r) for r in rows)
+    p = max(width, *(len(r) for r in rows))
     prompt_bp = np.zeros((b, p), np.int32)
     for i, r in enumerate(rows):
         prompt_bp[i, :len(r)] = r
@@ -85,21 +86,31 @@ def sample(c: ml_collections.ConfigDict, workdir: str, prompts: list[str], *, ma
     """Continues each prompt by up to `max_new` tokens (`eot`: a row ends at end-of-text); see the module docstring."""
     stops = stops_lib.check_stops(list(stops))
     loaded = load_lib.load(c, workdir)
-    c = loaded.config
-    check_rule(rule, c.model.vocab_size)
-    codec = text.run_codec(loaded.run_config.get('data', {}), c.model.vocab_size, loaded.hf_dir)
+    check_rule(rule, loaded.config.model.vocab_size)
+    codec = text.run_codec(loaded.run_config.get('data', {}), loaded.config.model.vocab_size, loaded.hf_dir)
     rule = dataclasses.replace(rule, eot_ids=codec.eot_ids if eot else ())
-    encoded = encode_prompts(codec, prompts, max_new, c.model.seq_len)
-    prompt_bp, lengths_b = batch_prompts(encoded, config_lib.data_parallel_size(c))
-    layout = loaded.layout
-    rows = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules, 1))
+    encoded = encode_prompts(codec, prompts, max_new, loaded.config.model.seq_len)
+    return continue_tokens(loaded, codec, prompts, encoded, max_new=max_new, rule=rule, seed=seed, stops=stops)
+
+
+def continue_tokens(loaded: load_lib.Loaded, codec, prompts: list[str], encoded: list[list[int]], *, max_new: int,
+                    rule: gen.Sampling, seed: int, stops: list[str], rows: int = 0, width: int = 0) -> Result:
+    """Continues the checked token ids `encoded` of `prompts` (each fits the model with `max_new`).
+
+    `rows` and `width` pad the batch to at least that many rows and prompt positions, so that
+    callers with many batches (the lm-eval adapter, inference/harness.py) compile one shape.
+    """
+    c, layout = loaded.config, loaded.layout
+    rows_multiple = -(-max(rows, 1) // config_lib.data_parallel_size(c)) * config_lib.data_parallel_size(c)
+    prompt_bp, lengths_b = batch_prompts(encoded, rows_multiple, width)
+    by_row = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules, 1))
     start, advance = gen.make_chunked(layout.model_def, max_new=max_new, rule=rule)
     chunk = stops_lib.CHECK_EVERY if stops else max_new  # without stop strings the host never needs to look
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
-        lengths = jax.device_put(lengths_b, rows)
+        lengths = jax.device_put(lengths_b, by_row)
         key = jax.device_put(jax.random.key(seed), NamedSharding(layout.mesh, P()))
         args = (loaded.params, jax.device_put(prompt_bp, NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))),
-                lengths, jax.device_put(np.arange(len(prompt_bp)) >= len(prompts), rows), key)  # padding rows: done
+                lengths, jax.device_put(np.arange(len(prompt_bp)) >= len(prompts), by_row), key)  # padding: done
         t0 = time.perf_counter()
         start = start.lower(*args).compile()
         compile_s = time.perf_counter() - t0
@@ -110,7 +121,7 @@ def sample(c: ml_collections.ConfigDict, workdir: str, prompts: list[str], *, ma
         compile_s += time.perf_counter() - t1
         t0 += time.perf_counter() - t1
         state = decode_in_chunks(advance, state, (loaded.params, lengths, key), len(prompts), max_new, chunk,
-                                 lambda tokens: stops_lib.has_stopped(codec, tokens, stops, rule.eot_ids), rows)
+                                 lambda tokens: stops_lib.has_stopped(codec, tokens, stops, rule.eot_ids), by_row)
         out_bn, steps = np.asarray(state['out']), int(state['i'])
         seconds = time.perf_counter() - t0
     ends = [stops_lib.ending(codec, out_bn[r, :steps].tolist(), stops, rule.eot_ids) for r in range(len(prompts))]

@@ -73,8 +73,11 @@ class GPT(Decoder):
         """
         b, t = tokens_bt.shape
         x_btd = embedding_lookup(self.wte[...], tokens_bt)
+        # Explicit positions (decoding) gather from a replicated copy of the small [S, d] table: gathering
+        # from the table as stored (d over fsdp) gives rows split over d, which XLA can only turn into the
+        # rows-over-batch activations by an "involuntary full rematerialization" (a warning per compile).
         x_btd = x_btd + (self.wpe[...][None, :t] if positions_bt is None else
-                         jnp.take(self.wpe[...], positions_bt, axis=0))
+                         jnp.take(mesh_lib.constrain(self.wpe[...], (None, None)), positions_bt, axis=0))
         x_nd = x_btd.reshape(b * t, -1).astype(self.dtype)  # [B*T, d]
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)

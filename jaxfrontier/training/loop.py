@@ -73,6 +73,10 @@ class _Reporter:
         self.first_row = dict(first_row or {})  # written once, with the first record: compile time, memory
         self.model_flops, self.hw_flops = model_registry.flops_per_step_from_config(c)
         self.peak, self.peak_source = hardware.device_peak_flops(jax.devices()[0], c.model.dtype)
+        if jax.devices()[0].platform == 'cpu':  # said once: the MFU of every step line rests on it
+            _log(f'MFU: against {self.peak / 1e12:.3f} TFLOP/s per device ({self.peak_source}), a rate this '
+                 'machine reaches rather than a datasheet peak: it reads high beside a GPU\'s; compare CPU runs '
+                 'by tokens/s')
         self.tokens_per_step = c.train.global_batch * c.model.seq_len
         self.constants = {'pipeline/bubble': pipeline_schedule.bubble} if pipeline_schedule is not None else {}
         self.last_time, self.last_step, self.last_record = None, None, {}
