@@ -121,7 +121,7 @@ def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, 
 
 # Logical names of activations, not parameters: every other name in the rules is a parameter
 # dimension (embed, mlp, heads, vocab, layers, ...).
-ACTIVATION_NAMES = ('batch', 'act_embed')
+ACTIVATION_NAMES = ('batch', 'act_tokens', 'act_embed')
 
 
 def data_placement(rules) -> tuple[bool, bool]:
@@ -149,6 +149,9 @@ class Layout:
     factor_min_dim: int = 128  # optim.factor_min_dim: which weights Adafactor factors
     dropout: bool = False  # dropout > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
     shard_activations: bool = True  # pipeline.shard_activations
+    # sharding.sequence_parallel resolved (config.sequence_parallel): the residual stream's
+    # tokens split over `tensor` too.
+    sequence_parallel: bool = False
     # From the logical-axis rules (sharding.rules): the default rules put the batch on `data`
     # and no parameter dimension on it.
     data_in_batch: bool = True
@@ -174,6 +177,7 @@ class Layout:
                    zero1=bool(c.sharding.zero1), optimizer=c.optim.name, factor_min_dim=c.optim.factor_min_dim,
                    dropout=c.model.dropout_rate > 0,
                    shard_activations=bool(c.pipeline.shard_activations),
+                   sequence_parallel=config_lib.sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor),
                    data_in_batch=data_in_batch, params_over_data=params_over_data)
 
     @property
@@ -188,9 +192,9 @@ class Layout:
                            params_over_data=self.params_over_data)
 
     def as_dict(self) -> dict:
-        """The layout as JSON-ready fields; the rules' data placement and the optimizer only where not the default."""
+        """The layout as JSON-ready fields; the rules' data placement, the optimizer and SP only where not the default."""
         fields = dataclasses.asdict(self)
-        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim'):
+        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim', 'sequence_parallel'):
             if fields[name] == Layout.__dataclass_fields__[name].default:
                 del fields[name]
         return fields
@@ -227,6 +231,7 @@ class Layout:
         c.sharding.zero1 = self.zero1
         c.optim.update(name=self.optimizer, factor_min_dim=self.factor_min_dim)
         c.pipeline.shard_activations = self.shard_activations
+        c.sharding.sequence_parallel = 'true' if self.sequence_parallel else 'false'
         return c
 
     def describe(self) -> str:
@@ -237,4 +242,5 @@ class Layout:
         if self.pipeline > 1:
             sched = f', {self.schedule}' + (f' v={self.virtual_stages}' if self.schedule == 'interleaved' else '')
         return (' x '.join(parts) + f', micro-batch {self.micro_batch} x {self.accum_steps} steps, '
-                f'remat {self.remat}{sched}' + (', ZeRO-1' if self.zero1 else ''))
+                f'remat {self.remat}{sched}' + (', ZeRO-1' if self.zero1 else '')
+                + (', SP' if self.sequence_parallel and self.tensor > 1 else ''))

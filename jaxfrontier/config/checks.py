@@ -12,7 +12,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier.config import bounds
-from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, data_parallel_size, mesh_shape, mlp_dim, num_devices)
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, SEQUENCE_PARALLEL, data_parallel_size, mesh_shape, mlp_dim, num_devices)
 from jaxfrontier.errors import ConfigError
 
 
@@ -177,6 +177,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _require(0.0 < c.data.val_fraction < 0.5, 'data.val_fraction', c.data.val_fraction,
              'must be in (0, 0.5)', 'use e.g. 0.02')
 
+    _require(c.sharding.sequence_parallel in SEQUENCE_PARALLEL, 'sharding.sequence_parallel',
+             c.sharding.sequence_parallel, 'unknown setting', f'use one of {SEQUENCE_PARALLEL}')
     axes = set(MESH_AXES) | {None}
     for i, rule in enumerate(c.sharding.rules):
         _require(isinstance(rule, (tuple, list)) and len(rule) == 2, f'sharding.rules[{i}]', rule,

@@ -128,6 +128,13 @@ def base_config() -> ml_collections.ConfigDict:
         # ZeRO-1: also shard the optimizer state over the data-parallel axes
         # (data and fsdp) while parameters keep their own layout.
         zero1=False,
+        # Megatron's sequence parallelism: the residual stream, norms and dropout between the
+        # tensor-parallel matmuls split over the tokens across `tensor` (1/TP of their memory; an
+        # all-gather before each column-parallel matmul and a reduce-scatter after each
+        # row-parallel one in place of its all-reduce). 'auto' | 'true' | 'false' (a string, so
+        # that the command line's `=false` is one); 'auto' is off for now (`sequence_parallel`
+        # says why; docs/parallelism.md).
+        sequence_parallel='auto',
     ))
 
     c.pipeline = ml_collections.ConfigDict(dict(
@@ -303,7 +310,25 @@ def set_cpu_device_count(n: int) -> None:
 # --------------------------------------------------------------------------- derived values
 
 
-def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int]) -> tuple[tuple[str, Any], ...]:
+SEQUENCE_PARALLEL = ('auto', 'true', 'false')  # sharding.sequence_parallel
+
+
+def sequence_parallel(setting: Any, tensor: int) -> bool:
+    """Whether `sharding.sequence_parallel` = `setting` splits the residual stream over `tensor`.
+
+    'auto' is off, from the compiled programs (docs/parallelism.md, tests/test_sequence_parallel.py):
+    XLA's SPMD partitioner keeps each row-parallel all-reduce and slices its result (only the GPU
+    compiler's reduce-scatter pass fuses the two), then adds an all-gather before every
+    column-parallel matmul and all-to-alls around attention: 2.6x the tensor bytes of the
+    all-reduce layout at tensor 2 on the CPU, 6x more gathers under a pipeline, 6.5x the fsdp
+    gathers with fsdp, for 3-21 % less temporary memory. Until a GPU measurement shows equal
+    speed it is an opt-in ('true') for runs that need the memory.
+    """
+    return tensor > 1 and setting == 'true'
+
+
+def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int],
+                  sequence_parallel: bool = False) -> tuple[tuple[str, Any], ...]:
     """The logical rules for this model on this mesh: what every consumer of the rules uses.
 
     The rules name axes per logical dimension whatever the model; a grouped-query model's g
@@ -312,6 +337,10 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int]) -> tu
     rank keeps every kv head, as Megatron-LM does for GQA, and still slices its own query
     heads' share after the repeat (model/attention.py). Lists become tuples (a resolved config
     file holds lists).
+
+    `act_tokens`, the tokens of the flat residual stream [B*T, d] (model/layers.ACT_ND), is
+    derived here unless the rules name it: the batch's axes, followed with `sequence_parallel`
+    by the query heads' axes (Megatron's sequence parallelism over the tensor-parallel group).
     """
     out = []
     for name, target in rules:
@@ -321,12 +350,23 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int]) -> tu
             if shape.kv_heads % math.prod(int(mesh_sizes.get(a, 1)) for a in axes):
                 target = None
         out.append((name, target))
+    table = dict(out)
+    if 'act_tokens' not in table:
+        axes = _axes(table.get('batch'))
+        if sequence_parallel:
+            axes += tuple(a for a in _axes(table.get('heads')) if a not in axes and int(mesh_sizes.get(a, 1)) > 1)
+        out.append(('act_tokens', None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(out)
+
+
+def _axes(target) -> tuple[str, ...]:
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
 def sharding_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     """`resolve_rules` of config `c` on its own mesh."""
-    return resolve_rules(c.sharding.rules, model_shape(c), mesh_shape(c))
+    return resolve_rules(c.sharding.rules, model_shape(c), mesh_shape(c),
+                         sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor))
 
 
 def data_parallel_size(c: ml_collections.ConfigDict) -> int:

@@ -15,7 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import mesh as mesh_lib
 
-ACT_ND = ('batch', 'act_embed')  # flat activations: tokens over the batch axes
+# Flat activations [B*T, d] between the blocks' matmuls: tokens over the batch axes, and over
+# `tensor` too with sequence parallelism (config.resolve_rules derives `act_tokens`).
+ACT_ND = ('act_tokens', 'act_embed')
 
 
 def param(key: jax.Array, shape: Sequence[int], names: Sequence[str | None], std: float | None) -> nnx.Param:
