@@ -51,7 +51,9 @@ LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'inverse_sqrt')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
 PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
-MESH_AXES = ('pipeline', 'data', 'fsdp', 'tensor')
+# Outermost to innermost: tensor on the nearest devices, context next (its ring passes key/value
+# blocks between neighbours every attention block; docs/long_context.md).
+MESH_AXES = ('pipeline', 'data', 'fsdp', 'context', 'tensor')
 
 # name -> (layers, hidden, heads). The paper's models and the GPT-3 family sizes.
 MODEL_SIZES = {
@@ -107,6 +109,10 @@ def base_config() -> ml_collections.ConfigDict:
         attention_block_q=64,
         attention_block_kv=64,
         remat='full',  # none | full | save_dots | save_dots_no_batch
+        # With mesh.context > 1: device r of the context ring holds chunks r and 2c-1-r of the
+        # sequence's 2c chunks (zigzag), so every device does the same causal attention work;
+        # off, device r holds chunk r and the last device does the most (docs/long_context.md).
+        context_balance=True,
         # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
         # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
         # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
@@ -118,6 +124,9 @@ def base_config() -> ml_collections.ConfigDict:
         pipeline=1,
         data=1,
         fsdp=1,
+        # Splits every sequence's tokens (context parallelism, docs/long_context.md): activations
+        # per device / context; attention passes key/value blocks around a ring over this axis.
+        context=1,
         tensor=1,
         # > 0: simulate this many CPU devices (set by main before JAX starts).
         cpu_devices=0,
