@@ -121,7 +121,7 @@ def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, 
 
 # Logical names of activations, not parameters: every other name in the rules is a parameter
 # dimension (embed, mlp, heads, vocab, layers, ...).
-ACTIVATION_NAMES = ('batch', 'act_embed')
+ACTIVATION_NAMES = ('batch', 'length', 'tokens', 'act_embed')
 
 
 def data_placement(rules) -> tuple[bool, bool]:
@@ -140,6 +140,7 @@ class Layout:
     fsdp: int = 1
     tensor: int = 1
     context: int = 1  # mesh.context: the sequence split over devices (docs/long_context.md)
+    context_balance: bool = True  # model.context_balance: the zigzag token order (model/context.py)
     micro_batch: int = 1
     accum_steps: int = 1
     remat: str = 'full'
@@ -160,8 +161,9 @@ class Layout:
         """Parts the pipeline's stash and sends are split into over `tensor` (pipeline.TokenSplit)."""
         if self.pipeline == 1:
             return 1
-        # The batch's automatic axes: fsdp, and data unless the pipeline runs data-manual.
-        batch = tuple(a for a, n in (('data', 0 if self.reduce_once else self.data), ('fsdp', self.fsdp)) if n > 1)
+        # The tokens' automatic axes: fsdp, context, and data unless the pipeline runs data-manual.
+        batch = tuple(a for a, n in (('data', 0 if self.reduce_once else self.data), ('fsdp', self.fsdp),
+                                     ('context', self.context)) if n > 1)
         axes = token_split_axes(self.shard_activations, batch, ('tensor',) if self.tensor > 1 else ())
         return self.tensor if axes else 1
 
@@ -170,7 +172,7 @@ class Layout:
         """The config's layout, made once per run and handed to the trainer, the pipeline and the planner."""
         data_in_batch, params_over_data = data_placement(config_lib.sharding_rules(c))
         return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
-                   context=c.mesh.context, micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
+                   context=c.mesh.context, context_balance=bool(c.model.context_balance), micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
                    zero1=bool(c.sharding.zero1), optimizer=c.optim.name, factor_min_dim=c.optim.factor_min_dim,
                    dropout=c.model.dropout_rate > 0,
@@ -192,7 +194,8 @@ class Layout:
         """The layout as JSON-ready fields; the rules' data placement, the optimizer and context only where
         not the default (records of layouts without them read the same)."""
         fields = dataclasses.asdict(self)
-        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim', 'context'):
+        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim', 'context',
+                     'context_balance'):
             if fields[name] == Layout.__dataclass_fields__[name].default:
                 del fields[name]
         return fields
@@ -228,6 +231,7 @@ class Layout:
                       tensor=self.tensor)
         c.train.update(micro_batch=self.micro_batch, accum_steps=self.accum_steps, global_batch=self.global_batch)
         c.model.remat = self.remat
+        c.model.context_balance = self.context_balance
         c.pipeline.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
         c.sharding.zero1 = self.zero1
         c.optim.update(name=self.optimizer, factor_min_dim=self.factor_min_dim)

@@ -38,9 +38,10 @@ def device_order(devices: Sequence[jax.Device]) -> list[jax.Device]:
 
 
 def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes `config_lib.MESH_AXES`, all of type Auto, innermost axis on neighbours."""
+    """A mesh with axes `config_lib.MESH_AXES` (those `shape` leaves out have size 1), all of type Auto,
+    innermost axis on neighbours."""
     devices = device_order(jax.devices() if devices is None else devices)
-    sizes = tuple(shape[a] for a in config_lib.MESH_AXES)
+    sizes = tuple(int(shape.get(a, 1)) for a in config_lib.MESH_AXES)
     n = int(np.prod(sizes))
     if n != len(devices):
         raise ValueError(f'mesh {dict(shape)} needs {n} devices, got {len(devices)}')

@@ -20,6 +20,10 @@ from jaxfrontier.errors import ConfigError
 # names on the left (see jaxfrontier/model/); this table decides the layout.
 DEFAULT_RULES = (
     ('batch', ('data', 'fsdp')),  # activations: batch rows over every data-parallel axis
+    ('length', 'context'),  # activations: the sequence dimension T (context parallelism)
+    # Flat activations [B*T, ...]: batch's axes, then length's (resolve_rules fills it in where
+    # a rule table lacks it).
+    ('tokens', ('data', 'fsdp', 'context')),
     ('layers', 'pipeline'),  # the stacked-layer axis of the block parameters
     ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
     ('mlp', 'tensor'),  # Megatron column/row split of the MLP
@@ -319,8 +323,9 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int]) -> tu
     key/value heads can only be split over `kv_heads`' axes where g divides their size (JAX
     shards evenly). Where it does not (8 kv heads on tensor 16, 2 on tensor 4), each tensor
     rank keeps every kv head, as Megatron-LM does for GQA, and still slices its own query
-    heads' share after the repeat (model/attention.py). Lists become tuples (a resolved config
-    file holds lists).
+    heads' share after the repeat (model/attention.py). A table without `tokens` (the flat
+    [B*T] activations) gets batch's axes followed by length's. Lists become tuples (a resolved
+    config file holds lists).
     """
     out = []
     for name, target in rules:
@@ -330,7 +335,15 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int]) -> tu
             if shape.kv_heads % math.prod(int(mesh_sizes.get(a, 1)) for a in axes):
                 target = None
         out.append((name, target))
+    if 'tokens' not in dict(out):  # flat [B*T] activations: split as their rows and then their length
+        table = dict(out)
+        axes = tuple(a for name in ('batch', 'length') for a in _axes_of(table.get(name)))
+        out.append(('tokens', None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(out)
+
+
+def _axes_of(target) -> tuple[str, ...]:
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
 def sharding_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
