@@ -1,9 +1,9 @@
 """Megatron sequence parallelism along `tensor` (`sharding.sequence_parallel`).
 
-With it the flat residual stream [B*T, d] (model/layers.ACT_ND, logical `act_tokens`) is split
+With it the flat residual stream [B*T, d] (model/layers.ACT_ND, logical `stream`) is split
 over the tensor-parallel group between the matmuls, and gathered where attention and the MLP
 need every token. Held here:
-  - the rules: `act_tokens` follows the batch's axes, plus the heads' axes with SP; 'auto' is
+  - the rules: `stream` follows `tokens`' axes, plus the heads' axes with SP; 'auto' is
     off (config.sequence_parallel says why) and a wrong setting is a one-line ConfigError;
   - equivalence with one device (tensor 2, tensor 2 x fsdp 2, tensor 2 x pipeline 2; GPT and
     Llama) with SP on; SP off is the default the layout tests (test_parallel, test_pipeline) run;
@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import ConfigError
+from jaxfrontier.model.layers import ACT_ND
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
@@ -36,12 +37,14 @@ def _sp(c, setting):
 def test_rules_split_the_stream_over_tensor_only_with_sp():
     rules = lambda c: dict(config_lib.sharding_rules(c))  # noqa: E731
     c = make_config(data=2, fsdp=2, tensor=2)
-    assert rules(c)['act_tokens'] == ('data', 'fsdp')  # 'auto' is off
-    assert rules(_sp(c, 'true'))['act_tokens'] == ('data', 'fsdp', 'tensor')
-    assert rules(_sp(c, 'false'))['act_tokens'] == ('data', 'fsdp')
-    assert rules(_sp(make_config(data=8), 'true'))['act_tokens'] == ('data', 'fsdp')  # no tensor axis: nothing to split
-    spec = mesh_lib.logical_to_spec(('act_tokens', 'act_embed'), config_lib.sharding_rules(_sp(c, 'true')))
-    assert spec == jax.sharding.PartitionSpec(('data', 'fsdp', 'tensor'), None)
+    tokens = ('data', 'fsdp', 'context')  # batch's axes, then length's
+    assert rules(c)['stream'] == rules(c)['tokens'] == tokens  # 'auto' is off
+    assert rules(_sp(c, 'true'))['stream'] == (*tokens, 'tensor')
+    assert rules(_sp(c, 'true'))['tokens'] == tokens  # inside attention and the MLP: whole over tensor
+    assert rules(_sp(c, 'false'))['stream'] == tokens
+    assert rules(_sp(make_config(data=8), 'true'))['stream'] == tokens  # no tensor axis: nothing to split
+    spec = mesh_lib.logical_to_spec(ACT_ND, config_lib.sharding_rules(_sp(c, 'true')))
+    assert spec == jax.sharding.PartitionSpec((*tokens, 'tensor'), None)
 
 
 def test_unknown_setting_is_a_config_error():

@@ -138,6 +138,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds')
 
     _validate_pipeline(c)
+    _validate_context(c)
 
     o = c.optim
     _require(math.isfinite(o.lr) and o.lr > 0, 'optim.lr', o.lr, 'must be a finite number > 0',
@@ -273,6 +274,21 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
         _require(v == 1, 'pipeline.virtual_stages', v,
                  f'the {c.pipeline.schedule} schedule has one chunk per stage',
                  "set pipeline.virtual_stages=1 or pipeline.schedule='interleaved'")
+
+
+def _validate_context(c: ml_collections.ConfigDict) -> None:
+    """mesh.context splits each sequence into equal chunks, one per device (two with balancing)."""
+    ctx, balance = c.mesh.context, c.model.context_balance
+    _require(isinstance(balance, bool), 'model.context_balance', balance, 'must be True or False',
+             'set model.context_balance=True (the default) or False')
+    if ctx == 1:
+        return
+    chunks = 2 * ctx if balance else ctx
+    how = (f'2 x mesh.context = {chunks} (balanced: each device holds a chunk from the front and its mirror '
+           'from the back)' if balance else f'mesh.context = {ctx}')
+    _require(c.model.seq_len % chunks == 0, 'model.seq_len', c.model.seq_len,
+             f'the sequence is split into equal chunks, so it must be divisible by {how}',
+             f'choose model.seq_len as a multiple of {chunks}, or change mesh.context')
 
 
 def _check_spikes(c: ml_collections.ConfigDict) -> None:

@@ -20,6 +20,10 @@ from jaxfrontier.errors import ConfigError
 # names on the left (see jaxfrontier/model/); this table decides the layout.
 DEFAULT_RULES = (
     ('batch', ('data', 'fsdp')),  # activations: batch rows over every data-parallel axis
+    ('length', 'context'),  # activations: the sequence dimension T (context parallelism)
+    # Flat activations [B*T, ...]: batch's axes, then length's (resolve_rules fills it in where
+    # a rule table lacks it).
+    ('tokens', ('data', 'fsdp', 'context')),
     ('layers', 'pipeline'),  # the stacked-layer axis of the block parameters
     ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
     ('mlp', 'tensor'),  # Megatron column/row split of the MLP
@@ -51,7 +55,9 @@ LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'inverse_sqrt')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
 PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
-MESH_AXES = ('pipeline', 'data', 'fsdp', 'tensor')
+# Outermost to innermost: tensor on the nearest devices, context next (its ring passes key/value
+# blocks between neighbours every attention block; docs/long_context.md).
+MESH_AXES = ('pipeline', 'data', 'fsdp', 'context', 'tensor')
 
 # name -> (layers, hidden, heads). The paper's models and the GPT-3 family sizes.
 MODEL_SIZES = {
@@ -107,6 +113,10 @@ def base_config() -> ml_collections.ConfigDict:
         attention_block_q=64,
         attention_block_kv=64,
         remat='full',  # none | full | save_dots | save_dots_no_batch
+        # With mesh.context > 1: device r of the context ring holds chunks r and 2c-1-r of the
+        # sequence's 2c chunks (zigzag), so every device does the same causal attention work;
+        # off, device r holds chunk r and the last device does the most (docs/long_context.md).
+        context_balance=True,
         # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
         # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
         # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
@@ -118,6 +128,9 @@ def base_config() -> ml_collections.ConfigDict:
         pipeline=1,
         data=1,
         fsdp=1,
+        # Splits every sequence's tokens (context parallelism, docs/long_context.md): activations
+        # per device / context; attention passes key/value blocks around a ring over this axis.
+        context=1,
         tensor=1,
         # > 0: simulate this many CPU devices (set by main before JAX starts).
         cpu_devices=0,
@@ -335,12 +348,14 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int],
     key/value heads can only be split over `kv_heads`' axes where g divides their size (JAX
     shards evenly). Where it does not (8 kv heads on tensor 16, 2 on tensor 4), each tensor
     rank keeps every kv head, as Megatron-LM does for GQA, and still slices its own query
-    heads' share after the repeat (model/attention.py). Lists become tuples (a resolved config
-    file holds lists).
+    heads' share after the repeat (model/attention.py). A table without `tokens` (the flat
+    [B*T] activations) gets batch's axes followed by length's. Lists become tuples (a resolved
+    config file holds lists).
 
-    `act_tokens`, the tokens of the flat residual stream [B*T, d] (model/layers.ACT_ND), is
-    derived here unless the rules name it: the batch's axes, followed with `sequence_parallel`
-    by the query heads' axes (Megatron's sequence parallelism over the tensor-parallel group).
+    `stream`, the tokens of the residual stream [B*T, d] between the blocks' matmuls
+    (model/layers.ACT_ND), is derived here unless the rules name it: the axes of `tokens`,
+    followed with `sequence_parallel` by the query heads' axes (Megatron's sequence parallelism
+    over the tensor-parallel group; inside attention and the MLP the tokens stay on `tokens`).
     """
     out = []
     for name, target in rules:
@@ -350,16 +365,20 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int],
             if shape.kv_heads % math.prod(int(mesh_sizes.get(a, 1)) for a in axes):
                 target = None
         out.append((name, target))
+    if 'tokens' not in dict(out):  # flat [B*T] activations: split as their rows and then their length
+        table = dict(out)
+        axes = tuple(a for name in ('batch', 'length') for a in _axes_of(table.get(name)))
+        out.append(('tokens', None if not axes else axes[0] if len(axes) == 1 else axes))
     table = dict(out)
-    if 'act_tokens' not in table:
-        axes = _axes(table.get('batch'))
+    if 'stream' not in table:
+        axes = _axes_of(table['tokens'])
         if sequence_parallel:
-            axes += tuple(a for a in _axes(table.get('heads')) if a not in axes and int(mesh_sizes.get(a, 1)) > 1)
-        out.append(('act_tokens', None if not axes else axes[0] if len(axes) == 1 else axes))
+            axes += tuple(a for a in _axes_of(table.get('heads')) if a not in axes and int(mesh_sizes.get(a, 1)) > 1)
+        out.append(('stream', None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(out)
 
 
-def _axes(target) -> tuple[str, ...]:
+def _axes_of(target) -> tuple[str, ...]:
     return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 

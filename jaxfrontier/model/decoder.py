@@ -42,7 +42,7 @@ class Decoder(nnx.Module):
         w, letters = (self.wte, 'nd,vd->nv') if self.shape.tied_embeddings else (self.head, 'nd,dv->nv')
         logits_nv = jnp.einsum(letters, self.final_norm(x_nd), w[...].astype(self.dtype),
                                preferred_element_type=jnp.float32)
-        return mesh_lib.constrain(logits_nv, ('batch', 'vocab'))
+        return mesh_lib.constrain(logits_nv, ('tokens', 'vocab'))
 
     def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy (fp32) from the last block's output."""

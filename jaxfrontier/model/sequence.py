@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,3 +48,16 @@ def positions(seq: int | Seq, batch: int) -> jax.Array:
     if seq.positions_bt is not None:
         return seq.positions_bt
     return jnp.broadcast_to(jnp.arange(seq.length, dtype=jnp.int32)[None, :], (batch, seq.length))
+
+
+def balanced_order(seq_len: int, context: int) -> np.ndarray:
+    """Context parallelism's causal load balancing: the token indices in the order the devices hold them.
+
+    The sequence is cut into 2c equal chunks and device r of the context axis gets chunks r
+    and 2c-1-r (zigzag): under a causal mask a token's work grows with its position, and each
+    device then holds one early and one late chunk, so all do the same attention work. The
+    order lays device 0's two chunks first, then device 1's, ...: splitting it into c equal
+    parts along T gives each device its own. seq_len must be divisible by 2c.
+    """
+    chunks = np.arange(seq_len).reshape(2 * context, seq_len // (2 * context))
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * context - 1 - r]]) for r in range(context)])

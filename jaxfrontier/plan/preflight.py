@@ -51,7 +51,8 @@ def local_hardware(devices: Sequence[Any], capacity: int) -> hw_lib.Hardware:
 
 def overrides(layout: layout_lib.Layout) -> str:
     """The --config overrides that select `layout`."""
-    out = [f'--config.mesh.{axis}={getattr(layout, axis)}' for axis in ('data', 'fsdp', 'tensor', 'pipeline')]
+    axes = ('data', 'fsdp', 'tensor', 'pipeline') + (('context',) if layout.context > 1 else ())
+    out = [f'--config.mesh.{axis}={getattr(layout, axis)}' for axis in axes]
     out += [f'--config.train.micro_batch={layout.micro_batch}', f'--config.train.accum_steps={layout.accum_steps}']
     if layout.pipeline == 1:
         out.append(f'--config.model.remat={layout.remat}')
