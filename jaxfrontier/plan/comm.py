@@ -15,6 +15,11 @@ comparison with the compiled HLO is in tests/plan/test_planner.py; docs/planner.
             (jaxfrontier/training/reduction.py); otherwise all-reduced on their fsdp shard once per
             micro-batch. With ZeRO-1 they are then sliced into the optimizer layout and the
             updated parameters all-gathered once per step.
+            With `sharding.sequence_parallel` each of those all-reduces is a reduce-scatter
+            plus an all-gather of the same payload (the same bytes on the wire).
+  context   ring attention (`ring_traffic`): c - 1 collective-permutes of a k/v chunk per layer
+            forward (again when recomputed) and of k/v with dk/dv backward; every other
+            activation term above carries this device's T/c tokens.
   pipeline  each micro-batch's activations sent forward and their gradient sent back at
             every stage boundary (per virtual stage with the interleaved schedule), split over
             tensor (1/TP each) with `pipeline.shard_activations`, which also all-gathers over
@@ -52,6 +57,10 @@ class Transfer:
     exposed_s: float  # not hidden behind compute (docs/planner.md)
     per_micro_batch: bool  # repeats with every micro-batch (inside the pipeline timeline)
 
+
+# Share of a step's compute the ring's transfers can hide behind (the attention blocks of each
+# layer, forward and backward; an assumption until kern's ring is timed, docs/long_context.md).
+RING_HIDDEN_SHARE = 0.5
 
 _WIRE_FACTOR = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
                 'reduce-scatter': lambda n: (n - 1) / n, 'collective-permute': lambda n: 1.0}
@@ -110,16 +119,43 @@ def input_projections(specs, rules) -> tuple[int, int]:
     return split, whole
 
 
+def ring_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
+    """Context parallelism's ring attention: key/value chunks passed around the `context` ring.
+
+    Per layer and micro-batch each device sends its neighbour one chunk of keys and one of values
+    [B, T/c, G, K] (G: its kv heads, split over tensor where they divide it) at each of c - 1
+    steps of the forward, again when full remat recomputes it, and in the backward's second
+    ring pass the keys and values with their fp32 gradient accumulators dk, dv.
+    """
+    c = layout.context
+    if c <= 1:
+        return
+    kv_heads = shape.kv_heads // layout.tensor if shape.kv_heads % layout.tensor == 0 else shape.kv_heads
+    chunk = layout.micro_batch * -(-shape.seq_len // c) * kv_heads * shape.head_dim
+    per_layer = layout.accum_steps * shape.num_layers / layout.pipeline * (c - 1)
+    forward_passes = 2 if pm.effective_remat(layout) == 'full' or pm.staggered(layout) else 1
+    t.add('ring attention: k/v chunks', 'collective-permute', ('context',), 2 * chunk * dtype_bytes,
+          per_layer * forward_passes)
+    t.add('ring attention backward: k/v and dk/dv', 'collective-permute', ('context',),
+          2 * chunk * (dtype_bytes + 4), per_layer)
+
+
 def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int, projections: tuple[int, int] = (2, 0)
                         ) -> None:
     m, p = layout.accum_steps, layout.pipeline
-    act = layout.micro_batch * shape.seq_len * shape.d_model
+    act = layout.micro_batch * -(-shape.seq_len // layout.context) * shape.d_model  # this device's tokens
+    ring_traffic(t, shape, layout, dtype_bytes)
     if layout.tensor > 1:
         per_layer = 4 + (1 if pm.effective_remat(layout) == 'full' else 0)  # recompute: all but the last
         if pm.staggered(layout):  # forward, recomputation (all of it) and backward; the last stage: no forward
             per_layer = (6 * (p - 1) + 4) / p
-        t.add('activations (Megatron f/g)', 'all-reduce', ('tensor',), act * dtype_bytes,
-              m * shape.num_layers / p * per_layer)
+        if layout.sequence_parallel:  # Megatron's SP: each all-reduce becomes a reduce-scatter + all-gather
+            for kind in ('reduce-scatter', 'all-gather'):
+                t.add('activations (Megatron SP g/g-bar)', kind, ('tensor',), act * dtype_bytes,
+                      m * shape.num_layers / p * per_layer)
+        else:
+            t.add('activations (Megatron f/g)', 'all-reduce', ('tensor',), act * dtype_bytes,
+                  m * shape.num_layers / p * per_layer)
         # Separate input projections (Llama's q and k/v, gate and up) each send their own input
         # gradient: XLA combines them with the sublayer's one all-reduce, whose payload grows.
         split, whole = projections
@@ -243,7 +279,11 @@ def timed(items: tuple[Traffic, ...], layout, hw: hw_lib.Hardware, compute_mb_s:
     out = []
     for x in items:
         time_s = wire_time_s(x.kind, x.payload_bytes, x.count, x.group, x.level, hw)
-        if x.kind == 'all-gather' and x.per_micro_batch and x.what.startswith('FSDP'):
+        if x.what.startswith('ring attention'):
+            # Each step's transfer overlaps the attention block computed on the chunk in hand
+            # (the first has nothing to hide behind): attention is most of a long-context layer.
+            exposed = max(time_s - compute_s * RING_HIDDEN_SHARE, time_s / max(x.count, 1.0))
+        elif x.kind == 'all-gather' and x.per_micro_batch and x.what.startswith('FSDP'):
             exposed = max(0.0, time_s - compute_s) + time_s / max(x.count, 1.0)
         elif x.per_micro_batch and x.what.startswith(('gradients', 'embedding gradient')):
             exposed = max(time_s - compute_s * 2 / 3, time_s / max(layers, 1.0))
