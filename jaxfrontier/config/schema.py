@@ -146,7 +146,7 @@ def base_config() -> ml_collections.ConfigDict:
         # all-gather before each column-parallel matmul and a reduce-scatter after each
         # row-parallel one in place of its all-reduce). 'auto' | 'true' | 'false' (a string, so
         # that the command line's `=false` is one); 'auto' is off for now (`sequence_parallel`
-        # says why; docs/parallelism.md).
+        # says why; docs/long_context.md).
         sequence_parallel='auto',
     ))
 
@@ -329,7 +329,7 @@ SEQUENCE_PARALLEL = ('auto', 'true', 'false')  # sharding.sequence_parallel
 def sequence_parallel(setting: Any, tensor: int) -> bool:
     """Whether `sharding.sequence_parallel` = `setting` splits the residual stream over `tensor`.
 
-    'auto' is off, from the compiled programs (docs/parallelism.md, tests/test_sequence_parallel.py):
+    'auto' is off, from the compiled programs (docs/long_context.md, tests/test_sequence_parallel.py):
     XLA's SPMD partitioner keeps each row-parallel all-reduce and slices its result (only the GPU
     compiler's reduce-scatter pass fuses the two), then adds an all-gather before every
     column-parallel matmul and all-to-alls around attention: 2.6x the tensor bytes of the
