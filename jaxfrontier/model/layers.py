@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import mesh as mesh_lib
 
-# Flat activations [B*T, d]: `tokens` is batch's axes then length's (config.DEFAULT_RULES), so a
-# reshape to [B, T, ...] with B over batch and T over length (context parallelism) stays local.
+# Flat activations [N, d], N = B*T in model/context.py's token order, split over `tokens` (the
+# context axis, then the batch axes): converting to [B, T, ...] stays local.
 ACT_ND = ('tokens', 'act_embed')
 
 
