@@ -21,9 +21,9 @@ from jaxfrontier.errors import ConfigError
 DEFAULT_RULES = (
     ('batch', ('data', 'fsdp')),  # activations: batch rows over every data-parallel axis
     ('length', 'context'),  # activations: the sequence dimension T (context parallelism)
-    # Flat activations [B*T, ...]: batch's axes, then length's (resolve_rules fills it in where
-    # a rule table lacks it).
-    ('tokens', ('data', 'fsdp', 'context')),
+    # Flat activations [N, ...] (N = B*T in model/context.py's order): length's axes, then batch's
+    # (resolve_rules fills it in where a rule table lacks it).
+    ('tokens', ('context', 'data', 'fsdp')),
     ('layers', 'pipeline'),  # the stacked-layer axis of the block parameters
     ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
     ('mlp', 'tensor'),  # Megatron column/row split of the MLP
@@ -349,7 +349,7 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int],
     shards evenly). Where it does not (8 kv heads on tensor 16, 2 on tensor 4), each tensor
     rank keeps every kv head, as Megatron-LM does for GQA, and still slices its own query
     heads' share after the repeat (model/attention.py). A table without `tokens` (the flat
-    [B*T] activations) gets batch's axes followed by length's. Lists become tuples (a resolved
+    [B*T] activations) gets length's axes followed by batch's (model/context.py). Lists become tuples (a resolved
     config file holds lists).
 
     `stream`, the tokens of the residual stream [B*T, d] between the blocks' matmuls
@@ -365,9 +365,9 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int],
             if shape.kv_heads % math.prod(int(mesh_sizes.get(a, 1)) for a in axes):
                 target = None
         out.append((name, target))
-    if 'tokens' not in dict(out):  # flat [B*T] activations: split as their rows and then their length
+    if 'tokens' not in dict(out):  # flat activations: split by part of the sequence, then by rows
         table = dict(out)
-        axes = tuple(a for name in ('batch', 'length') for a in _axes_of(table.get(name)))
+        axes = tuple(a for name in ('length', 'batch') for a in _axes_of(table.get(name)))
         out.append(('tokens', None if not axes else axes[0] if len(axes) == 1 else axes))
     table = dict(out)
     if 'stream' not in table:

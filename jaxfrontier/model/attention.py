@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.blockwise import blockwise_attention
+from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.layers import ACT_ND, param
 from jaxfrontier.model.sequence import Seq, as_seq, positions
 
@@ -201,10 +202,10 @@ class Attention(nnx.Module):
         qkv_n3hk = jnp.einsum('nd,dahk->nahk', x_nd, self.w_qkv[...].astype(dtype)) + self.b_qkv[...].astype(dtype)
         n, _, h, k = qkv_n3hk.shape
         seq_len = as_seq(seq).length
-        qkv_bt3hk = qkv_n3hk.reshape(n // seq_len, seq_len, 3, h, k)  # [B, T, 3, H, K]
+        qkv_bt3hk = unflatten_tokens(qkv_n3hk, n // seq_len, seq_len)  # [B, T, 3, H, K]
         o_bthk, cache = attend(qkv_bt3hk[:, :, 0], qkv_bt3hk[:, :, 1], qkv_bt3hk[:, :, 2], self.impl, self.blocks,
                                cache, positions_bt, seq)
-        o_nhk = o_bthk.reshape(n, h, k)  # [B*T, H, K]
+        o_nhk = flatten_tokens(o_bthk)  # [N, H, K]
         y_nd = jnp.einsum('nhk,hkd->nd', o_nhk, self.w_out[...].astype(dtype)) + self.b_out[...].astype(dtype)
         y_nd = mesh_lib.constrain(y_nd, ACT_ND)
         return y_nd if cache is None else (y_nd, cache)

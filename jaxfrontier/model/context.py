@@ -1,8 +1,18 @@
 """Context parallelism's token order: which of a micro-batch's tokens each device of `context` holds.
 
 With mesh.context = c the sequence dimension T of every activation is split into c equal
-parts over the `context` mesh axis (the logical name `length`; flat activations [B*T, d] are
-split over `tokens` = batch's axes then length's). Under a causal mask the work of a token
+parts over the `context` mesh axis (the logical name `length`).
+
+The flat token order. The blocks work on flat activations [N, d], N = B*T. Row-major [B, T]
+cannot be split over T by a 1-D tiling of N (a device's tokens t in part r of every row are not
+contiguous), so with c > 1 the flat order is [c, B, T/c]: part-major, then row, then position
+within the part (`flatten_tokens`; `unflatten_tokens` goes back). With B over the batch axes and
+the part over `context`, both conversions are local transposes, and N is split over `tokens` =
+(context, then the batch axes; config.DEFAULT_RULES). With c = 1 the order is [B, T], as
+before, and the programs are unchanged. Per-token work (norms, MLPs, the head, the mean loss)
+does not care about the order; attention and the embedding convert.
+
+Under a causal mask the work of a token
 grows with its position, so the device holding the last part would do the most attention
 work. With `model.context_balance` the step permutes each micro-batch's inputs and targets
 along T by `sequence.balanced_order` (device r holds chunks r and 2c-1-r of 2c), and passes
@@ -17,6 +27,8 @@ arrives replicated over `context`, so the permutation is a local gather of a few
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +36,34 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.sequence import Seq, balanced_order
 
 TOKENS_BT = ('batch', 'length')  # token ids, targets and positions [B, T]
+
+
+def parts() -> int:
+    """Parts the sequence is split into under the active rules and mesh (1 outside them)."""
+    axes = mesh_lib.active_axes('length')
+    if not axes:
+        return 1
+    return math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+
+
+def flatten_tokens(x_bt: jax.Array) -> jax.Array:
+    """[B, T, ...] -> [N, ...] in the flat token order (the module docstring)."""
+    b, t, rest = x_bt.shape[0], x_bt.shape[1], x_bt.shape[2:]
+    c = parts()
+    if c == 1:
+        return x_bt.reshape(b * t, *rest)
+    x_bctr = x_bt.reshape(b, c, t // c, *rest)  # [B, C, T/C, ...]
+    return jnp.swapaxes(x_bctr, 0, 1).reshape(b * t, *rest)  # [C * B * T/C, ...]
+
+
+def unflatten_tokens(x_n: jax.Array, b: int, t: int) -> jax.Array:
+    """[N, ...] in the flat token order -> [B, T, ...]."""
+    rest = x_n.shape[1:]
+    c = parts()
+    if c == 1:
+        return x_n.reshape(b, t, *rest)
+    x_cbtr = x_n.reshape(c, b, t // c, *rest)  # [C, B, T/C, ...]
+    return jnp.swapaxes(x_cbtr, 0, 1).reshape(b, t, *rest)
 
 
 class TokenOrder:

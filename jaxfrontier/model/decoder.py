@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import stack
+from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.layers import cross_entropy
 from jaxfrontier.model.sequence import Seq
 
@@ -46,7 +47,7 @@ class Decoder(nnx.Module):
 
     def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy (fp32) from the last block's output."""
-        return cross_entropy(self.logits(x_nd), targets_bt.reshape(-1), self.shape.real_vocab_size)
+        return cross_entropy(self.logits(x_nd), flatten_tokens(targets_bt), self.shape.real_vocab_size)
 
     def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None,
              positions_bt: jax.Array | None = None, segments_bt: jax.Array | None = None) -> jax.Array:
@@ -61,4 +62,4 @@ class Decoder(nnx.Module):
         """Logits [B, T, V] (fp32) for evaluation and inference."""
         b, t = tokens_bt.shape
         logits_nv = self.logits(self.apply_blocks(self.embed(tokens_bt), t))
-        return logits_nv.reshape(b, t, -1)
+        return unflatten_tokens(logits_nv, b, t)

@@ -15,10 +15,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import mesh as mesh_lib
 
-# Flat activations [B*T, d] between the blocks' matmuls (the residual stream, norms, dropout):
-# `stream` is `tokens`' axes (batch's then length's, so a reshape to [B, T, ...] stays local),
-# and with sequence parallelism the tensor axis after them (config.resolve_rules derives it).
-# Inside attention and the MLP the tokens are on `tokens`: gathered over tensor.
+# Flat activations [N, d] between the blocks' matmuls (the residual stream, norms, dropout), N = B*T
+# in model/context.py's token order: `stream` is `tokens`' axes (the context axis, then the batch
+# axes: converting to [B, T, ...] stays local) and, with sequence parallelism, the tensor axis
+# after them (config.resolve_rules derives it). Inside attention and the MLP the tokens are on
+# `tokens`: gathered over tensor.
 ACT_ND = ('stream', 'act_embed')
 
 
