@@ -61,6 +61,8 @@ def overrides(layout: layout_lib.Layout) -> str:
         if layout.schedule == 'interleaved':
             out.append(f'--config.pipeline.virtual_stages={layout.virtual_stages}')
     out.append(f'--config.sharding.zero1={layout.zero1}')
+    if layout.tensor > 1:
+        out.append(f'--config.sharding.sequence_parallel={"true" if layout.sequence_parallel else "false"}')
     return ' '.join(out)
 
 

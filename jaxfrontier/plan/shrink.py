@@ -41,7 +41,8 @@ CHECK_OPTIM = dict(name='adamw', lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-6,
 
 KEPT = ('model.family', 'mesh.pipeline', 'mesh.fsdp', 'mesh.context', 'model.context_balance', 'mesh.tensor',
         'pipeline.schedule',
-        'pipeline.virtual_stages', 'pipeline.shard_activations', 'sharding.zero1', 'sharding.rules', 'model.remat',
+        'pipeline.virtual_stages', 'pipeline.shard_activations', 'sharding.zero1', 'sharding.sequence_parallel',
+        'sharding.rules', 'model.remat',
         'model.attention', 'model.dtype', 'model.dropout_rate', 'model.tied_embeddings', 'model.scan_unroll',
         'train.micro_batch', 'optim.clip_norm', 'optim.weight_decay')
 # Kept too where the family has key/value heads (Llama): what changes the numbers, not the size.
