@@ -280,8 +280,9 @@ def timed(items: tuple[Traffic, ...], layout, hw: hw_lib.Hardware, compute_mb_s:
     for x in items:
         time_s = wire_time_s(x.kind, x.payload_bytes, x.count, x.group, x.level, hw)
         if x.what.startswith('ring attention'):
-            # Each step's transfer overlaps the attention block computed on the chunk in hand
-            # (the first has nothing to hide behind): attention is most of a long-context layer.
+            # Each step's transfer overlaps the attention block computed on the chunk in hand (the
+            # first, the local block): attention is most of a long-context layer. At least one
+            # transfer's time shows.
             exposed = max(time_s - compute_s * RING_HIDDEN_SHARE, time_s / max(x.count, 1.0))
         elif x.kind == 'all-gather' and x.per_micro_batch and x.what.startswith('FSDP'):
             exposed = max(0.0, time_s - compute_s) + time_s / max(x.count, 1.0)
