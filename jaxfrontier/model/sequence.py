@@ -51,13 +51,16 @@ def positions(seq: int | Seq, batch: int) -> jax.Array:
 
 
 def balanced_order(seq_len: int, context: int) -> np.ndarray:
-    """Context parallelism's causal load balancing: the token indices in the order the devices hold them.
+    """The causal load-balanced token order of context parallelism (zigzag): a permutation of 0..T-1.
 
-    The sequence is cut into 2c equal chunks and device r of the context axis gets chunks r
-    and 2c-1-r (zigzag): under a causal mask a token's work grows with its position, and each
-    device then holds one early and one late chunk, so all do the same attention work. The
-    order lays device 0's two chunks first, then device 1's, ...: splitting it into c equal
-    parts along T gives each device its own. seq_len must be divisible by 2c.
+    The sequence is cut into 2c equal chunks and context rank r holds chunks r and 2c-1-r (one
+    from the front, its mirror from the back), laid out rank by rank: [0, 2c-1, 1, 2c-2, ...].
+    Under a causal mask the work of a query chunk grows with its position, so each rank's pair
+    sums to the same work (ring.ring_block_pairs counts it). The order doubles as the tokens'
+    positions (position = index in the natural sequence).
     """
+    if context < 1 or seq_len % (2 * context):
+        raise ValueError(f'balanced_order needs the sequence ({seq_len}) to split into 2 x context '
+                         f'({2 * context}) equal chunks')
     chunks = np.arange(seq_len).reshape(2 * context, seq_len // (2 * context))
-    return np.concatenate([np.concatenate([chunks[r], chunks[2 * context - 1 - r]]) for r in range(context)])
+    return np.concatenate([chunks[i] for r in range(context) for i in (r, 2 * context - 1 - r)])
