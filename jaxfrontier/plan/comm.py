@@ -17,9 +17,10 @@ comparison with the compiled HLO is in tests/plan/test_planner.py; docs/planner.
             updated parameters all-gathered once per step.
             With `sharding.sequence_parallel` each of those all-reduces is a reduce-scatter
             plus an all-gather of the same payload (the same bytes on the wire).
-  context   ring attention (`ring_traffic`): c - 1 collective-permutes of a k/v chunk per layer
-            forward (again when recomputed) and of k/v with dk/dv backward; every other
-            activation term above carries this device's T/c tokens.
+  context   ring attention (`ring_traffic`, model/ring.py): per layer the positions all-gathered
+            and c - 1 collective-permutes of a k/v chunk forward (again when recomputed), c - 1
+            of k/v and c of fp32 dk/dv backward; every other activation term above carries this
+            device's T/c tokens.
   pipeline  each micro-batch's activations sent forward and their gradient sent back at
             every stage boundary (per virtual stage with the interleaved schedule), split over
             tensor (1/TP each) with `pipeline.shard_activations`, which also all-gathers over
@@ -120,24 +121,27 @@ def input_projections(specs, rules) -> tuple[int, int]:
 
 
 def ring_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
-    """Context parallelism's ring attention: key/value chunks passed around the `context` ring.
+    """Context parallelism's ring attention (model/ring.py): k/v chunks passed around the `context` ring.
 
-    Per layer and micro-batch each device sends its neighbour one chunk of keys and one of values
-    [B, T/c, G, K] (G: its kv heads, split over tensor where they divide it) at each of c - 1
-    steps of the forward, again when full remat recomputes it, and in the backward's second
-    ring pass the keys and values with their fp32 gradient accumulators dk, dv.
+    Per layer and micro-batch, as `ring.ring_send_bytes` counts one call (held against the
+    compiled program by tests/model/test_ring.py): the forward all-gathers the int32 positions
+    and passes this rank's k and v [B, T/c, H/TP, K] (repeated to the query heads at the call
+    site) c - 1 hops; full remat runs that forward again; the backward passes k and v c - 1 hops
+    and their fp32 gradients dk, dv c hops (home). Packed documents' segment ids (an int32 more
+    per token in the gather) are left out: the layout does not know them.
     """
     c = layout.context
     if c <= 1:
         return
-    kv_heads = shape.kv_heads // layout.tensor if shape.kv_heads % layout.tensor == 0 else shape.kv_heads
-    chunk = layout.micro_batch * -(-shape.seq_len // c) * kv_heads * shape.head_dim
-    per_layer = layout.accum_steps * shape.num_layers / layout.pipeline * (c - 1)
-    forward_passes = 2 if pm.effective_remat(layout) == 'full' or pm.staggered(layout) else 1
-    t.add('ring attention: k/v chunks', 'collective-permute', ('context',), 2 * chunk * dtype_bytes,
-          per_layer * forward_passes)
-    t.add('ring attention backward: k/v and dk/dv', 'collective-permute', ('context',),
-          2 * chunk * (dtype_bytes + 4), per_layer)
+    heads = -(-shape.num_heads // layout.tensor)
+    rows = layout.micro_batch * (shape.seq_len // c)
+    kv, grads = 2 * rows * heads * shape.head_dim * dtype_bytes, 2 * rows * heads * shape.head_dim * 4
+    calls = layout.accum_steps * shape.num_layers / layout.pipeline
+    forwards = calls * (2 if pm.effective_remat(layout) == 'full' or pm.staggered(layout) else 1)
+    t.add('ring attention: positions', 'all-gather', ('context',), layout.micro_batch * shape.seq_len * 4, forwards)
+    t.add('ring attention: k/v chunks', 'collective-permute', ('context',), kv, forwards * (c - 1))
+    t.add('ring attention backward: k/v chunks', 'collective-permute', ('context',), kv, calls * (c - 1))
+    t.add('ring attention backward: dk/dv home', 'collective-permute', ('context',), grads, calls * c)
 
 
 def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int, projections: tuple[int, int] = (2, 0)

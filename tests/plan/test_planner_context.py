@@ -1,13 +1,14 @@
 """The planner with context parallelism and sequence parallelism (issue 24, item 4).
 
-Exact: ring attention's traffic per step against the count written out by hand (c - 1 steps
-per layer, a k/v chunk [B, T/c, G, K] forward, again when recomputed, and k/v with fp32 dk/dv
-backward) and the link level the context axis lands on; SP's reduce-scatter + all-gather in
+Exact: ring attention's traffic per step against the count written out by hand (per layer the
+positions gathered, c - 1 hops of a k/v chunk [B, T/c, H/TP, K] forward, again when recomputed,
+c - 1 of k/v and c of fp32 dk/dv backward) and the link level the context axis lands on; SP's reduce-scatter + all-gather in
 place of the all-reduce, same payload; activations per device falling with context and the
 stream's share with SP; the search enumerating both.
-Against XLA (slow): the memory of a context layout within the planner's tolerance
-(test_planner.MEMORY_TOL). The ring's bytes in the compiled HLO against `ring_traffic` wait for
-model/ring.py (the kern branch): the context attention here still all-gathers k/v.
+The ring's bytes equal model/ring.ring_send_bytes, which tests/model/test_ring.py holds against
+the compiled ring's collective-permutes. Against XLA (slow): the memory of a context layout
+within the planner's tolerance (test_planner.MEMORY_TOL), with the context attention attend
+calls today (all-gathered k/v; ring attention is not wired in at attend's call site yet).
 """
 
 import dataclasses
@@ -40,20 +41,36 @@ def _traffic(shape, layout, hw='mi250x'):
 
 @pytest.mark.parametrize('remat,forward_passes', [('full', 2), ('none', 1)])
 def test_ring_traffic_is_c_minus_1_chunks_per_layer(remat, forward_passes):
-    shape = _llama_shape(seq=64, layers=3)  # 4 heads of 16, 2 k/v heads
+    shape = _llama_shape(seq=64, layers=3)  # 4 query heads of 16 (2 k/v heads, repeated at the call site)
     layout = layout_lib.Layout(context=4, tensor=2, micro_batch=2, accum_steps=3, remat=remat)
     items = _traffic(shape, layout)
-    # One chunk: 2 rows x 64/4 tokens x (2 k/v heads / tensor 2) x 16 head dim, in fp32 here.
-    chunk_bytes = 2 * 16 * 1 * 16 * 4
-    steps = 3 * 3 * (4 - 1)  # micro-batches x layers x (c - 1)
+    # One chunk of k or v: 2 rows x 64/4 tokens x (4 heads / tensor 2) x 16 head dim, fp32 here.
+    chunk_bytes = 2 * 16 * 2 * 16 * 4
+    calls = 3 * 3  # micro-batches x layers
     forward = items[('ring attention: k/v chunks', 'collective-permute')]
     assert forward.axes == ('context',) and forward.group == 4
-    assert forward.count == steps * forward_passes
-    assert forward.payload_bytes == steps * forward_passes * 2 * chunk_bytes  # k and v
-    backward = items[('ring attention backward: k/v and dk/dv', 'collective-permute')]
-    assert backward.count == steps
-    assert backward.payload_bytes == steps * 2 * chunk_bytes * 2  # k, v and fp32 dk, dv
-    assert not _traffic(shape, dataclasses.replace(layout, context=1)).keys() & {forward.what, backward.what}
+    assert forward.count == calls * forward_passes * 3  # c - 1 hops per call
+    assert forward.payload_bytes == forward.count * 2 * chunk_bytes  # k and v
+    backward = items[('ring attention backward: k/v chunks', 'collective-permute')]
+    assert (backward.count, backward.payload_bytes) == (calls * 3, calls * 3 * 2 * chunk_bytes)
+    home = items[('ring attention backward: dk/dv home', 'collective-permute')]
+    assert (home.count, home.payload_bytes) == (calls * 4, calls * 4 * 2 * chunk_bytes)  # fp32, c hops
+    ids = items[('ring attention: positions', 'all-gather')]
+    assert ids.payload_bytes == calls * forward_passes * 2 * 64 * 4
+    assert not any(what.startswith('ring') for what, _ in _traffic(shape, dataclasses.replace(layout, context=1)))
+
+
+@pytest.mark.parametrize('context,tensor,dtype', [(2, 1, 'float32'), (4, 2, 'bfloat16')])
+def test_ring_traffic_is_what_ring_attention_sends(context, tensor, dtype):
+    """The planner's count per call equals model/ring.ring_send_bytes, which tests/model/test_ring.py
+    holds against the collective-permutes of the compiled ring (the HLO check, one step removed)."""
+    ring = pytest.importorskip('jaxfrontier.model.ring')
+    shape = dataclasses.replace(_llama_shape(seq=64, layers=1), dtype=dtype)
+    layout = layout_lib.Layout(context=context, tensor=tensor, micro_batch=2, remat='none')
+    planned = sum(t.payload_bytes for (what, _), t in _traffic(shape, layout).items() if what.startswith('ring'))
+    sent = ring.ring_send_bytes(batch=2, seq_len=64, heads=4 // tensor, head_dim=16,
+                                itemsize=4 if dtype == 'float32' else 2, context=context, segments=False)
+    assert planned == sent['forward'] + sent['backward']
 
 
 def test_context_lands_between_tensor_and_fsdp_links():
