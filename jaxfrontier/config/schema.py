@@ -141,12 +141,9 @@ def base_config() -> ml_collections.ConfigDict:
         # ZeRO-1: also shard the optimizer state over the data-parallel axes
         # (data and fsdp) while parameters keep their own layout.
         zero1=False,
-        # Megatron's sequence parallelism: the residual stream, norms and dropout between the
-        # tensor-parallel matmuls split over the tokens across `tensor` (1/TP of their memory; an
-        # all-gather before each column-parallel matmul and a reduce-scatter after each
-        # row-parallel one in place of its all-reduce). 'auto' | 'true' | 'false' (a string, so
-        # that the command line's `=false` is one); 'auto' is off for now (`sequence_parallel`
-        # says why; docs/long_context.md).
+        # Megatron's sequence parallelism: the residual stream between the tensor-parallel matmuls
+        # split over tensor too. 'auto' | 'true' | 'false' (strings: `=false` on the command line
+        # is one); 'auto' is off for now (`sequence_parallel`; docs/long_context.md).
         sequence_parallel='auto',
     ))
 
@@ -329,13 +326,9 @@ SEQUENCE_PARALLEL = ('auto', 'true', 'false')  # sharding.sequence_parallel
 def sequence_parallel(setting: Any, tensor: int) -> bool:
     """Whether `sharding.sequence_parallel` = `setting` splits the residual stream over `tensor`.
 
-    'auto' is off, from the compiled programs (docs/long_context.md, tests/test_sequence_parallel.py):
-    XLA's SPMD partitioner keeps each row-parallel all-reduce and slices its result (only the GPU
-    compiler's reduce-scatter pass fuses the two), then adds an all-gather before every
-    column-parallel matmul and all-to-alls around attention: 2.6x the tensor bytes of the
-    all-reduce layout at tensor 2 on the CPU, 6x more gathers under a pipeline, 6.5x the fsdp
-    gathers with fsdp, for 3-21 % less temporary memory. Until a GPU measurement shows equal
-    speed it is an opt-in ('true') for runs that need the memory.
+    'auto' is off: in the compiled programs (docs/long_context.md) XLA keeps each all-reduce and
+    adds gathers (2.6x the tensor bytes on the CPU, more under fsdp or a pipeline) for 3-21 %
+    less temporary memory. Until a GPU shows equal speed it is an opt-in for runs that need it.
     """
     return tensor > 1 and setting == 'true'
 
