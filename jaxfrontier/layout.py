@@ -121,7 +121,7 @@ def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, dp_axes: tuple[str, 
 
 # Logical names of activations, not parameters: every other name in the rules is a parameter
 # dimension (embed, mlp, heads, vocab, layers, ...).
-ACTIVATION_NAMES = ('batch', 'act_embed')
+ACTIVATION_NAMES = ('batch', 'length', 'tokens', 'stream', 'act_embed')
 
 
 def data_placement(rules) -> tuple[bool, bool]:
@@ -139,6 +139,8 @@ class Layout:
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    context: int = 1  # mesh.context: the sequence split over devices (docs/long_context.md)
+    context_balance: bool = True  # model.context_balance: the zigzag token order (model/context.py)
     micro_batch: int = 1
     accum_steps: int = 1
     remat: str = 'full'
@@ -149,6 +151,9 @@ class Layout:
     factor_min_dim: int = 128  # optim.factor_min_dim: which weights Adafactor factors
     dropout: bool = False  # dropout > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
     shard_activations: bool = True  # pipeline.shard_activations
+    # sharding.sequence_parallel resolved (config.sequence_parallel): the residual stream's
+    # tokens split over `tensor` too.
+    sequence_parallel: bool = False
     # From the logical-axis rules (sharding.rules): the default rules put the batch on `data`
     # and no parameter dimension on it.
     data_in_batch: bool = True
@@ -159,8 +164,9 @@ class Layout:
         """Parts the pipeline's stash and sends are split into over `tensor` (pipeline.TokenSplit)."""
         if self.pipeline == 1:
             return 1
-        # The batch's automatic axes: fsdp, and data unless the pipeline runs data-manual.
-        batch = tuple(a for a, n in (('data', 0 if self.reduce_once else self.data), ('fsdp', self.fsdp)) if n > 1)
+        # The tokens' automatic axes: fsdp, context, and data unless the pipeline runs data-manual.
+        batch = tuple(a for a, n in (('data', 0 if self.reduce_once else self.data), ('fsdp', self.fsdp),
+                                     ('context', self.context)) if n > 1)
         axes = token_split_axes(self.shard_activations, batch, ('tensor',) if self.tensor > 1 else ())
         return self.tensor if axes else 1
 
@@ -169,11 +175,12 @@ class Layout:
         """The config's layout, made once per run and handed to the trainer, the pipeline and the planner."""
         data_in_batch, params_over_data = data_placement(config_lib.sharding_rules(c))
         return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
-                   micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
+                   context=c.mesh.context, context_balance=bool(c.model.context_balance), micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
                    zero1=bool(c.sharding.zero1), optimizer=c.optim.name, factor_min_dim=c.optim.factor_min_dim,
                    dropout=c.model.dropout_rate > 0,
                    shard_activations=bool(c.pipeline.shard_activations),
+                   sequence_parallel=config_lib.sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor),
                    data_in_batch=data_in_batch, params_over_data=params_over_data)
 
     @property
@@ -188,9 +195,11 @@ class Layout:
                            params_over_data=self.params_over_data)
 
     def as_dict(self) -> dict:
-        """The layout as JSON-ready fields; the rules' data placement and the optimizer only where not the default."""
+        """The layout as JSON-ready fields; the rules' data placement, the optimizer, context and SP only
+        where not the default (records of layouts without them read the same)."""
         fields = dataclasses.asdict(self)
-        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim'):
+        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim', 'context',
+                     'context_balance', 'sequence_parallel'):
             if fields[name] == Layout.__dataclass_fields__[name].default:
                 del fields[name]
         return fields
@@ -202,11 +211,13 @@ class Layout:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        return {'pipeline': self.pipeline, 'data': self.data, 'fsdp': self.fsdp, 'tensor': self.tensor}
+        """Axis sizes in config.MESH_AXES order (outermost first: the planner's link levels read it so)."""
+        return {'pipeline': self.pipeline, 'data': self.data, 'fsdp': self.fsdp, 'context': self.context,
+                'tensor': self.tensor}
 
     @property
     def num_devices(self) -> int:
-        return self.pipeline * self.data * self.fsdp * self.tensor
+        return self.pipeline * self.data * self.fsdp * self.context * self.tensor
 
     @property
     def dp(self) -> int:
@@ -220,21 +231,27 @@ class Layout:
     def apply(self, c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         """A copy of config `c` with this layout."""
         c = ml_collections.ConfigDict(c.to_dict())
-        c.mesh.update(pipeline=self.pipeline, data=self.data, fsdp=self.fsdp, tensor=self.tensor)
+        c.mesh.update(pipeline=self.pipeline, data=self.data, fsdp=self.fsdp, context=self.context,
+                      tensor=self.tensor)
         c.train.update(micro_batch=self.micro_batch, accum_steps=self.accum_steps, global_batch=self.global_batch)
         c.model.remat = self.remat
+        c.model.context_balance = self.context_balance
         c.pipeline.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
         c.sharding.zero1 = self.zero1
         c.optim.update(name=self.optimizer, factor_min_dim=self.factor_min_dim)
         c.pipeline.shard_activations = self.shard_activations
+        c.sharding.sequence_parallel = 'true' if self.sequence_parallel else 'false'
         return c
 
     def describe(self) -> str:
         parts = [f'TP {self.tensor}', f'PP {self.pipeline}', f'DP {self.dp}']
         if self.fsdp > 1:
             parts[-1] += f' (data {self.data} x fsdp {self.fsdp})'
+        if self.context > 1:
+            parts.append(f'CP {self.context}')
         sched = ''
         if self.pipeline > 1:
             sched = f', {self.schedule}' + (f' v={self.virtual_stages}' if self.schedule == 'interleaved' else '')
         return (' x '.join(parts) + f', micro-batch {self.micro_batch} x {self.accum_steps} steps, '
-                f'remat {self.remat}{sched}' + (', ZeRO-1' if self.zero1 else ''))
+                f'remat {self.remat}{sched}' + (', ZeRO-1' if self.zero1 else '')
+                + (', SP' if self.sequence_parallel and self.tensor > 1 else ''))

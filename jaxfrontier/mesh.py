@@ -1,9 +1,10 @@
 """Device mesh, logical-axis rules and sharding helpers.
 
-The mesh has the axes (pipeline, data, fsdp, tensor), outermost to innermost. Devices are
-ordered by (process, local id) and laid out row-major, so the innermost axis (tensor) lands
+The mesh has the axes (pipeline, data, fsdp, context, tensor), outermost to innermost. Devices
+are ordered by (process, local id) and laid out row-major, so the innermost axis (tensor) lands
 on neighbouring devices: on Frontier, a tensor group of 2 is the two GCDs of one MI250X and
-a group of 8 is one node; pipeline stages go across nodes.
+a group of 8 is one node; the context ring comes next (its key/value passes go between close
+devices); pipeline stages go across nodes.
 
 Parameters and activations carry logical axis names; `config.sharding.rules` maps each name
 to mesh axes. The model calls `constrain(x, names)`, which is a no-op outside `use_rules`.
@@ -37,9 +38,10 @@ def device_order(devices: Sequence[jax.Device]) -> list[jax.Device]:
 
 
 def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes `config_lib.MESH_AXES`, all of type Auto, innermost axis on neighbours."""
+    """A mesh with axes `config_lib.MESH_AXES` (those `shape` leaves out have size 1), all of type Auto,
+    innermost axis on neighbours."""
     devices = device_order(jax.devices() if devices is None else devices)
-    sizes = tuple(shape[a] for a in config_lib.MESH_AXES)
+    sizes = tuple(int(shape.get(a, 1)) for a in config_lib.MESH_AXES)
     n = int(np.prod(sizes))
     if n != len(devices):
         raise ValueError(f'mesh {dict(shape)} needs {n} devices, got {len(devices)}')

@@ -84,7 +84,7 @@ def test_good_config_passes_every_check(tmp_path, no_compile):
 def test_mesh_product_differs_from_device_count(tmp_path, no_compile):
     c = good_config()
     c.mesh.data = 4  # 4 x 2 x 2 = 16 devices, 8 present
-    assert_fails_cleanly(c, tmp_path / 'wd', 'mesh', 'pipeline 1 x data 4 x fsdp 2 x tensor 2',
+    assert_fails_cleanly(c, tmp_path / 'wd', 'mesh', 'pipeline 1 x data 4 x fsdp 2 x context 1 x tensor 2',
                          'needs 16 devices but 8 are present', '--mode=plan')
 
 
@@ -260,7 +260,7 @@ def test_cli_misspelt_key(tmp_path, args, named, hint):
 def test_cli_1t_on_8_cpu_devices(tmp_path):
     code, message = run_main(tmp_path, '--config=configs/1t.py')
     assert code == 2
-    for text in ('pipeline 64 x data 6 x fsdp 1 x tensor 8', '3072 devices', '8 are present', '--mode=plan'):
+    for text in ('pipeline 64 x data 6 x fsdp 1 x context 1 x tensor 8', '3072 devices', '8 are present', '--mode=plan'):
         assert text in message, (text, message)
 
 

@@ -16,6 +16,8 @@ from jaxfrontier.errors import CheckpointError
 
 POSITIVE_MODEL_FIELDS = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple')
 POSITIVE_MESH_FIELDS = ('pipeline', 'data', 'fsdp', 'tensor')
+# Mesh axes added later: a checkpoint written before them lacks the field (and ran at size 1).
+OPTIONAL_MESH_FIELDS = ('context',)
 
 
 def _positive_int(value: Any) -> bool:
@@ -77,6 +79,9 @@ def check_config(config: Any, bad) -> None:
     for field in POSITIVE_MESH_FIELDS:
         if not _positive_int(mesh.get(field)):
             raise bad(f'config.mesh.{field}', mesh.get(field), 'not a positive integer')
+    for field in OPTIONAL_MESH_FIELDS:
+        if field in mesh and not _positive_int(mesh[field]):
+            raise bad(f'config.mesh.{field}', mesh[field], 'not a positive integer')
     virtual = config['pipeline'].get('virtual_stages')
     if not _positive_int(virtual):
         raise bad('config.pipeline.virtual_stages', virtual, 'not a positive integer')

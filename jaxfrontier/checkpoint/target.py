@@ -51,7 +51,8 @@ def _platform(mesh) -> str | None:
 def param_placement(c: ml_collections.ConfigDict, mesh: Mesh) -> ParamPlacement:
     """The parameters of `c` on `mesh` from the model definition and the sharding rules alone."""
     shape = config_lib.model_shape(c, _platform(mesh))
-    rules = config_lib.resolve_rules(c.sharding.rules, shape, dict(mesh.shape))
+    rules = config_lib.resolve_rules(c.sharding.rules, shape, dict(mesh.shape),
+                                     config_lib.sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor))
     model_def = ModelDef.create(shape)
     virtual = c.pipeline.virtual_stages if c.mesh.pipeline > 1 else 1
     abstract_params = split_virtual(model_def.abstract_params(), virtual)

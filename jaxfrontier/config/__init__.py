@@ -26,6 +26,7 @@ from jaxfrontier.config.schema import (  # noqa: F401
     PIPELINE_SCHEDULES,
     REMAT_POLICIES,
     ROPE_SCALINGS,
+    SEQUENCE_PARALLEL,
     STAGGERED_RESIDUALS,
     base_config,
     compile_cache_dir,
@@ -41,6 +42,7 @@ from jaxfrontier.config.schema import (  # noqa: F401
     parse_arg,
     resolve_rules,
     resolve_scan_unroll,
+    sequence_parallel,
     sharding_rules,
     set_cpu_device_count,
 )

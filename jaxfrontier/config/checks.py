@@ -12,7 +12,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier.config import bounds
-from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, data_parallel_size, mesh_shape, mlp_dim, num_devices)
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, SEQUENCE_PARALLEL, data_parallel_size, mesh_shape, mlp_dim, num_devices)
 from jaxfrontier.errors import ConfigError
 
 
@@ -155,6 +155,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds')
 
     _validate_pipeline(c)
+    _validate_context(c)
 
     o = c.optim
     _require(math.isfinite(o.lr) and o.lr > 0, 'optim.lr', o.lr, 'must be a finite number > 0',
@@ -194,6 +195,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _require(0.0 < c.data.val_fraction < 0.5, 'data.val_fraction', c.data.val_fraction,
              'must be in (0, 0.5)', 'use e.g. 0.02')
 
+    _require(c.sharding.sequence_parallel in SEQUENCE_PARALLEL, 'sharding.sequence_parallel',
+             c.sharding.sequence_parallel, 'unknown setting', f'use one of {SEQUENCE_PARALLEL}')
     axes = set(MESH_AXES) | {None}
     for i, rule in enumerate(c.sharding.rules):
         _require(isinstance(rule, (tuple, list)) and len(rule) == 2, f'sharding.rules[{i}]', rule,
@@ -288,6 +291,21 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
         _require(v == 1, 'pipeline.virtual_stages', v,
                  f'the {c.pipeline.schedule} schedule has one chunk per stage',
                  "set pipeline.virtual_stages=1 or pipeline.schedule='interleaved'")
+
+
+def _validate_context(c: ml_collections.ConfigDict) -> None:
+    """mesh.context splits each sequence into equal chunks, one per device (two with balancing)."""
+    ctx, balance = c.mesh.context, c.model.context_balance
+    _require(isinstance(balance, bool), 'model.context_balance', balance, 'must be True or False',
+             'set model.context_balance=True (the default) or False')
+    if ctx == 1:
+        return
+    chunks = 2 * ctx if balance else ctx
+    how = (f'2 x mesh.context = {chunks} (balanced: each device holds a chunk from the front and its mirror '
+           'from the back)' if balance else f'mesh.context = {ctx}')
+    _require(c.model.seq_len % chunks == 0, 'model.seq_len', c.model.seq_len,
+             f'the sequence is split into equal chunks, so it must be divisible by {how}',
+             f'choose model.seq_len as a multiple of {chunks}, or change mesh.context')
 
 
 def _check_spikes(c: ml_collections.ConfigDict) -> None:

@@ -20,6 +20,10 @@ from jaxfrontier.errors import ConfigError
 # names on the left (see jaxfrontier/model/); this table decides the layout.
 DEFAULT_RULES = (
     ('batch', ('data', 'fsdp')),  # activations: batch rows over every data-parallel axis
+    ('length', 'context'),  # activations: the sequence dimension T (context parallelism)
+    # Flat activations [N, ...] (N = B*T in model/context.py's order): length's axes, then batch's
+    # (resolve_rules fills it in where a rule table lacks it).
+    ('tokens', ('context', 'data', 'fsdp')),
     ('layers', 'pipeline'),  # the stacked-layer axis of the block parameters
     ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
     ('mlp', 'tensor'),  # Megatron column/row split of the MLP
@@ -52,7 +56,9 @@ DATA_KINDS = ('builtin', 'tokens', 'synthetic')
 PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
 WANDB_MODES = ('disabled', 'online', 'offline')  # train.wandb_mode (training/wandb_log.py)
-MESH_AXES = ('pipeline', 'data', 'fsdp', 'tensor')
+# Outermost to innermost: tensor on the nearest devices, context next (its ring passes key/value
+# blocks between neighbours every attention block; docs/long_context.md).
+MESH_AXES = ('pipeline', 'data', 'fsdp', 'context', 'tensor')
 
 # name -> (layers, hidden, heads). The paper's models and the GPT-3 family sizes.
 MODEL_SIZES = {
@@ -108,6 +114,10 @@ def base_config() -> ml_collections.ConfigDict:
         attention_block_q=64,
         attention_block_kv=64,
         remat='full',  # none | full | save_dots | save_dots_no_batch
+        # With mesh.context > 1: device r of the context ring holds chunks r and 2c-1-r of the
+        # sequence's 2c chunks (zigzag), so every device does the same causal attention work;
+        # off, device r holds chunk r and the last device does the most (docs/long_context.md).
+        context_balance=True,
         # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
         # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
         # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
@@ -119,6 +129,9 @@ def base_config() -> ml_collections.ConfigDict:
         pipeline=1,
         data=1,
         fsdp=1,
+        # Splits every sequence's tokens (context parallelism, docs/long_context.md): activations
+        # per device / context; attention passes key/value blocks around a ring over this axis.
+        context=1,
         tensor=1,
         # > 0: simulate this many CPU devices (set by main before JAX starts).
         cpu_devices=0,
@@ -129,6 +142,10 @@ def base_config() -> ml_collections.ConfigDict:
         # ZeRO-1: also shard the optimizer state over the data-parallel axes
         # (data and fsdp) while parameters keep their own layout.
         zero1=False,
+        # Megatron's sequence parallelism: the residual stream between the tensor-parallel matmuls
+        # split over tensor too. 'auto' | 'true' | 'false' (strings: `=false` on the command line
+        # is one); 'auto' is off for now (`sequence_parallel`; docs/long_context.md).
+        sequence_parallel='auto',
     ))
 
     c.pipeline = ml_collections.ConfigDict(dict(
@@ -326,15 +343,35 @@ def set_cpu_device_count(n: int) -> None:
 # --------------------------------------------------------------------------- derived values
 
 
-def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int]) -> tuple[tuple[str, Any], ...]:
+SEQUENCE_PARALLEL = ('auto', 'true', 'false')  # sharding.sequence_parallel
+
+
+def sequence_parallel(setting: Any, tensor: int) -> bool:
+    """Whether `sharding.sequence_parallel` = `setting` splits the residual stream over `tensor`.
+
+    'auto' is off: in the compiled programs (docs/long_context.md) XLA keeps each all-reduce and
+    adds gathers (2.6x the tensor bytes on the CPU, more under fsdp or a pipeline) for 3-21 %
+    less temporary memory. Until a GPU shows equal speed it is an opt-in for runs that need it.
+    """
+    return tensor > 1 and setting == 'true'
+
+
+def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int],
+                  sequence_parallel: bool = False) -> tuple[tuple[str, Any], ...]:
     """The logical rules for this model on this mesh: what every consumer of the rules uses.
 
     The rules name axes per logical dimension whatever the model; a grouped-query model's g
     key/value heads can only be split over `kv_heads`' axes where g divides their size (JAX
     shards evenly). Where it does not (8 kv heads on tensor 16, 2 on tensor 4), each tensor
     rank keeps every kv head, as Megatron-LM does for GQA, and still slices its own query
-    heads' share after the repeat (model/attention.py). Lists become tuples (a resolved config
-    file holds lists).
+    heads' share after the repeat (model/attention.py). A table without `tokens` (the flat
+    [B*T] activations) gets length's axes followed by batch's (model/context.py). Lists become tuples (a resolved
+    config file holds lists).
+
+    `stream`, the tokens of the residual stream [B*T, d] between the blocks' matmuls
+    (model/layers.ACT_ND), is derived here unless the rules name it: the axes of `tokens`,
+    followed with `sequence_parallel` by the query heads' axes (Megatron's sequence parallelism
+    over the tensor-parallel group; inside attention and the MLP the tokens stay on `tokens`).
     """
     out = []
     for name, target in rules:
@@ -344,12 +381,27 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int]) -> tu
             if shape.kv_heads % math.prod(int(mesh_sizes.get(a, 1)) for a in axes):
                 target = None
         out.append((name, target))
+    if 'tokens' not in dict(out):  # flat activations: split by part of the sequence, then by rows
+        table = dict(out)
+        axes = tuple(a for name in ('length', 'batch') for a in _axes_of(table.get(name)))
+        out.append(('tokens', None if not axes else axes[0] if len(axes) == 1 else axes))
+    table = dict(out)
+    if 'stream' not in table:
+        axes = _axes_of(table['tokens'])
+        if sequence_parallel:
+            axes += tuple(a for a in _axes_of(table.get('heads')) if a not in axes and int(mesh_sizes.get(a, 1)) > 1)
+        out.append(('stream', None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(out)
+
+
+def _axes_of(target) -> tuple[str, ...]:
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
 def sharding_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     """`resolve_rules` of config `c` on its own mesh."""
-    return resolve_rules(c.sharding.rules, model_shape(c), mesh_shape(c))
+    return resolve_rules(c.sharding.rules, model_shape(c), mesh_shape(c),
+                         sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor))
 
 
 def data_parallel_size(c: ml_collections.ConfigDict) -> int:

@@ -57,13 +57,14 @@ def resolve_source(c: ml_collections.ConfigDict, workdir: str) -> str:
 
 
 def decode_config(c: ml_collections.ConfigDict, model: dict[str, Any]) -> ml_collections.ConfigDict:
-    """`c` with the source's model shape and no pipeline (its stages fold into `data`), dropout off."""
+    """`c` with the source's model shape, no pipeline and no context (both fold into `data`), dropout off."""
     c = ml_collections.ConfigDict(c.to_dict())  # unlocked copy
     for key in ADOPTED_FIELDS:
         if key in model:
             c.model[key] = model[key]
     c.model.dropout_rate = 0.0
-    c.mesh.data, c.mesh.pipeline = c.mesh.data * c.mesh.pipeline, 1
+    # Decoding keeps whole sequences (its KV cache is not split): pipeline and context fold into data.
+    c.mesh.data, c.mesh.pipeline, c.mesh.context = c.mesh.data * c.mesh.pipeline * c.mesh.context, 1, 1
     c.pipeline.virtual_stages = 1
     c.sharding.zero1 = False
     if c.model.num_heads % c.mesh.tensor:

@@ -33,11 +33,13 @@ from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.blockwise import blockwise_attention
+from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.layers import ACT_ND, param
-from jaxfrontier.model.sequence import Seq, as_seq
+from jaxfrontier.model.sequence import Seq, as_seq, positions
 
-ACT_BTHK = ('batch', None, 'heads', None)
-ACT_BTGK = ('batch', None, 'kv_heads', None)  # keys and values, also one layer's KV cache [B, S, G, K]
+ACT_BTHK = ('batch', 'length', 'heads', None)
+ACT_BTGK = ('batch', 'length', 'kv_heads', None)  # keys and values, also one layer's KV cache [B, S, G, K]
+ACT_BSHK_WHOLE = ('batch', None, 'heads', None)  # keys / values gathered over the context axis
 KVCache = dict[str, jax.Array]  # one layer's {'k', 'v'} [B, S, G, K] (model/decode.py)
 
 
@@ -127,13 +129,35 @@ def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, b
     if cache is None:
         k_bthk, v_bthk = (mesh_lib.constrain(repeat_kv(x, h), ACT_BTHK) for x in (k_btgk, v_btgk))
         seq = as_seq(q_bthk.shape[1] if seq is None else seq)
-        o_bthk = dot_product_attention(q_bthk, k_bthk, v_bthk, impl, *blocks, positions_bt=seq.positions_bt,
-                                       segments_bt=seq.segments_bt)
+        context = mesh_lib.active_axes('length')
+        if context:  # the sequence is split over devices: attention across them (context_attention)
+            o_bthk = context_attention(q_bthk, k_bthk, v_bthk, positions_bt=positions(seq, q_bthk.shape[0]),
+                                       segments_bt=seq.segments_bt, block_q=blocks[0], block_kv=blocks[1],
+                                       axis=context[0] if len(context) == 1 else context)
+        else:
+            o_bthk = dot_product_attention(q_bthk, k_bthk, v_bthk, impl, *blocks, positions_bt=seq.positions_bt,
+                                           segments_bt=seq.segments_bt)
         return mesh_lib.constrain(o_bthk, ACT_BTHK), None
     cache = {name: mesh_lib.constrain(write_cache(cache[name], new, positions_bt), ACT_BTGK)
              for name, new in (('k', k_btgk), ('v', v_btgk))}
     k_bshk, v_bshk = (mesh_lib.constrain(repeat_kv(cache[name], h), ACT_BTHK) for name in ('k', 'v'))
     return mesh_lib.constrain(cached_attention(q_bthk, k_bshk, v_bshk, positions_bt), ACT_BTHK), cache
+
+
+def context_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *, positions_bt: jax.Array,
+                      segments_bt: jax.Array | None, block_q: int, block_kv: int, axis='context') -> jax.Array:
+    """Attention of queries whose sequence is split over mesh `axis` (context parallelism) over all keys.
+
+    All-gather context parallelism (MaxText's `all-gather` strategy): each device keeps its
+    queries and gathers every key and value (and their positions) over `axis`; the mask comes
+    from positions, so any token order works (model/context.py). Memory per device: the local
+    queries' scores against all T keys. `model/ring.py`'s ring attention (issue 24) has this
+    signature and replaces it here: keys and values then travel around the ring blockwise
+    instead of being gathered.
+    """
+    del block_q, block_kv, axis  # the ring's; XLA places the gathers from the constraints
+    k_bshk, v_bshk = (mesh_lib.constrain(x, ACT_BSHK_WHOLE) for x in (k_bthk, v_bthk))
+    return reference_attention(q_bthk, k_bshk, v_bshk, positions_bt, segments_bt)
 
 
 def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str, block_q: int = 64, block_kv: int = 64, *,
@@ -188,10 +212,10 @@ class Attention(nnx.Module):
         qkv_n3hk = jnp.einsum('nd,dahk->nahk', x_nd, self.w_qkv[...].astype(dtype)) + self.b_qkv[...].astype(dtype)
         n, _, h, k = qkv_n3hk.shape
         seq_len = as_seq(seq).length
-        qkv_bt3hk = qkv_n3hk.reshape(n // seq_len, seq_len, 3, h, k)  # [B, T, 3, H, K]
+        qkv_bt3hk = unflatten_tokens(qkv_n3hk, n // seq_len, seq_len)  # [B, T, 3, H, K]
         o_bthk, cache = attend(qkv_bt3hk[:, :, 0], qkv_bt3hk[:, :, 1], qkv_bt3hk[:, :, 2], self.impl, self.blocks,
                                cache, positions_bt, seq)
-        o_nhk = o_bthk.reshape(n, h, k)  # [B*T, H, K]
+        o_nhk = flatten_tokens(o_bthk)  # [N, H, K]
         y_nd = jnp.einsum('nhk,hkd->nd', o_nhk, self.w_out[...].astype(dtype)) + self.b_out[...].astype(dtype)
         y_nd = mesh_lib.constrain(y_nd, ACT_ND)
         return y_nd if cache is None else (y_nd, cache)

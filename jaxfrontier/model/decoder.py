@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import stack
+from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.layers import cross_entropy
 from jaxfrontier.model.sequence import Seq
 
@@ -42,11 +43,11 @@ class Decoder(nnx.Module):
         w, letters = (self.wte, 'nd,vd->nv') if self.shape.tied_embeddings else (self.head, 'nd,dv->nv')
         logits_nv = jnp.einsum(letters, self.final_norm(x_nd), w[...].astype(self.dtype),
                                preferred_element_type=jnp.float32)
-        return mesh_lib.constrain(logits_nv, ('batch', 'vocab'))
+        return mesh_lib.constrain(logits_nv, ('tokens', 'vocab'))
 
     def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy (fp32) from the last block's output."""
-        return cross_entropy(self.logits(x_nd), targets_bt.reshape(-1), self.shape.real_vocab_size)
+        return cross_entropy(self.logits(x_nd), flatten_tokens(targets_bt), self.shape.real_vocab_size)
 
     def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None,
              positions_bt: jax.Array | None = None, segments_bt: jax.Array | None = None) -> jax.Array:
@@ -61,4 +62,4 @@ class Decoder(nnx.Module):
         """Logits [B, T, V] (fp32) for evaluation and inference."""
         b, t = tokens_bt.shape
         logits_nv = self.logits(self.apply_blocks(self.embed(tokens_bt), t))
-        return logits_nv.reshape(b, t, -1)
+        return unflatten_tokens(logits_nv, b, t)

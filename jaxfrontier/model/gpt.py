@@ -20,6 +20,7 @@ from jaxfrontier.config import ModelShape
 from jaxfrontier.model.attention import Attention, KVCache
 from jaxfrontier.model.family import Family, ParamSpec
 from jaxfrontier.model import hf_names
+from jaxfrontier.model.context import flatten_tokens
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
 from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
 from jaxfrontier.model import stack
@@ -78,7 +79,7 @@ class GPT(Decoder):
         # rows-over-batch activations by an "involuntary full rematerialization" (a warning per compile).
         x_btd = x_btd + (self.wpe[...][None, :t] if positions_bt is None else
                          jnp.take(mesh_lib.constrain(self.wpe[...], (None, None)), positions_bt, axis=0))
-        x_nd = x_btd.reshape(b * t, -1).astype(self.dtype)  # [B*T, d]
+        x_nd = flatten_tokens(x_btd).astype(self.dtype)  # [N, d]
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
 

@@ -15,7 +15,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import mesh as mesh_lib
 
-ACT_ND = ('batch', 'act_embed')  # flat activations: tokens over the batch axes
+# Flat activations [N, d] between the blocks' matmuls (the residual stream, norms, dropout), N = B*T
+# in model/context.py's token order: `stream` is `tokens`' axes (the context axis, then the batch
+# axes: converting to [B, T, ...] stays local) and, with sequence parallelism, the tensor axis
+# after them (config.resolve_rules derives it). Inside attention and the MLP the tokens are on
+# `tokens`: gathered over tensor.
+ACT_ND = ('stream', 'act_embed')
 
 
 def param(key: jax.Array, shape: Sequence[int], names: Sequence[str | None], std: float | None) -> nnx.Param:
@@ -52,8 +57,8 @@ def embedding_lookup(table_vd: jax.Array, ids_bt: jax.Array) -> jax.Array:
     vocab_axes = mesh_lib.active_axes('vocab')
     if not vocab_axes:
         return jnp.take(table_vd, ids_bt, axis=0)
-    batch_axes = mesh_lib.active_axes('batch')
-    batch = None if not batch_axes else batch_axes
+    batch = mesh_lib.active_axes('batch') or None
+    length = mesh_lib.active_axes('length') or None  # each context rank looks up its own part of T
     vocab = vocab_axes if len(vocab_axes) > 1 else vocab_axes[0]
 
     def local_lookup(local_vd, ids):
@@ -64,8 +69,8 @@ def embedding_lookup(table_vd: jax.Array, ids_bt: jax.Array) -> jax.Array:
         x = jnp.take(local_vd, jnp.where(inside, local_ids, 0), axis=0)
         return jax.lax.psum(jnp.where(inside[..., None], x, 0), vocab_axes)
 
-    return jax.shard_map(local_lookup, in_specs=(P(vocab, None), P(batch, None)),
-                         out_specs=P(batch, None, None))(table_vd, ids_bt)
+    return jax.shard_map(local_lookup, in_specs=(P(vocab, None), P(batch, length)),
+                         out_specs=P(batch, length, None))(table_vd, ids_bt)
 
 
 class LayerNorm(nnx.Module):
@@ -97,7 +102,7 @@ class MLP(nnx.Module):
     def __call__(self, x_nd: jax.Array) -> jax.Array:
         dtype = x_nd.dtype
         h_nf = x_nd @ self.w_in[...].astype(dtype) + self.b_in[...].astype(dtype)
-        h_nf = mesh_lib.constrain(jax.nn.gelu(h_nf), ('batch', 'mlp'))
+        h_nf = mesh_lib.constrain(jax.nn.gelu(h_nf), ('tokens', 'mlp'))
         y_nd = h_nf @ self.w_out[...].astype(dtype) + self.b_out[...].astype(dtype)
         return mesh_lib.constrain(y_nd, ACT_ND)
 
@@ -132,7 +137,7 @@ class SwiGLU(nnx.Module):
         dtype = x_nd.dtype
         gate_nf = x_nd @ self.w_gate[...].astype(dtype)
         up_nf = x_nd @ self.w_up[...].astype(dtype)
-        h_nf = mesh_lib.constrain(jax.nn.silu(gate_nf) * up_nf, ('batch', 'mlp'))
+        h_nf = mesh_lib.constrain(jax.nn.silu(gate_nf) * up_nf, ('tokens', 'mlp'))
         return mesh_lib.constrain(h_nf @ self.w_down[...].astype(dtype), ACT_ND)
 
 

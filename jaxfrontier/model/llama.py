@@ -25,6 +25,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import ModelShape
 from jaxfrontier.model import hf_names, rope, sequence, stack
 from jaxfrontier.model.attention import KVCache, attend
+from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
 from jaxfrontier.model.family import Family, ParamSpec
 from jaxfrontier.model.layers import ACT_ND, RMSNorm, SwiGLU, dropout, embedding_lookup, param
@@ -62,11 +63,11 @@ class GroupedQueryAttention(nnx.Module):
         n, h, k = q_nhk.shape
         b = n // seq_len
         inv_freq = rope.inverse_frequencies(k, self.rope_theta, self.rope_scaling)
-        q_bthk = rope.apply_rope(q_nhk.reshape(b, seq_len, h, k), positions_bt, inv_freq)  # [B, T, H, K]
-        kv_bt2gk = kv_n2gk.reshape(b, seq_len, *kv_n2gk.shape[1:])  # [B, T, 2, G, K]
+        q_bthk = rope.apply_rope(unflatten_tokens(q_nhk, b, seq_len), positions_bt, inv_freq)  # [B, T, H, K]
+        kv_bt2gk = unflatten_tokens(kv_n2gk, b, seq_len)  # [B, T, 2, G, K]
         k_btgk = rope.apply_rope(kv_bt2gk[:, :, 0], positions_bt, inv_freq)
         o_bthk, cache = attend(q_bthk, k_btgk, kv_bt2gk[:, :, 1], self.impl, self.blocks, cache, positions_bt, seq)
-        y_nd = jnp.einsum('nhk,hkd->nd', o_bthk.reshape(n, h, k), self.w_out[...].astype(dtype))
+        y_nd = jnp.einsum('nhk,hkd->nd', flatten_tokens(o_bthk), self.w_out[...].astype(dtype))
         return mesh_lib.constrain(y_nd, ACT_ND), cache
 
 
@@ -112,8 +113,7 @@ class Llama(Decoder):
               positions_bt: jax.Array | None = None) -> jax.Array:
         """Token embeddings, flattened to [B*T, d] in the compute dtype; positions act in the blocks."""
         del positions_bt  # RoPE: each block rotates q and k by them
-        b, t = tokens_bt.shape
-        x_nd = embedding_lookup(self.wte[...], tokens_bt).reshape(b * t, -1).astype(self.dtype)  # [B*T, d]
+        x_nd = flatten_tokens(embedding_lookup(self.wte[...], tokens_bt)).astype(self.dtype)  # [N, d]
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, EMBED_KEY_INDEX)
         return mesh_lib.constrain(dropout(x_nd, self.shape.dropout_rate, key), ACT_ND)
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import stack
+from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.model.params import ModelDef
 
 AXIS = 'pipeline'
@@ -48,6 +49,11 @@ def zero_activation(micro_tokens, d_model: int, dtype) -> jax.Array:
     return jnp.zeros((rows * seq, d_model), dtype)
 
 
+def token_order(layout: layout_lib.Layout, shape) -> TokenOrder:
+    """The token order of a layout's micro-batches (context parallelism's balancing, model/context.py)."""
+    return TokenOrder(shape.seq_len, layout.context, layout.context_balance)
+
+
 def f32_zeros(tree: Any) -> Any:
     """fp32 zeros shaped like `tree`: gradient accumulators."""
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
@@ -67,21 +73,32 @@ class ChunkOps:
     forward (chunk, shared, tokens, stash_lx, m, c) -> (y, stash_lx);
     backward (chunk, shared, tokens, stash_lx, g, m, c) -> (g_chunk, g_shared, g_x, loss).
     Stash slots, y, g and g_x are held split over `tensor` (`TokenSplit`) between units.
+    With context parallelism's balanced order (`order`, model/context.py) every unit permutes
+    its micro-batch's inputs and targets and rebuilds the positions from the static order.
     """
 
     def __init__(self, model_def: ModelDef, seq_len: int, layers_per_chunk: int, num_micro: int, dropout_key_fn,
-                 tokens: TokenSplit, loss_scale: jax.Array | None = None):
+                 tokens: TokenSplit, loss_scale: jax.Array | None = None, order: TokenOrder | None = None):
         self.model_def, self.seq_len, self.lc = model_def, seq_len, layers_per_chunk
         self.num_micro, self.dropout_key_fn, self.tokens = num_micro, dropout_key_fn, tokens
         self.loss_scale = loss_scale  # float16: the backward pass starts from this instead of 1
+        self.order = order or TokenOrder(seq_len)
 
     def model(self, chunk, shared):
         return self.model_def.bind({'blocks': chunk, **shared})
 
+    def seq(self, x_nd: jax.Array):
+        """What the blocks know of the tokens of (whole) activations [rows * T, d] (model/context.py)."""
+        return self.order.seq(x_nd.shape[0] // self.seq_len)
+
+    def embed(self, model, tokens, m):
+        """The embedding of micro-batch m's inputs (tokens [rows, T + 1]) in the token order."""
+        return model.embed(self.order.inputs(tokens), self.dropout_key_fn(m), self.order.positions(tokens.shape[0]))
+
     def run(self, chunk, shared, x, m, c, remat: str = 'none', keep_inputs: bool = False):
         """Chunk c's layers on x for micro-batch m (`stack.apply_stack`, dropout keys by global layer)."""
         graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
-        return stack.apply_stack(graphdef, stacked, x, seq_len=self.seq_len, remat=remat,
+        return stack.apply_stack(graphdef, stacked, x, seq_len=self.seq(x), remat=remat,
                                  dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc, unroll=0,
                                keep_inputs=keep_inputs)
 
@@ -93,17 +110,16 @@ class ChunkOps:
         """Reverse pass over the layers from their inputs (split, when `stashed`); (g_chunk, g_input)."""
         graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
         # one all-gather per layer, just before its recomputation
-        g_stacked, g_in = stack.recompute_stack_vjp(graphdef, stacked, stash_lx, g, seq_len=self.seq_len,
+        g_stacked, g_in = stack.recompute_stack_vjp(graphdef, stacked, stash_lx, g, seq_len=self.seq(g),
                                                     dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc,
                                                     fetch_input=self.tokens.gather if stashed else (lambda x: x))
         return nnx.to_pure_dict(g_stacked), g_in
 
     def embed_vjp(self, chunk, shared, tokens, m):
-        fn = lambda sh: self.model(chunk, sh).embed(tokens[:, :-1], self.dropout_key_fn(m))
-        return jax.vjp(fn, shared)
+        return jax.vjp(lambda sh: self.embed(self.model(chunk, sh), tokens, m), shared)
 
     def loss_vjp(self, chunk, shared, y, tokens):
-        fn = lambda sh, yy: self.model(chunk, sh).head_loss(yy, tokens[:, 1:]) / self.num_micro
+        fn = lambda sh, yy: self.model(chunk, sh).head_loss(yy, self.order.targets(tokens)) / self.num_micro
         loss, pull = jax.vjp(fn, shared, y)
         seed = jnp.ones((), jnp.float32) if self.loss_scale is None else self.loss_scale.astype(jnp.float32)
         g_shared, g_y = pull(seed)
@@ -113,7 +129,7 @@ class ChunkOps:
         return stash_lx[0], stash_lx
 
     def f_first(self, chunk, shared, tokens, stash_lx, m, c):
-        x = self.model(chunk, shared).embed(tokens[:, :-1], self.dropout_key_fn(m))
+        x = self.embed(self.model(chunk, shared), tokens, m)
         y, stash = self.forward(chunk, shared, x.astype(stash_lx.dtype), m, c)
         return self.tokens.split(y), self.tokens.split(stash)
 
@@ -160,11 +176,11 @@ class TokenSplit:
     collectives in a nested `shard_map`, so XLA's sharding propagation cannot carry the split
     into the layers (it did, with a sharding constraint: several all-gathers per layer).
     Off (identity) with `pipeline.shard_activations=False`, without tensor parallelism, or when
-    the tokens are also split over an automatic batch axis (fsdp).
+    the tokens are also split over an automatic axis (fsdp, context).
     """
 
     def __init__(self, enabled: bool):
-        batch, heads = mesh_lib.active_axes('batch'), mesh_lib.active_axes('heads')
+        batch, heads = mesh_lib.active_axes('tokens'), mesh_lib.active_axes('heads')
         self.axes = () if batch is None else layout_lib.token_split_axes(enabled, batch, heads or ())
 
     def _spec(self, ndim: int) -> P:

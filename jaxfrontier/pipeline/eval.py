@@ -16,7 +16,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, data_local_scope, split_shared, stage_chunks,
-                                        zero_activation)
+                                        token_order, zero_activation)
 
 
 def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef, split_micro,
@@ -42,7 +42,7 @@ def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, 
 
     def engine(blocks, shared, micro_tokens):
         ops = ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, lambda m: None,
-                       TokenSplit(layout.shard_activations))
+                       TokenSplit(layout.shard_activations), order=token_order(layout, shape))
         stage = jax.lax.axis_index(AXIS)
         chunks = stage_chunks(blocks, v_size)
         x_zero = zero_activation(micro_tokens, shape.d_model, dtype)
@@ -52,11 +52,11 @@ def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, 
                 if kind == schedules.E_NONE:
                     return x_split, jnp.zeros((), jnp.float32)
                 model = ops.model(chunk, shared)
-                x = (model.embed(tokens[:, :-1]).astype(dtype) if kind == schedules.E_FIRST
+                x = (ops.embed(model, tokens, m).astype(dtype) if kind == schedules.E_FIRST
                      else ops.tokens.gather(x_split))
                 y, _ = ops.forward(chunk, shared, x, m, chunk_index)
                 if kind == schedules.E_LAST:
-                    return jnp.zeros_like(x_split), model.head_loss(y, tokens[:, 1:]) / schedule.num_micro
+                    return jnp.zeros_like(x_split), model.head_loss(y, ops.order.targets(tokens)) / schedule.num_micro
                 return ops.tokens.split(y), jnp.zeros((), jnp.float32)
             return unit
 

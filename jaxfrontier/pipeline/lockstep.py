@@ -30,7 +30,7 @@ from jaxfrontier import layout as layout_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, stage_chunks, sum_over_stages,
-                                         zero_activation)
+                                         token_order, zero_activation)
 
 
 def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
@@ -39,7 +39,7 @@ def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_d
     p_size, v_size = schedule.num_stages, schedule.virtual
     lc = shape.num_layers // (p_size * v_size)
     ops = ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                    TokenSplit(layout.shard_activations), loss_scale)
+                   TokenSplit(layout.shard_activations), loss_scale, token_order(layout, shape))
     f_ops = [ops.f_none, ops.f_first, ops.f_mid]
     b_ops = [ops.b_none, ops.b_first, ops.b_mid, ops.b_last, ops.b_only]
     dtype = jnp.dtype(shape.dtype)

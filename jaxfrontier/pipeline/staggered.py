@@ -35,7 +35,8 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
-from jaxfrontier.pipeline.chunk import AXIS, ChunkOps, TokenSplit, f32_zeros, sum_over_stages, zero_activation
+from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, sum_over_stages, token_order,
+                                         zero_activation)
 
 CAST_PREFIXES = ('w_', 'b_')  # parameters the blocks use in the compute dtype (matmul weights and biases)
 
@@ -120,7 +121,7 @@ class StaggeredOps:
         if f_kind == 'none':
             return jnp.zeros_like(msg), stash
         if f_kind == 'first':
-            x = self.ops.model(chunk_w, shared).embed(tokens[:, :-1], self.ops.dropout_key_fn(m))
+            x = self.ops.embed(self.ops.model(chunk_w, shared), tokens, m)
             x = x.astype(self.dtype)
         else:
             x = self.tokens.gather(msg)
@@ -182,7 +183,8 @@ def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_d
     lc = shape.num_layers // p_size
     dtype = jnp.dtype(shape.dtype)
     ops = StaggeredOps(ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                                         TokenSplit(layout.shard_activations), loss_scale), dtype, layout.remat)
+                                TokenSplit(layout.shard_activations), loss_scale, token_order(layout, shape)),
+                       dtype, layout.remat)
     a_ops = [ops.a_branch(*_A_KINDS[k]) for k in range(len(_A_KINDS))]
     b_ops = [ops.b_branch(_B_KINDS[k]) for k in range(len(_B_KINDS))]
     a_table, b_table = jnp.asarray(schedule.a_table), jnp.asarray(schedule.b_table)

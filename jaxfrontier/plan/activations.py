@@ -52,9 +52,26 @@ class Residual:
         """A copy of a weight (e.g. its bf16 cast): has no batch or token dimension."""
         return not set(self.dims) & {'b', 't', 'n'}
 
+    @property
+    def is_stream(self) -> bool:
+        """An array of the residual stream [tokens, d] (norms, dropout, residual adds): split over
+        tensor too with sequence parallelism."""
+        return 'n' in self.dims and 'd' in self.dims and set(self.dims) <= {'n', 'd', '1'}
+
     def local_bytes(self, sizes: dict[str, int]) -> int:
-        """Bytes per device, with `sizes` the per-device size of every symbol."""
-        return self.itemsize * math.prod(sizes[s] for s in self.dims)
+        """Bytes per device, with `sizes` the per-device size of every symbol.
+
+        With context parallelism `t` is the local part of the sequence; a second `t` (attention
+        scores against every key, which the all-gather kernel holds) is `t_keys`, the whole one.
+        A stream array divides by `sizes['stream']` (sequence parallelism's split).
+        """
+        dims = list(self.dims)
+        if dims.count('t') > 1:
+            dims[len(dims) - 1 - dims[::-1].index('t')] = 't_keys'
+        size = math.prod(sizes.get(s, sizes['t']) if s == 't_keys' else sizes[s] for s in dims)
+        if self.is_stream:
+            size = -(-size // sizes.get('stream', 1))
+        return self.itemsize * size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,17 +83,22 @@ class Signature:
 
 
 def local_sizes(*, micro_batch: int, seq_len: int, num_heads: int, head_dim: int, d_model: int, mlp_dim: int,
-                vocab: int, tensor: int, fsdp: int, weight: bool, kv_heads: int = 0) -> dict[str, int]:
+                vocab: int, tensor: int, fsdp: int, weight: bool, kv_heads: int = 0, context: int = 1,
+                stream: int = 1) -> dict[str, int]:
     """Per-device size of each symbol under the default rules (heads, MLP, vocab over tensor).
 
     Activations keep the whole model dimension; weight copies are split over fsdp there.
     Key/value heads (`kv_heads`, 0: as many as query heads) split over tensor where they
-    divide it and are whole otherwise (`config.resolve_rules`).
+    divide it and are whole otherwise (`config.resolve_rules`). `context` splits the sequence
+    (t, n; `t_keys` stays whole: keys gathered for the scores); `stream` is the residual
+    stream's further split (mesh.tensor with sequence parallelism, else 1).
     """
+    t_local = -(-seq_len // context)
     g = kv_heads or num_heads
     g_local = g // tensor if g % tensor == 0 else g
     h_local = -(-num_heads // tensor)
-    return {'b': micro_batch, 't': seq_len, 'n': micro_batch * seq_len, 'h': h_local,
+    return {'b': micro_batch, 't': t_local, 't_keys': seq_len, 'n': micro_batch * t_local, 'stream': stream,
+            'h': h_local,
             'g': g_local, 'r': max(1, h_local // g_local), 'k': head_dim, 'c': head_dim // 2,
             'd': -(-d_model // fsdp) if weight else d_model, 'f': -(-mlp_dim // tensor),
             'v': -(-vocab // tensor), 'q': 3, 's': 2, '1': 1}
@@ -153,12 +175,12 @@ def for_shape(shape: config_lib.ModelShape, remat: str, attention: str) -> Signa
 
 
 def act_sizes(shape: config_lib.ModelShape, micro_batch: int, tensor: int, fsdp: int,
-              weight: bool) -> dict[str, int]:
+              weight: bool, context: int = 1, sequence_parallel: bool = False) -> dict[str, int]:
     """`local_sizes` of `shape` on a layout (weight=True: the sizes of weight copies)."""
     return local_sizes(micro_batch=micro_batch, seq_len=shape.seq_len, num_heads=shape.num_heads,
                        head_dim=shape.head_dim, d_model=shape.d_model, mlp_dim=shape.mlp_dim,
                        vocab=shape.vocab_size, tensor=tensor, fsdp=fsdp, weight=weight,
-                       kv_heads=shape.kv_heads)
+                       kv_heads=shape.kv_heads, context=context, stream=tensor if sequence_parallel else 1)
 
 
 def residual_bytes(residuals: tuple[Residual, ...], act_sizes: dict[str, int], weight_sizes: dict[str, int]) -> int:

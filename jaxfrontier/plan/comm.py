@@ -15,6 +15,12 @@ comparison with the compiled HLO is in tests/plan/test_planner.py; docs/planner.
             (jaxfrontier/training/reduction.py); otherwise all-reduced on their fsdp shard once per
             micro-batch. With ZeRO-1 they are then sliced into the optimizer layout and the
             updated parameters all-gathered once per step.
+            With `sharding.sequence_parallel` each of those all-reduces is a reduce-scatter
+            plus an all-gather of the same payload (the same bytes on the wire).
+  context   ring attention (`ring_traffic`, model/ring.py): per layer the positions all-gathered
+            and c - 1 collective-permutes of a k/v chunk forward (again when recomputed), c - 1
+            of k/v and c of fp32 dk/dv backward; every other activation term above carries this
+            device's T/c tokens.
   pipeline  each micro-batch's activations sent forward and their gradient sent back at
             every stage boundary (per virtual stage with the interleaved schedule), split over
             tensor (1/TP each) with `pipeline.shard_activations`, which also all-gathers over
@@ -52,6 +58,10 @@ class Transfer:
     exposed_s: float  # not hidden behind compute (docs/planner.md)
     per_micro_batch: bool  # repeats with every micro-batch (inside the pipeline timeline)
 
+
+# Share of a step's compute the ring's transfers can hide behind (the attention blocks of each
+# layer, forward and backward; an assumption until kern's ring is timed, docs/long_context.md).
+RING_HIDDEN_SHARE = 0.5
 
 _WIRE_FACTOR = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
                 'reduce-scatter': lambda n: (n - 1) / n, 'collective-permute': lambda n: 1.0}
@@ -110,16 +120,46 @@ def input_projections(specs, rules) -> tuple[int, int]:
     return split, whole
 
 
+def ring_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
+    """Context parallelism's ring attention (model/ring.py): k/v chunks passed around the `context` ring.
+
+    Per layer and micro-batch, as `ring.ring_send_bytes` counts one call (held against the
+    compiled program by tests/model/test_ring.py): the forward all-gathers the int32 positions
+    and passes this rank's k and v [B, T/c, H/TP, K] (repeated to the query heads at the call
+    site) c - 1 hops; full remat runs that forward again; the backward passes k and v c - 1 hops
+    and their fp32 gradients dk, dv c hops (home). Packed documents' segment ids (an int32 more
+    per token in the gather) are left out: the layout does not know them.
+    """
+    c = layout.context
+    if c <= 1:
+        return
+    heads = -(-shape.num_heads // layout.tensor)
+    rows = layout.micro_batch * (shape.seq_len // c)
+    kv, grads = 2 * rows * heads * shape.head_dim * dtype_bytes, 2 * rows * heads * shape.head_dim * 4
+    calls = layout.accum_steps * shape.num_layers / layout.pipeline
+    forwards = calls * (2 if pm.effective_remat(layout) == 'full' or pm.staggered(layout) else 1)
+    t.add('ring attention: positions', 'all-gather', ('context',), layout.micro_batch * shape.seq_len * 4, forwards)
+    t.add('ring attention: k/v chunks', 'collective-permute', ('context',), kv, forwards * (c - 1))
+    t.add('ring attention backward: k/v chunks', 'collective-permute', ('context',), kv, calls * (c - 1))
+    t.add('ring attention backward: dk/dv home', 'collective-permute', ('context',), grads, calls * c)
+
+
 def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int, projections: tuple[int, int] = (2, 0)
                         ) -> None:
     m, p = layout.accum_steps, layout.pipeline
-    act = layout.micro_batch * shape.seq_len * shape.d_model
+    act = layout.micro_batch * -(-shape.seq_len // layout.context) * shape.d_model  # this device's tokens
+    ring_traffic(t, shape, layout, dtype_bytes)
     if layout.tensor > 1:
         per_layer = 4 + (1 if pm.effective_remat(layout) == 'full' else 0)  # recompute: all but the last
         if pm.staggered(layout):  # forward, recomputation (all of it) and backward; the last stage: no forward
             per_layer = (6 * (p - 1) + 4) / p
-        t.add('activations (Megatron f/g)', 'all-reduce', ('tensor',), act * dtype_bytes,
-              m * shape.num_layers / p * per_layer)
+        if layout.sequence_parallel:  # Megatron's SP: each all-reduce becomes a reduce-scatter + all-gather
+            for kind in ('reduce-scatter', 'all-gather'):
+                t.add('activations (Megatron SP g/g-bar)', kind, ('tensor',), act * dtype_bytes,
+                      m * shape.num_layers / p * per_layer)
+        else:
+            t.add('activations (Megatron f/g)', 'all-reduce', ('tensor',), act * dtype_bytes,
+                  m * shape.num_layers / p * per_layer)
         # Separate input projections (Llama's q and k/v, gate and up) each send their own input
         # gradient: XLA combines them with the sublayer's one all-reduce, whose payload grows.
         split, whole = projections
@@ -243,7 +283,12 @@ def timed(items: tuple[Traffic, ...], layout, hw: hw_lib.Hardware, compute_mb_s:
     out = []
     for x in items:
         time_s = wire_time_s(x.kind, x.payload_bytes, x.count, x.group, x.level, hw)
-        if x.kind == 'all-gather' and x.per_micro_batch and x.what.startswith('FSDP'):
+        if x.what.startswith('ring attention'):
+            # Each step's transfer overlaps the attention block computed on the chunk in hand (the
+            # first, the local block): attention is most of a long-context layer. At least one
+            # transfer's time shows.
+            exposed = max(time_s - compute_s * RING_HIDDEN_SHARE, time_s / max(x.count, 1.0))
+        elif x.kind == 'all-gather' and x.per_micro_batch and x.what.startswith('FSDP'):
             exposed = max(0.0, time_s - compute_s) + time_s / max(x.count, 1.0)
         elif x.per_micro_batch and x.what.startswith(('gradients', 'embedding gradient')):
             exposed = max(time_s - compute_s * 2 / 3, time_s / max(layers, 1.0))

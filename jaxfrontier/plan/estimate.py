@@ -165,7 +165,8 @@ def pipeline_slots(schedule: str, p: int, m: int, v: int = 1) -> PipelineSlots:
 
 
 def _act_sizes(shape, layout, weight: bool) -> dict[str, int]:
-    return activations.act_sizes(shape, layout.micro_batch, layout.tensor, layout.fsdp, weight)
+    return activations.act_sizes(shape, layout.micro_batch, layout.tensor, layout.fsdp, weight, layout.context,
+                                 layout.sequence_parallel)
 
 
 def layer_bytes(shape, layout, remat: str, attention: str = 'xla') -> tuple[float, float]:
@@ -184,12 +185,12 @@ def backward_working_bytes(shape, layout, attention: str = 'xla') -> float:
     as GPT's GeLU MLP (6 per layer, traced), and the same count holds it to XLA (tests/plan).
     """
     a = _act_sizes(shape, layout, False)
-    scores = 3 * a['b'] * a['h'] * a['t'] * a['t'] * 4
+    scores = 3 * a['b'] * a['h'] * a['t'] * a['t_keys'] * 4  # local queries against every key
     if attention == 'cudnn':
         scores = 0
     elif attention == 'blockwise':  # one block pair's scores, probabilities and their gradient at a time
         scores = 3 * a['b'] * a['h'] * shape.attention_block_q * shape.attention_block_kv * 4
-    stream = (3 * a['n'] * a['f'] + 6 * a['n'] * a['d']) * 4
+    stream = (3 * a['n'] * a['f'] + 6 * a['n'] * a['d'] // a['stream']) * 4
     return scores + stream
 
 
@@ -260,18 +261,19 @@ def _pipeline_memory(shape, layout, states: dict[str, float], attention: str) ->
     chunk_layers = shape.num_layers // (layout.pipeline * v)
     a = _act_sizes(shape, layout, False)
     act = a['n'] * a['d'] * (4 if shape.dtype == 'float32' else 2)
+    split = max(layout.split_tokens, a['stream'])  # TokenSplit's stash split, or SP's stream split
     block, shared = states['block_params'], states['params'] - states['block_params']
     grads = block + block / v + 2 * shared
     _, head = layer_bytes(shape, layout, 'none', attention)
     head_ws = head + 2 * a['n'] * a['v'] * 4
     if staggered(layout):
         residuals = chunk_layers * layer_bytes(shape, layout, effective_remat(layout), attention)[0]
-        acts = (slots.act_slots * act + act) / layout.split_tokens + act + residuals
+        acts = (slots.act_slots * act + act) / split + act + residuals
         working = max(residuals, backward_working_bytes(shape, layout, attention), head_ws) + \
             gathered_layer_bytes(shape, layout)
         detail = f'1f1b: {slots.act_slots} stashed chunk inputs + one chunk\'s residuals ({chunk_layers} layers)'
     else:
-        acts = (slots.act_slots * chunk_layers * act + slots.grad_slots * act) / layout.split_tokens
+        acts = (slots.act_slots * chunk_layers * act + slots.grad_slots * act) / split
         working = chunk_layers * act + max(layer_working_bytes(shape, layout, attention), head_ws)
         detail = f'{layout.schedule}: {slots.act_slots} stashed chunk inputs of {chunk_layers} layers'
     temps = max(working, states['update'])
@@ -403,9 +405,10 @@ def compute_work(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> ComputeWork:
     none_layer, head = layer_bytes(shape, layout, 'none', attention)
     passes = 4 + (1 if remat != 'none' else 0)
     kept_layer, _ = layer_bytes(shape, layout, remat, attention)  # what `hw.stash_passes` charges
-    return ComputeWork(matmul_flops=per_replica / layout.pipeline / layout.tensor,
+    split = layout.tensor * layout.context  # a replica's work over its tensor group and context ring
+    return ComputeWork(matmul_flops=per_replica / layout.pipeline / split,
                        memory_bytes=passes * (shape.num_layers * none_layer + head) / layout.pipeline,
-                       layer_flops=fl.layer_forward / layout.tensor, layers=shape.num_layers / layout.pipeline,
+                       layer_flops=fl.layer_forward / split, layers=shape.num_layers / layout.pipeline,
                        num_devices=layout.num_devices, dtype=shape.dtype,
                        stash_bytes=shape.num_layers * kept_layer / layout.pipeline)
 

@@ -36,7 +36,7 @@ from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import planner
 
 LAYOUT_FIELDS = {'tensor': 'mesh.tensor', 'pipeline': 'mesh.pipeline', 'data': 'mesh.data', 'fsdp': 'mesh.fsdp',
-                 'micro_batch': 'train.micro_batch', 'accum_steps': 'train.accum_steps', 'remat': 'model.remat',
+                 'context': 'mesh.context', 'micro_batch': 'train.micro_batch', 'accum_steps': 'train.accum_steps', 'remat': 'model.remat',
                  'schedule': 'pipeline.schedule', 'virtual_stages': 'pipeline.virtual_stages',
                  'zero1': 'sharding.zero1'}
 MODEL_FIELDS = ('num_layers', 'd_model', 'num_heads', 'mlp_ratio', 'seq_len', 'vocab_size')

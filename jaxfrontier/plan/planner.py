@@ -91,8 +91,10 @@ def step_time(shape: config_lib.ModelShape, layout: layout_lib.Layout, hw: hw_li
     is added once per step; `per_mb` is one micro-batch's compute (`estimate.compute_s`).
     """
     m, p = layout.accum_steps, layout.pipeline
-    permute_s = sum(t.exposed_s for t in transfers if t.kind == 'collective-permute')
-    exposed_mb = sum(t.exposed_s for t in transfers if t.per_micro_batch and t.kind != 'collective-permute') / m
+    # The pipeline's sends (ring attention's permutes over `context` run inside each micro-batch).
+    sends = [t.kind == 'collective-permute' and 'pipeline' in t.axes for t in transfers]
+    permute_s = sum(t.exposed_s for t, send in zip(transfers, sends) if send)
+    exposed_mb = sum(t.exposed_s for t, send in zip(transfers, sends) if t.per_micro_batch and not send) / m
     exposed_step = sum(t.exposed_s for t in transfers if not t.per_micro_batch)
     accumulate_s = estimate.accumulate_s(memory, layout, hw)
     stage_mb_s = per_mb + exposed_mb

@@ -51,7 +51,8 @@ def local_hardware(devices: Sequence[Any], capacity: int) -> hw_lib.Hardware:
 
 def overrides(layout: layout_lib.Layout) -> str:
     """The --config overrides that select `layout`."""
-    out = [f'--config.mesh.{axis}={getattr(layout, axis)}' for axis in ('data', 'fsdp', 'tensor', 'pipeline')]
+    axes = ('data', 'fsdp', 'tensor', 'pipeline') + (('context',) if layout.context > 1 else ())
+    out = [f'--config.mesh.{axis}={getattr(layout, axis)}' for axis in axes]
     out += [f'--config.train.micro_batch={layout.micro_batch}', f'--config.train.accum_steps={layout.accum_steps}']
     if layout.pipeline == 1:
         out.append(f'--config.model.remat={layout.remat}')
@@ -60,6 +61,8 @@ def overrides(layout: layout_lib.Layout) -> str:
         if layout.schedule == 'interleaved':
             out.append(f'--config.pipeline.virtual_stages={layout.virtual_stages}')
     out.append(f'--config.sharding.zero1={layout.zero1}')
+    if layout.tensor > 1:
+        out.append(f'--config.sharding.sequence_parallel={"true" if layout.sequence_parallel else "false"}')
     return ' '.join(out)
 
 

@@ -1,8 +1,8 @@
 """Layout search: every layout of a model on a device count, the ones that fit, best first.
 
-`search(config, hardware, num_devices)` enumerates tensor x pipeline x data-parallel (data or
-fsdp, with or without ZeRO-1) meshes, micro-batch sizes, remat policies and pipeline
-schedules at the config's global batch, plans each (`planner.plan_layout`, arithmetic only),
+`search(config, hardware, num_devices)` enumerates tensor (with and without sequence
+parallelism) x context x pipeline x data-parallel (data or fsdp, with or without ZeRO-1)
+meshes, micro-batch sizes, remat policies and pipeline schedules at the config's global batch, plans each (`planner.plan_layout`, arithmetic only),
 drops those that do not fit the device memory and ranks the rest by predicted tokens/s.
 What the authors searched with DeepHyper on the machine, this does on a laptop in seconds;
 the top layouts are then worth a compile check (`compile_check`) and a short real run.
@@ -38,21 +38,29 @@ def _shape_for(c: ml_collections.ConfigDict, tensor: int) -> config_lib.ModelSha
 def candidate_layouts(c: ml_collections.ConfigDict, num_devices: int, hw: hw_lib.Hardware) -> list[layout_lib.Layout]:
     """Layouts of `num_devices` that satisfy every divisibility rule at the config's global batch.
 
-    Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses);
-    data-parallel devices split into data x fsdp (fsdp 1, all, or a power of two up to 128);
-    ZeRO-1 is tried where a data axis exists (not with Adafactor, which config.validate refuses).
+    Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses),
+    with and without sequence parallelism; context sizes are the divisors of the rest that
+    split the sequence into equal chunks (two per device when balanced, config's
+    `_validate_context`); data-parallel devices split into data x fsdp (fsdp 1, all, or a
+    power of two up to 128); ZeRO-1 is tried where a data axis exists (not with Adafactor,
+    which config.validate refuses).
     """
     m, batch = c.model, c.train.global_batch
+    chunks_per_device = 2 if m.context_balance else 1
     out = []
     for tensor in [t for t in _divisors(num_devices) if t <= hw.devices_per_node]:
         if m.num_heads % tensor or config_lib.mlp_dim(c) % tensor:
             continue
-        for pipeline in [p for p in _divisors(num_devices // tensor) if m.num_layers % p == 0]:
-            dp = num_devices // (tensor * pipeline)
-            for fsdp in _fsdp_sizes(dp, m.d_model):
-                data = dp // fsdp
-                for zero1 in ((False, True) if data > 1 and c.optim.name != 'adafactor' else (False,)):
-                    out += _time_layouts(c, batch, pipeline, data, fsdp, tensor, zero1)
+        for context in [x for x in _divisors(num_devices // tensor)
+                        if x == 1 or m.seq_len % (chunks_per_device * x) == 0]:
+            for pipeline in [p for p in _divisors(num_devices // (tensor * context)) if m.num_layers % p == 0]:
+                dp = num_devices // (tensor * context * pipeline)
+                for fsdp in _fsdp_sizes(dp, m.d_model):
+                    data = dp // fsdp
+                    for zero1 in ((False, True) if data > 1 and c.optim.name != 'adafactor' else (False,)):
+                        mesh = dict(pipeline=pipeline, data=data, fsdp=fsdp, context=context, tensor=tensor)
+                        for sp in ((False, True) if tensor > 1 else (False,)):
+                            out += _time_layouts(c, batch, mesh, zero1, sp)
     return out
 
 
@@ -62,16 +70,17 @@ def _fsdp_sizes(dp: int, d_model: int) -> list[int]:
     return sorted(f for f in sizes if dp % f == 0 and d_model % f == 0)
 
 
-def _time_layouts(c, batch: int, pipeline: int, data: int, fsdp: int, tensor: int, zero1: bool) -> list[layout_lib.Layout]:
-    """Micro-batch, accumulation, remat and schedule choices of one mesh."""
-    dp, out = data * fsdp, []
+def _time_layouts(c, batch: int, mesh: dict[str, int], zero1: bool, sequence_parallel: bool
+                  ) -> list[layout_lib.Layout]:
+    """Micro-batch, accumulation, remat and schedule choices of one mesh (`mesh`: its axis sizes)."""
+    pipeline, dp, out = mesh['pipeline'], mesh['data'] * mesh['fsdp'], []
     for micro in MICRO_BATCHES:
         if batch % (micro * dp):
             continue
         accum = batch // (micro * dp)
-        base = layout_lib.Layout(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor, micro_batch=micro,
-                              accum_steps=accum, zero1=zero1, optimizer=c.optim.name,
-                              factor_min_dim=c.optim.factor_min_dim)
+        base = layout_lib.Layout(**mesh, micro_batch=micro, accum_steps=accum, zero1=zero1,
+                                 optimizer=c.optim.name, factor_min_dim=c.optim.factor_min_dim,
+                                 context_balance=bool(c.model.context_balance), sequence_parallel=sequence_parallel)
         if pipeline == 1:
             out += [dataclasses.replace(base, remat=r) for r in config_lib.REMAT_POLICIES]
             continue
@@ -112,14 +121,16 @@ def search(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi25
 def format_search(plans: list[planner.Plan], planned: int, fitting: int) -> str:
     """A table of the ranked layouts."""
     lines = [f'{planned} layouts planned, {fitting} fit; the fastest {len(plans)}:',
-             f'{"#":>3s} {"TP":>3s} {"PP":>3s} {"data":>5s} {"fsdp":>5s} {"Z1":>3s} {"mb":>3s} {"accum":>5s} '
+             f'{"#":>3s} {"TP":>3s} {"SP":>3s} {"CP":>3s} {"PP":>3s} {"data":>5s} {"fsdp":>5s} {"Z1":>3s} {"mb":>3s} '
+             f'{"accum":>5s} '
              f'{"remat":<18s} {"schedule":<14s} {"GiB":>6s} {"step s":>8s} {"tokens/s":>10s} {"MFU":>6s} '
              f'{"HW TF/s":>8s} {"bubble":>7s}']
     for i, p in enumerate(plans, 1):
         lay, t = p.layout, p.time
         sched = '-' if lay.pipeline == 1 else lay.schedule + (f' v{lay.virtual_stages}' if lay.schedule == 'interleaved'
                                                                else '')
-        lines.append(f'{i:>3d} {lay.tensor:>3d} {lay.pipeline:>3d} {lay.data:>5d} {lay.fsdp:>5d} '
+        lines.append(f'{i:>3d} {lay.tensor:>3d} {"y" if lay.sequence_parallel else "-":>3s} {lay.context:>3d} '
+                     f'{lay.pipeline:>3d} {lay.data:>5d} {lay.fsdp:>5d} '
                      f'{"y" if lay.zero1 else "-":>3s} {lay.micro_batch:>3d} {lay.accum_steps:>5d} '
                      f'{lay.remat if lay.pipeline == 1 else "full (pipeline)":<18s} {sched:<14s} '
                      f'{p.memory.total_bytes / hw_lib.GIB:>6.1f} {t.step_s:>8.2f} {t.tokens_per_s:>10,.0f} '

@@ -1,6 +1,6 @@
 """The smallest model that keeps a config's parallel and numeric choices (`--mode=verify`).
 
-`shrink(c)` keeps the mesh (tensor, pipeline, fsdp, data), the schedule and its virtual
+`shrink(c)` keeps the mesh (tensor, pipeline, fsdp, context, data), the schedule and its virtual
 stages, ZeRO-1, remat, attention kernel, dtype, dropout, tied embeddings, token split and
 the sharding rules, and the family's choices (a Llama's: query heads per key/value head, and
 whether its key/value heads divide tensor, i.e. are split or replicated; q/k/v biases, RoPE
@@ -39,8 +39,10 @@ STEPS = 3
 # (tests/training/test_optimizer.py: Lion with padded ZeRO-1, Adafactor's factors).
 CHECK_OPTIM = dict(name='adamw', lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-6, schedule='cosine')
 
-KEPT = ('model.family', 'mesh.pipeline', 'mesh.fsdp', 'mesh.tensor', 'pipeline.schedule',
-        'pipeline.virtual_stages', 'pipeline.shard_activations', 'sharding.zero1', 'sharding.rules', 'model.remat',
+KEPT = ('model.family', 'mesh.pipeline', 'mesh.fsdp', 'mesh.context', 'model.context_balance', 'mesh.tensor',
+        'pipeline.schedule',
+        'pipeline.virtual_stages', 'pipeline.shard_activations', 'sharding.zero1', 'sharding.sequence_parallel',
+        'sharding.rules', 'model.remat',
         'model.attention', 'model.dtype', 'model.dropout_rate', 'model.tied_embeddings', 'model.scan_unroll',
         'train.micro_batch', 'optim.clip_norm', 'optim.weight_decay')
 # Kept too where the family has key/value heads (Llama): what changes the numbers, not the size.
@@ -90,10 +92,10 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
             changes[field] = (old, value)
             s[section][key] = value
 
-    others = mesh.pipeline * mesh.fsdp * mesh.tensor
+    others = mesh.pipeline * mesh.fsdp * mesh.context * mesh.tensor
     if others > max_devices:
         raise ConfigError(
-            'mesh', config_lib.mesh_shape(c), f'pipeline x fsdp x tensor = {others} devices even with data 1, more '
+            'mesh', config_lib.mesh_shape(c), f'pipeline x fsdp x context x tensor = {others} devices even with data 1, more '
             f'than the {max_devices} this machine simulates', 'verify on a larger machine, or a smaller layout')
     put('mesh.data', next(d for d in _divisors_down(mesh.data) if d * others <= max_devices))
     put('mesh.cpu_devices', config_lib.num_devices(s))
@@ -112,7 +114,9 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
     if config_lib.mlp_dim(s) != round(ratio * s.model.d_model):  # the rule at the small width: keep the ratio
         put('model.mlp_dim', mesh.tensor * max(1, round(ratio * s.model.d_model / mesh.tensor)))
     put('model.vocab_size', VOCAB)
-    put('model.seq_len', SEQ_LEN)
+    # The context axis splits the sequence into equal chunks (two per device when balanced).
+    pieces = mesh.context * (2 if mesh.context > 1 and m.context_balance else 1)
+    put('model.seq_len', pieces * max(2 if mesh.context > 1 else 1, -(-SEQ_LEN // pieces)))
     if m.attention == 'cudnn':  # NVIDIA only; XLA's kernel computes the same attention on the CPU
         put('model.attention', 'xla')
     put('model.attention_block_q', min(m.attention_block_q, SEQ_LEN // 2))
@@ -161,7 +165,7 @@ def reference_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """
     r = ml_collections.ConfigDict(c.to_dict())
     r.model.vocab_multiple = c.model.vocab_multiple * c.mesh.tensor
-    r.mesh.update(pipeline=1, data=1, fsdp=1, tensor=1, cpu_devices=0)
+    r.mesh.update(pipeline=1, data=1, fsdp=1, context=1, tensor=1, cpu_devices=0)
     r.train.micro_batch = r.train.global_batch // r.train.accum_steps
     r.sharding.zero1 = False
     r.pipeline.virtual_stages = 1

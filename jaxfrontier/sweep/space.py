@@ -49,6 +49,7 @@ PARAMS = {
     'tensor': Param('mesh.tensor', int, help='tensor-parallel size'),
     'pipeline': Param('mesh.pipeline', int, help='pipeline stages'),
     'fsdp': Param('mesh.fsdp', int, help='FSDP (ZeRO-3) size; data takes the remaining devices'),
+    'context': Param('mesh.context', int, help='context-parallel size (the sequence split over devices)'),
     'zero1': Param('sharding.zero1', bool, help='ZeRO-1: optimizer state sharded over data-parallel axes'),
     'micro_batch': Param('train.micro_batch', int, help='sequences per replica per accumulation step'),
     'accum_steps': Param('train.accum_steps', int, help='accumulation steps (pipeline micro-batches); '
@@ -199,10 +200,11 @@ def point_config(base: ml_collections.ConfigDict, point: dict[str, Any], devices
     for path, value in sets.items():
         section, field = path.split('.')
         c[section][field] = value
-    model_parallel = c.mesh.tensor * c.mesh.pipeline * c.mesh.fsdp
+    model_parallel = c.mesh.tensor * c.mesh.pipeline * c.mesh.fsdp * c.mesh.context
     if devices % model_parallel:
         raise ConfigError(
-            'mesh', f'tensor {c.mesh.tensor} x pipeline {c.mesh.pipeline} x fsdp {c.mesh.fsdp}',
+            'mesh', f'tensor {c.mesh.tensor} x pipeline {c.mesh.pipeline} x fsdp {c.mesh.fsdp} x context '
+            f'{c.mesh.context}',
             f'{model_parallel} devices per data-parallel replica do not divide the {devices} devices of a trial',
             'sweep sizes whose product divides --devices')
     c.mesh.data = devices // model_parallel
@@ -217,7 +219,7 @@ def point_config(base: ml_collections.ConfigDict, point: dict[str, Any], devices
             'sweep micro-batch sizes that divide the global batch per replica, or sweep accum_steps instead')
     else:
         c.train.accum_steps = c.train.global_batch // rows
-    for path in ('mesh.pipeline', 'mesh.data', 'mesh.fsdp', 'mesh.tensor', 'train.micro_batch',
+    for path in ('mesh.pipeline', 'mesh.data', 'mesh.fsdp', 'mesh.context', 'mesh.tensor', 'train.micro_batch',
                  'train.accum_steps', 'train.global_batch'):
         section, field = path.split('.')
         sets[path] = c[section][field]
@@ -236,8 +238,8 @@ def layout_of(c: ml_collections.ConfigDict) -> dict[str, Any]:
     """The layout fields a result record keeps, read from a trial's config."""
     return {
         'model': describe_model(c), 'tensor': c.mesh.tensor, 'pipeline': c.mesh.pipeline, 'data': c.mesh.data,
-        'fsdp': c.mesh.fsdp, 'zero1': bool(c.sharding.zero1), 'micro_batch': c.train.micro_batch,
-        'accum_steps': c.train.accum_steps, 'global_batch': c.train.global_batch, 'remat': c.model.remat,
+        'fsdp': c.mesh.fsdp, 'context': c.mesh.context, 'zero1': bool(c.sharding.zero1),
+        'micro_batch': c.train.micro_batch, 'accum_steps': c.train.accum_steps, 'global_batch': c.train.global_batch, 'remat': c.model.remat,
         'schedule': c.pipeline.schedule if c.mesh.pipeline > 1 else '-',
         'virtual_stages': c.pipeline.virtual_stages, 'attention': c.model.attention, 'dtype': c.model.dtype,
         'seq_len': c.model.seq_len,

@@ -23,6 +23,7 @@ from jaxfrontier.errors import ConfigError
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.checkpoint import target as target_lib
+from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.training import loss_scale
 from jaxfrontier.training import reduction
 from jaxfrontier.training import spikes
@@ -60,9 +61,10 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_sp
     The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
     """
     accum, model_def, dropout_key = layout.layout.accum_steps, layout.model_def, dropout_keys(c)
+    order = token_order(layout)
 
     def micro_loss(params, tokens_bt, key):
-        return model_def.bind(params).loss(tokens_bt[:, :-1], tokens_bt[:, 1:], key)
+        return order.loss(model_def.bind(params), tokens_bt, key)
 
     value_and_grad = jax.value_and_grad(micro_loss)
 
@@ -91,6 +93,11 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_sp
         return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
 
     return accumulate
+
+
+def token_order(layout: ts.StatePlacement) -> TokenOrder:
+    """The order of each micro-batch's tokens (context parallelism's balancing, model/context.py)."""
+    return TokenOrder(layout.shape.seq_len, layout.layout.context, layout.layout.context_balance)
 
 
 def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
@@ -164,10 +171,12 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
         return pipeline.make_pipeline_eval(lay, layout.shape, layout.model_def, split_micro_batches,
                                            layout.rules if local else None)
 
+    order = token_order(layout)
+
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)
         micro_abt = split_micro_batches(tokens_gt, accum, dp)
-        return jnp.mean(jax.lax.map(lambda tokens_bt: model.loss(tokens_bt[:, :-1], tokens_bt[:, 1:]), micro_abt))
+        return jnp.mean(jax.lax.map(lambda tokens_bt: order.loss(model, tokens_bt), micro_abt))
 
     return eval_step
 

@@ -67,7 +67,7 @@ def test_param_table_and_shardings_match_the_trainer(tensor, kv):
     c = make_config(tensor=tensor, data=8 // tensor, kv=kv, heads=8, layers=3, d=48, mlp=40, seq=12, vocab=97,
                     batch=8 // tensor, qkv_bias=True)
     mesh = jax.sharding.AbstractMesh(tuple(config_lib.mesh_shape(c).values()), config_lib.MESH_AXES,
-                                     axis_types=(AxisType.Auto,) * 4)
+                                     axis_types=(AxisType.Auto,) * len(config_lib.MESH_AXES))
     placement = ts.make_placement(c, mesh)
     shardings = {'/'.join(k.key for k in path): s.spec for path, s in
                  jax.tree_util.tree_flatten_with_path(placement.param_shardings)[0]}
@@ -107,7 +107,7 @@ def test_8b_flops_are_megatrons_gqa_swiglu_count():
 @pytest.mark.parametrize('remat,pipe', [('none', 1), ('full', 1), ('save_dots_no_batch', 1), ('full', 2)])
 def test_hardware_flops_match_traced_train_step(remat, pipe):
     c = make_config(remat=remat, pipeline=pipe, accum=2 if pipe > 1 else 1, layers=4, d=32, seq=16, batch=4)
-    mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1), config_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1, 1), config_lib.MESH_AXES, axis_types=(AxisType.Auto,) * len(config_lib.MESH_AXES))
     placement = ts.make_placement(c, mesh)
     weights = pipeline.build_schedule(layout_lib.Layout.from_config(c)).flop_weights if pipe > 1 else None
     loss_and_grads = step_lib.make_loss_and_grads(c, placement)

@@ -1,0 +1,109 @@
+"""Context parallelism's token order: which of a micro-batch's tokens each device of `context` holds.
+
+With mesh.context = c the sequence dimension T of every activation is split into c equal
+parts over the `context` mesh axis (the logical name `length`).
+
+The flat token order. The blocks work on flat activations [N, d], N = B*T. Row-major [B, T]
+cannot be split over T by a 1-D tiling of N (a device's tokens t in part r of every row are not
+contiguous), so with c > 1 the flat order is [c, B, T/c]: part-major, then row, then position
+within the part (`flatten_tokens`; `unflatten_tokens` goes back). With B over the batch axes and
+the part over `context`, both conversions are local transposes, and N is split over `tokens` =
+(context, then the batch axes; config.DEFAULT_RULES). With c = 1 the order is [B, T], as
+before, and the programs are unchanged. Per-token work (norms, MLPs, the head, the mean loss)
+does not care about the order; attention and the embedding convert.
+
+Under a causal mask the work of a token
+grows with its position, so the device holding the last part would do the most attention
+work. With `model.context_balance` the step permutes each micro-batch's inputs and targets
+along T by `sequence.balanced_order` (device r holds chunks r and 2c-1-r of 2c), and passes
+the permutation as the tokens' positions: the causal mask, GPT's learned positions and
+Llama's RoPE read positions, not array indices, so the model computes the same function; the
+loss is a mean over tokens, so their order does not change it either.
+
+The order is static (a numpy array folded into the program), so every unit of the pipeline
+rebuilds the same positions from it without any per-micro-batch data. The batch [B, T + 1]
+arrives replicated over `context`, so the permutation is a local gather of a few int32s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model.sequence import Seq, balanced_order
+
+TOKENS_BT = ('batch', 'length')  # token ids, targets and positions [B, T]
+
+
+def parts() -> int:
+    """Parts the sequence is split into under the active rules and mesh (1 outside them)."""
+    axes = mesh_lib.active_axes('length')
+    if not axes:
+        return 1
+    return math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+
+
+def flatten_tokens(x_bt: jax.Array) -> jax.Array:
+    """[B, T, ...] -> [N, ...] in the flat token order (the module docstring)."""
+    b, t, rest = x_bt.shape[0], x_bt.shape[1], x_bt.shape[2:]
+    c = parts()
+    if c == 1:
+        return x_bt.reshape(b * t, *rest)
+    x_bctr = x_bt.reshape(b, c, t // c, *rest)  # [B, C, T/C, ...]
+    return jnp.swapaxes(x_bctr, 0, 1).reshape(b * t, *rest)  # [C * B * T/C, ...]
+
+
+def unflatten_tokens(x_n: jax.Array, b: int, t: int) -> jax.Array:
+    """[N, ...] in the flat token order -> [B, T, ...]."""
+    rest = x_n.shape[1:]
+    c = parts()
+    if c == 1:
+        return x_n.reshape(b, t, *rest)
+    x_cbtr = x_n.reshape(c, b, t // c, *rest)  # [C, B, T/C, ...]
+    return jnp.swapaxes(x_cbtr, 0, 1).reshape(b, t, *rest)
+
+
+class TokenOrder:
+    """The order of a micro-batch's T tokens along the sequence dimension (see the module docstring).
+
+    `order` is None where nothing is permuted: context 1, or `context_balance` off (device r
+    holds the r-th contiguous part); then the blocks see plain sequences, as without context.
+    """
+
+    def __init__(self, seq_len: int, context: int = 1, balance: bool = True):
+        self.seq_len = seq_len
+        self.order = balanced_order(seq_len, context) if context > 1 and balance else None
+
+    def permute(self, x_bt: jax.Array) -> jax.Array:
+        """`x_bt` [B, T] in this order (unchanged where nothing is permuted)."""
+        if self.order is None:
+            return x_bt
+        return mesh_lib.constrain(jnp.take(x_bt, jnp.asarray(self.order, jnp.int32), axis=1), TOKENS_BT)
+
+    def positions(self, rows: int) -> jax.Array | None:
+        """Each token's position [rows, T] (the permutation itself), or None for 0..T-1."""
+        if self.order is None:
+            return None
+        positions_bt = jnp.broadcast_to(jnp.asarray(self.order, jnp.int32)[None], (rows, self.seq_len))
+        return mesh_lib.constrain(positions_bt, TOKENS_BT)
+
+    def seq(self, rows: int) -> int | Seq:
+        """What the blocks know of the micro-batch (model/sequence.py): T, or T with the positions."""
+        return self.seq_len if self.order is None else Seq(self.seq_len, self.positions(rows))
+
+    def inputs(self, tokens_bt1: jax.Array) -> jax.Array:
+        """A micro-batch's input tokens [B, T] from its windows [B, T + 1], in this order."""
+        return self.permute(tokens_bt1[:, :-1])
+
+    def targets(self, tokens_bt1: jax.Array) -> jax.Array:
+        """The next tokens [B, T] of the windows [B, T + 1], in this order."""
+        return self.permute(tokens_bt1[:, 1:])
+
+    def loss(self, model, tokens_bt1: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """`model.loss` (model/decoder.py) of one micro-batch's windows [B, T + 1] in this order."""
+        return model.loss(self.inputs(tokens_bt1), self.targets(tokens_bt1), dropout_key,
+                          self.positions(tokens_bt1.shape[0]))
+
