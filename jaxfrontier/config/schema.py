@@ -107,7 +107,8 @@ def base_config() -> ml_collections.ConfigDict:
         attention_block_q=64,
         attention_block_kv=64,
         remat='full',  # none | full | save_dots | save_dots_no_batch
-        # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
+        # Layers per iteration of the layer scan (1: rolled; k: a scan over groups of k, the
+        # middle ground for compile time, docs/planner.md; num_layers: fully unrolled).
         # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
         # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
         # where unrolling costs compile time.
