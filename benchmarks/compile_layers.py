@@ -10,8 +10,8 @@ train and eval steps' compile time (AOT, `training.step.compile_steps`) and the 
 time after warm-up (benchmarks/harness.py; one device, a small width, fp32). Then the least-
 squares fit compile_s = base_s + per_body_s x bodies and its worst relative residual: the
 relation plan/compile_time.py charges a layout (its CPU_FIT), and whether a straight line
-describes it. Step times show what unrolling buys at run time (on the CPU little; on GPUs see
-docs/PERFORMANCE.md, "GPU defaults").
+describes it. Step times show what unrolling buys at run time (GPUs: docs/PERFORMANCE.md, "GPU
+defaults").
 
 Needs a quiet machine: compile and step times are wall-clock. Rows go to --out (JSON lines),
 the fit last. On a shared machine fit the CPU seconds (--fit_on=compile_cpu_s): the load
