@@ -141,31 +141,6 @@ def _largest_file(directory):
 # --------------------------------------------------------------------------- fixtures (import them by name)
 
 
-@pytest.fixture(scope='module', autouse=True)
-def compile_cache(tmp_path_factory):
-    """A persistent compilation cache, on while a module that imports it runs: runs of one config compile once.
-
-    One directory per test process, shared by every module that uses this fixture: the
-    default checkpoint config (whose train step does not depend on train.steps, see
-    optim.decay_steps) compiles once per process, in whichever of test_checkpoint_restore and
-    test_checkpoint_preemption runs first. Loading an executable from the cache gives the
-    same binary, so bit-for-bit comparisons between runs are unaffected. Switched off again
-    for the other test modules.
-    """
-    from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top  (test-only)
-
-    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
-    shared = tmp_path_factory.getbasetemp() / 'jax_cache'  # basetemp: one per process (and xdist worker)
-    shared.mkdir(exist_ok=True)
-    jax.config.update('jax_compilation_cache_dir', str(shared))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update('jax_compilation_cache_dir', saved[0])
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', saved[1])
-    compilation_cache.reset_cache()
-
-
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     """6 steps straight (a checkpoint every step) vs 3 steps, stop, resume, 3 more."""
@@ -189,12 +164,11 @@ def vocab300(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def cli(tmp_path_factory):
-    """Runs `python -m jaxfrontier.main --config=<tiny file> ...`; all runs share a compile cache."""
+    """Runs `python -m jaxfrontier.main --config=<tiny file> ...` (with the session's compile cache)."""
     root = tmp_path_factory.mktemp('cli')
     config_file = root / 'ckpt_config.py'
     config_file.write_text(CONFIG_FILE)
-    env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_COMPILATION_CACHE_DIR=str(root / 'jax_cache'),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', PYTHONPATH=REPO)
+    env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO)
 
     def start(workdir, *overrides, mode='train'):
         cmd = [sys.executable, '-m', 'jaxfrontier.main', f'--config={config_file}', f'--workdir={workdir}',

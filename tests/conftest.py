@@ -1,13 +1,40 @@
-"""Test setup: 8 simulated CPU devices, set before JAX starts; the `slurm` cluster fixture;
-the files with the most slow tests run first."""
+"""Test setup: 8 simulated CPU devices and one compilation cache for the session, set before JAX
+starts; the `slurm` cluster fixture; the files with the most slow tests run first."""
 
+import atexit
 import collections
 import os
+import shutil
+import tempfile
 
 os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+
+def _session_compile_cache() -> None:
+    """JAX's persistent compilation cache, one directory for the whole test session.
+
+    Most of the suite's time is XLA compiling, and many tests compile the same program again:
+    every `python -m jaxfrontier.main` subprocess its init, steps and eager ops; tests in other
+    files (and on the other xdist worker) a layout another test compiled. The controller
+    creates the directory before xdist starts its workers, which inherit it through the
+    environment, as every subprocess does (main's train.compile_cache='auto' keeps it). Minimum
+    compile time 0: the tiny programs are the ones repeated most. Starts empty every session, as
+    on the CI's clean clone, so nothing stale is ever loaded; a loaded executable is the same
+    binary, so bit-for-bit comparisons between runs hold. A test of the cache itself takes its
+    own (tests/test_compile_cache.py removes both variables).
+    """
+    if os.environ.get('JAXFRONTIER_TEST_SESSION_CACHE'):  # an xdist worker: the controller made it
+        return
+    path = tempfile.mkdtemp(prefix='jaxfrontier_test_cache_')
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ.update(JAXFRONTIER_TEST_SESSION_CACHE=path, JAX_COMPILATION_CACHE_DIR=path,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+
+
+_session_compile_cache()
 
 from slurm_cluster import slurm  # noqa: E402,F401  (a loopback Slurm cluster, for any test that asks)
 

@@ -4,7 +4,6 @@ Each subprocess gets the test environment without conftest's 8-device XLA flag, 
 sizes the simulated CPU devices per process from config.mesh.cpu_devices (the job's total).
 """
 
-import atexit
 import functools
 import json
 import os
@@ -29,18 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@functools.cache
-def compile_cache_dir() -> str:
-    """One persistent JAX compile cache for every subprocess of this test session."""
-    path = tempfile.mkdtemp(prefix='jaxfrontier_test_cache_')
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
-
-
 def subprocess_env(**more: str) -> dict[str, str]:
-    """The test environment for a jaxfrontier subprocess: CPU, no fixed device count, shared compile cache."""
-    env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO, PYTHONUNBUFFERED='1',
-               JAX_COMPILATION_CACHE_DIR=compile_cache_dir(), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+    """The test environment for a jaxfrontier subprocess: CPU, no fixed device count, and the
+    session's compilation cache (JAX_COMPILATION_CACHE_DIR, set by conftest)."""
+    env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO, PYTHONUNBUFFERED='1')
     flags = [f for f in env.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
     env['XLA_FLAGS'] = ' '.join(flags)
     env.update(more)

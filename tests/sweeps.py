@@ -7,7 +7,11 @@ import sys
 from processes import REPO, subprocess_env
 
 # configs/tiny.py (fsdp 2, global batch 16) with a 2-layer, 32-wide model: a trial takes ~15 s here.
-SMALL = ('--config=configs/tiny.py', '--config.model.d_model=32', '--config.model.seq_len=32')
+# The LR schedule spans a fixed 100 steps, not train.steps (which the sweep sets from --warmup and
+# --steps), so a layout compiles to the same program in every sweep test: the session's compile
+# cache (conftest) serves the repeats.
+SMALL = ('--config=configs/tiny.py', '--config.model.d_model=32', '--config.model.seq_len=32',
+         '--config.optim.decay_steps=100')
 
 
 def sweep(workdir, *args, env=None, timeout=600):

@@ -20,9 +20,6 @@ from ml_collections import config_flags
 from jaxfrontier.training import loop
 from tests import processes
 
-# The persistent compilation cache while this module runs: the second signal's run loads the first's step.
-from checkpoint_common import compile_cache  # noqa: F401  (an autouse fixture, used by name)
-
 
 def tiny(steps):
     c = config_flags.config_flags._LoadConfigModule('tiny', os.path.join(processes.REPO, 'configs', 'tiny.py')).get_config()

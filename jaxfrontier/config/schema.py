@@ -118,7 +118,8 @@ def base_config() -> ml_collections.ConfigDict:
         # sequence's 2c chunks (zigzag), so every device does the same causal attention work;
         # off, device r holds chunk r and the last device does the most (docs/long_context.md).
         context_balance=True,
-        # Layers per iteration of the layer scan (1: rolled; num_layers: fully unrolled).
+        # Layers per iteration of the layer scan (1: rolled; k: a scan over groups of k, the
+        # middle ground for compile time, docs/planner.md; num_layers: fully unrolled).
         # 0 (auto): fully unrolled on GPUs, where the rolled scan cost 15 % of the 1.3b
         # step on an H200 (docs/PERFORMANCE.md, "GPU defaults"); rolled (1) on the CPU,
         # where unrolling costs compile time.

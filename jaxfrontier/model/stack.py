@@ -2,7 +2,9 @@
 
 A family's blocks are created once with `nnx.vmap` (every parameter gets a leading `layers`
 axis) and applied with `jax.lax.scan` (`apply_stack`), so compile time does not grow with
-depth; per-layer activation checkpointing wraps the scanned body. A block is any NNX module
+depth; per-layer activation checkpointing wraps the scanned body. `model.scan_unroll=k` trades
+compile time for step time: k layers per iteration of the loop (a scan over groups of k),
+every layer unrolled at k >= the layer count; `layer_bodies` counts the copies XLA compiles. A block is any NNX module
 called as `block(x_nd, seq, key)` on flat activations [B*T, d]; `seq` is the sequence length
 or a `model.sequence.Seq` (positions and documents), passed through unchanged.
 """
@@ -75,6 +77,17 @@ def recompute_after_cotangent(layer_fn):
     return run
 
 
+def layer_bodies(num_layers: int, unroll: int) -> int:
+    """Copies of the layer in the program `apply_stack(..., unroll=unroll)` builds (forward; the
+    backward has as many): what its compile time grows with (plan/compile_time.py).
+
+    `lax.scan(unroll=k)` puts k layers in the loop's body and unrolls the `num_layers % k`
+    left over after it (jax's `_scan_impl`); k >= num_layers is the plain loop; 0 scans.
+    """
+    k = max(unroll, 1)
+    return num_layers if k >= num_layers else k + num_layers % k
+
+
 def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, seq_len: int, remat: str,
                 dropout_key: jax.Array | None, first_layer: int | jax.Array = 0, unroll: int = 1,
                 keep_inputs: bool = False):
@@ -84,7 +97,8 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
     chunk of layers (`first_layer` keeps dropout keys tied to the global layer index), call it.
     Returns the output, or (output, each layer's input [layers, N, d]) with `keep_inputs`
     (the lockstep pipeline's stash). `unroll` >= the layer count runs a plain loop; 0 always
-    scans (the pipeline's chunks, whatever their length).
+    scans (the pipeline's chunks, whatever their length); in between, a scan over groups of
+    `unroll` layers (and the remainder unrolled after it).
     """
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 

@@ -13,6 +13,7 @@ same copy. docs/planner.md says how far the two agree.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier.plan import compile_check
+from jaxfrontier.plan import compile_time
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier.plan import search as plan_search
@@ -71,6 +73,9 @@ def report(c: ml_collections.ConfigDict, *, hardware: str = 'mi250x', search: bo
     else:
         p = planner.plan(c, hw)
         text, record = planner.format_plan(p), planner.plan_to_json(p)
+        compiled = compile_time.estimate(c.model.num_layers, c.model.scan_unroll, c.mesh.pipeline, hw)
+        text += '\n' + compiled.line()
+        record['compile_time'] = dataclasses.asdict(compiled)
         if check in ('lower', 'compile'):
             line, record['lower'] = lower_check(c)
             text += '\ncheck: ' + line

@@ -13,8 +13,8 @@ from jaxfrontier.checkpoint import manager as ckpt_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.training import loop
 
-from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    compile_cache, make_config, layout_for, target_of, random_state, save_state, losses, read_numpy, flat_numpy,
+from checkpoint_common import (
+    make_config, layout_for, target_of, random_state, save_state, losses, read_numpy, flat_numpy,
     assert_trees_equal)
 
 

@@ -19,7 +19,7 @@ from jaxfrontier.training import loop
 from jaxfrontier.training import preemption
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    compile_cache, REPO, make_config, losses, read_numpy, assert_trees_equal, cli, _wait_for, _steps, _saving)
+    REPO, make_config, losses, read_numpy, assert_trees_equal, cli, _wait_for, _steps, _saving)
 
 # A failed Orbax read (the corruption tests) leaves TensorStore callbacks aimed at the asyncio
 # loop it has closed; Python reports them as unraisable at some later test. Nothing leaks.

@@ -18,7 +18,7 @@ from jaxfrontier.training import loop
 from jaxfrontier.training import step as step_lib
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    compile_cache, LOSS_RTOL, make_config, layout_for, target_of, random_state, save_state, losses, read_numpy, flat_numpy, assert_trees_equal, no_init, runs, vocab300, cli)
+    LOSS_RTOL, make_config, layout_for, target_of, random_state, save_state, losses, read_numpy, flat_numpy, assert_trees_equal, no_init, runs, vocab300, cli)
 
 # A failed Orbax read (the corruption tests) leaves TensorStore callbacks aimed at the asyncio
 # loop it has closed; Python reports them as unraisable at some later test. Nothing leaks.

@@ -23,6 +23,7 @@ from jaxfrontier.training import state as ts
 from jaxfrontier.model import attention as attention_lib
 from jaxfrontier.model.layers import cross_entropy, dropout, embedding_lookup
 from jaxfrontier.model import params as params_lib
+from jaxfrontier.model import stack
 
 RTOL, ATOL = 1e-5, 1e-6
 BATCH, SEQ = 3, 16
@@ -175,6 +176,34 @@ def test_unrolled_layers_match_the_scan(unroll):
     loss, grads = gpt_loss_and_grads(remat='full', scan_unroll=unroll)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow  # three compiles of a five-layer model with its gradients
+def test_grouped_scan_matches_the_rolled_scan_and_compiles_its_layer_bodies():
+    """model.scan_unroll=k between 1 and the layer count is a scan over groups of k layers, the
+    remainder unrolled after it: the same loss and gradients as the rolled scan (remat=full), and
+    a compiled program whose dot count grows by one layer's dots per copy that
+    stack.layer_bodies counts (what plan/compile_time.py charges compile time for)."""
+    layers, rng = 5, np.random.default_rng(3)
+    tokens = rng.integers(0, 250, (BATCH, SEQ + 1), dtype=np.int32)
+    results = {}
+    for unroll in (1, 2, 4):  # 1, 2 + 2 + 1 and 4 + 1 layers per program: 1, 3 and 5 copies
+        c = tiny_config(num_layers=layers, d_model=24, num_heads=2, remat='full', scan_unroll=unroll)
+        model_def = params_lib.ModelDef.create(config_lib.model_shape(c))
+        if unroll == 1:
+            params = jax.tree.map(lambda a: rng.normal(0.0, 0.1, a.shape).astype(np.float32),
+                                  model_def.abstract_params())
+        step = jax.jit(jax.value_and_grad(lambda p, t: model_def.bind(p).loss(t[:, :-1], t[:, 1:])))
+        compiled = step.lower(params, tokens).compile()
+        dots = len(re.findall(r' dot\(', compiled.as_text()))
+        results[unroll] = stack.layer_bodies(layers, unroll), dots, compiled(params, tokens)
+    (_, dots_1, (ref_loss, ref_grads)), per_copy = results[1], (results[2][1] - results[1][1]) / 2
+    assert per_copy >= 6  # a layer's forward has 6 matmuls, its backward more
+    for unroll in (2, 4):
+        bodies, dots, (loss, grads) = results[unroll]
+        assert dots == dots_1 + per_copy * (bodies - 1), (unroll, bodies, dots)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+        assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow  # two compiles with dropout: ~25 s

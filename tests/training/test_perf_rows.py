@@ -16,9 +16,6 @@ from ml_collections import config_flags
 from jaxfrontier.training import loop
 from tests import processes
 
-# The persistent compilation cache while this module runs: the second run loads the first's programs.
-from checkpoint_common import compile_cache  # noqa: F401  (an autouse fixture, used by name)
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

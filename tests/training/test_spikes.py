@@ -25,7 +25,7 @@ from jaxfrontier.training import spikes
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
 
-from checkpoint_common import assert_trees_equal, compile_cache, read_numpy  # noqa: F401  (fixture)
+from checkpoint_common import assert_trees_equal, read_numpy
 
 SPIKE_BATCHES = (15, 16, 17)  # data steps of the persistent spike (three in a row: one roll-back)
 

@@ -11,12 +11,6 @@ from jaxfrontier import errors
 from jaxfrontier.training import loop
 from ml_collections import config_flags
 
-# A persistent compilation cache while this module runs (checkpoint_common.compile_cache): the
-# NaN test's state init and eval step are the programs the learning test compiled (only the
-# train step differs, by its learning rate), so they load from the cache instead of compiling
-# again. Loading gives the same binary.
-from checkpoint_common import compile_cache  # noqa: F401  (an autouse fixture, used by name)
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Byte-unigram entropy of the built-in corpus (CPython 3.11's stdlib sources): 3.25 nats.
 UNIGRAM_ENTROPY_NATS = 3.25
