@@ -1,4 +1,4 @@
-"""Config: the schema (`schema.py`) and its validation (`checks.py`); this module is the front door.
+"""Config: the schema (`schema.py`), its validation (`checks.py`) and the sharding rules fitted to a model and mesh (`rules.py`); this module is the front door.
 
 Every `configs/*.py` file starts from `base_config()` and changes only what differs. All
 rules a config must satisfy are checked by `validate` before JAX compiles anything; a broken
@@ -9,6 +9,7 @@ the simulated CPU device count.
 """
 
 from jaxfrontier.config.checks import check_device_count, validate  # noqa: F401
+from jaxfrontier.config.rules import SEQUENCE_PARALLEL, resolve_rules, sequence_parallel, sharding_rules  # noqa: F401
 from jaxfrontier.config.schema import (  # noqa: F401
     ATTENTION_IMPLS,
     DATA_KINDS,
@@ -26,7 +27,6 @@ from jaxfrontier.config.schema import (  # noqa: F401
     PIPELINE_SCHEDULES,
     REMAT_POLICIES,
     ROPE_SCALINGS,
-    SEQUENCE_PARALLEL,
     STAGGERED_RESIDUALS,
     base_config,
     compile_cache_dir,
@@ -40,9 +40,6 @@ from jaxfrontier.config.schema import (  # noqa: F401
     num_devices,
     padded_vocab,
     parse_arg,
-    resolve_rules,
     resolve_scan_unroll,
-    sequence_parallel,
-    sharding_rules,
     set_cpu_device_count,
 )

@@ -12,7 +12,8 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier.config import bounds
-from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, SEQUENCE_PARALLEL, data_parallel_size, mesh_shape, mlp_dim, num_devices)
+from jaxfrontier.config.rules import SEQUENCE_PARALLEL
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, data_parallel_size, mesh_shape, mlp_dim, num_devices)
 from jaxfrontier.errors import ConfigError
 
 
