@@ -175,7 +175,8 @@ class Layout:
         """The config's layout, made once per run and handed to the trainer, the pipeline and the planner."""
         data_in_batch, params_over_data = data_placement(config_lib.sharding_rules(c))
         return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
-                   context=c.mesh.context, context_balance=bool(c.model.context_balance), micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
+                   context=c.mesh.context, context_balance=bool(c.model.context_balance),
+                   micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
                    zero1=bool(c.sharding.zero1), optimizer=c.optim.name, factor_min_dim=c.optim.factor_min_dim,
                    dropout=c.model.dropout_rate > 0,

@@ -124,8 +124,9 @@ def test_checkpoint_meta_without_context_is_accepted():
 
 @pytest.fixture(scope='module')
 def references():
-    """One device's (loss, grads, params after 3 steps) per family, computed once."""
-    return {'gpt': run_layout(make_config()), 'llama': run_layout(make_config(**LLAMA))}
+    """One device's (loss, grads, params after 3 steps) per family, computed once (Llama's without the
+    steps: only a GPT case compares parameters, which the families update alike)."""
+    return {'gpt': run_layout(make_config()), 'llama': run_layout(make_config(**LLAMA), steps=False)}
 
 
 # (family, layout, whether to compare the parameters after 3 steps too). Every case mixes several
@@ -135,9 +136,7 @@ CASES = {
     'gpt_c2': ('gpt', dict(context=2), True),
     'gpt_c4_natural_t2_full': ('gpt', dict(context=4, context_balance=False, tensor=2, remat='full'), False),
     'gpt_c2_f2_t2_dots_accum': ('gpt', dict(context=2, fsdp=2, tensor=2, remat='save_dots', accum=2), False),
-    'llama_c4_full': ('llama', dict(context=4, remat='full'), True),
-    'llama_c2_d2_f2_natural_dots': ('llama', dict(context=2, data=2, fsdp=2, context_balance=False,
-                                                  remat='save_dots', accum=2), False),
+    'llama_c4_full': ('llama', dict(context=4, remat='full'), False),
     'gpt_p2_c2_t2_1f1b': ('gpt', dict(pipeline=2, context=2, tensor=2, accum=2, remat='full'), False),
     'llama_p2_c4_gpipe': ('llama', dict(pipeline=2, context=4, accum=2, schedule='gpipe'), False),
 }
@@ -168,10 +167,10 @@ def eval_loss(c) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('kw', [dict(context=4, tensor=2), dict(pipeline=2, context=2, data=2, accum=2)],
-                         ids=['c4_t2', 'p2_c2_d2'])
-def test_context_eval_matches_single_device(kw, references):
-    np.testing.assert_allclose(eval_loss(make_config(**kw)), references['gpt'][0], rtol=LOSS_RTOL)
+def test_pipelined_context_eval_matches_single_device(references):
+    """The forward-only pipeline wave (its own units, data-manual map) at context 2, balanced."""
+    c = make_config(pipeline=2, context=2, data=2, accum=2)
+    np.testing.assert_allclose(eval_loss(c), references['gpt'][0], rtol=LOSS_RTOL)
 
 
 # --------------------------------------------------------------------------- slow: memory

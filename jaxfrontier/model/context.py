@@ -32,6 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.sequence import Seq, balanced_order
 
@@ -76,6 +77,11 @@ class TokenOrder:
     def __init__(self, seq_len: int, context: int = 1, balance: bool = True):
         self.seq_len = seq_len
         self.order = balanced_order(seq_len, context) if context > 1 and balance else None
+
+    @classmethod
+    def of(cls, layout: layout_lib.Layout, seq_len: int) -> TokenOrder:
+        """The order of a layout's micro-batches (what the steps and every pipeline unit use)."""
+        return cls(seq_len, layout.context, layout.context_balance)
 
     def permute(self, x_bt: jax.Array) -> jax.Array:
         """`x_bt` [B, T] in this order (unchanged where nothing is permuted)."""

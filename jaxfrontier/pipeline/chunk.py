@@ -49,11 +49,6 @@ def zero_activation(micro_tokens, d_model: int, dtype) -> jax.Array:
     return jnp.zeros((rows * seq, d_model), dtype)
 
 
-def token_order(layout: layout_lib.Layout, shape) -> TokenOrder:
-    """The token order of a layout's micro-batches (context parallelism's balancing, model/context.py)."""
-    return TokenOrder(shape.seq_len, layout.context, layout.context_balance)
-
-
 def f32_zeros(tree: Any) -> Any:
     """fp32 zeros shaped like `tree`: gradient accumulators."""
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)

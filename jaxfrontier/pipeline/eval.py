@@ -13,10 +13,11 @@ from jax.sharding import PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, data_local_scope, split_shared, stage_chunks,
-                                        token_order, zero_activation)
+                                        zero_activation)
 
 
 def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef, split_micro,
@@ -42,7 +43,7 @@ def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, 
 
     def engine(blocks, shared, micro_tokens):
         ops = ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, lambda m: None,
-                       TokenSplit(layout.shard_activations), order=token_order(layout, shape))
+                       TokenSplit(layout.shard_activations), order=TokenOrder.of(layout, shape.seq_len))
         stage = jax.lax.axis_index(AXIS)
         chunks = stage_chunks(blocks, v_size)
         x_zero = zero_activation(micro_tokens, shape.d_model, dtype)

@@ -27,10 +27,11 @@ import jax.numpy as jnp
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, stage_chunks, sum_over_stages,
-                                         token_order, zero_activation)
+                                         zero_activation)
 
 
 def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
@@ -39,7 +40,7 @@ def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_d
     p_size, v_size = schedule.num_stages, schedule.virtual
     lc = shape.num_layers // (p_size * v_size)
     ops = ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                   TokenSplit(layout.shard_activations), loss_scale, token_order(layout, shape))
+                   TokenSplit(layout.shard_activations), loss_scale, TokenOrder.of(layout, shape.seq_len))
     f_ops = [ops.f_none, ops.f_first, ops.f_mid]
     b_ops = [ops.b_none, ops.b_first, ops.b_mid, ops.b_last, ops.b_only]
     dtype = jnp.dtype(shape.dtype)

@@ -33,9 +33,10 @@ import jax.numpy as jnp
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
-from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, sum_over_stages, token_order,
+from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, sum_over_stages,
                                          zero_activation)
 
 CAST_PREFIXES = ('w_', 'b_')  # parameters the blocks use in the compute dtype (matmul weights and biases)
@@ -183,7 +184,7 @@ def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_d
     lc = shape.num_layers // p_size
     dtype = jnp.dtype(shape.dtype)
     ops = StaggeredOps(ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                                TokenSplit(layout.shard_activations), loss_scale, token_order(layout, shape)),
+                                TokenSplit(layout.shard_activations), loss_scale, TokenOrder.of(layout, shape.seq_len)),
                        dtype, layout.remat)
     a_ops = [ops.a_branch(*_A_KINDS[k]) for k in range(len(_A_KINDS))]
     b_ops = [ops.b_branch(_B_KINDS[k]) for k in range(len(_B_KINDS))]

@@ -61,7 +61,7 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_sp
     The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
     """
     accum, model_def, dropout_key = layout.layout.accum_steps, layout.model_def, dropout_keys(c)
-    order = token_order(layout)
+    order = TokenOrder.of(layout.layout, layout.shape.seq_len)
 
     def micro_loss(params, tokens_bt, key):
         return order.loss(model_def.bind(params), tokens_bt, key)
@@ -93,11 +93,6 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_sp
         return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
 
     return accumulate
-
-
-def token_order(layout: ts.StatePlacement) -> TokenOrder:
-    """The order of each micro-batch's tokens (context parallelism's balancing, model/context.py)."""
-    return TokenOrder(layout.shape.seq_len, layout.layout.context, layout.layout.context_balance)
 
 
 def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
@@ -171,7 +166,7 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
         return pipeline.make_pipeline_eval(lay, layout.shape, layout.model_def, split_micro_batches,
                                            layout.rules if local else None)
 
-    order = token_order(layout)
+    order = TokenOrder.of(lay, layout.shape.seq_len)
 
     def eval_step(params, tokens_gt):
         model = layout.model_def.bind(params)
