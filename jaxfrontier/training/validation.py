@@ -13,7 +13,7 @@ from jaxfrontier.data import loader as data_lib
 
 
 def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
-    """Resolves `model.vocab_size=0` from the token file header, then checks the config and its data.
+    """Resolves `model.vocab_size=0` (and packing's `data.eot_id=-1`) from the token file header, then checks the config and its data.
 
     `n_devices`: the devices present, where known (None before JAX starts: then
     `train_and_evaluate(..., validated=True)` checks only the device count,
@@ -23,5 +23,6 @@ def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> 
       ConfigError: naming the field, the value and the fix.
     """
     data_lib.resolve_vocab(c)
+    data_lib.resolve_eot(c)
     config_lib.validate(c, n_devices)
     data_lib.check_data(c)
