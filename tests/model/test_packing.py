@@ -36,7 +36,8 @@ def test_documents_segments_positions_and_weights():
     assert packing.loss_weights(tokens, packing.Packing(EOT, boundary_loss=True)) is None
     window = jnp.concatenate([tokens, jnp.ones((2, 1), jnp.int32)], axis=1)  # [B, T + 1]
     np.testing.assert_allclose(packing.count_scale(window, packing.Packing(EOT)), 16 / 12)
-    np.testing.assert_allclose(packing.count_scale(jnp.full((1, 4), EOT), packing.Packing(EOT)), 3.0)  # none: 0, not NaN
+    # Nothing counted: a finite scale (times a loss of 0: 0, not NaN).
+    np.testing.assert_allclose(packing.count_scale(jnp.full((1, 4), EOT), packing.Packing(EOT)), 3.0)
     assert packing.count_scale(window, packing.Packing(EOT, boundary_loss=True)) == 1.0
 
 

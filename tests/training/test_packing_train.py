@@ -22,6 +22,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.data import token_files
 from jaxfrontier.errors import ConfigError
+from jaxfrontier.inference import evaluate as evaluate_lib
 from jaxfrontier.model import packing
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.training import state as ts
@@ -107,6 +108,23 @@ def test_one_device_loss_is_the_pooled_mean_not_a_mean_of_means(reference):
     assert abs(np.mean(halves) - reference['gpt'][0]) > 100 * LOSS_RTOL * reference['gpt'][0]
 
 
+@pytest.mark.slow
+def test_mode_eval_scores_packed_documents_like_training(reference):
+    """--mode=eval's step (inference/evaluate.py) with the run's packing: the training eval loss."""
+    c = packed_config()
+    mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:1])
+    layout = ts.make_placement(c, mesh)
+    params = ts.init_train_state(c, layout)['params']
+    pk = evaluate_lib.run_packing({'data': c.data.to_dict()})
+    assert pk == packing.Packing(EOT) and evaluate_lib.run_packing({}) is None
+    batch = packed_batch()
+    weights = np.stack([evaluate_lib.counted(row, SEQ, pk) for row in batch]).astype(np.float32)
+    with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+        total, count = evaluate_lib.make_nll_step(layout, pk)(params, batch, weights)
+    assert count == np.sum(batch[:, :-1] != EOT)
+    np.testing.assert_allclose(float(total) / float(count), reference['gpt'][2], rtol=LOSS_RTOL)
+
+
 # --------------------------------------------------------------------------- refusals and a real run
 
 
@@ -170,7 +188,8 @@ def test_main_trains_with_packed_documents(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     common = ['jaxfrontier.main', '--config=configs/tiny.py', '--config.data.kind=tokens',
               f'--config.data.path={tmp_path}/c.bin', '--config.model.vocab_size=0', '--config.model.seq_len=32',
-              '--config.model.attention=reference', '--config.data.pack_documents=true', '--config.data.val_fraction=0.2']
+              '--config.model.attention=reference', '--config.data.pack_documents=true',
+              '--config.data.val_fraction=0.2']
     done = run(*common, f'--workdir={tmp_path}/w', '--config.train.steps=2', '--config.train.eval_every=2',
                '--config.train.eval_batches=1')
     assert done.returncode == 0, done.stderr[-3000:]
