@@ -5,6 +5,11 @@ attention; GPT: G = H) and calls `attend`, which repeats kv heads to the query h
 the kernel. With a KV cache (decoding, model/decode.py) the cache holds the G kv heads and
 the queries attend to it (`cached_attention`, fp32 scores as in `reference_attention`).
 
+Each kernel also takes the tokens' positions and segments (`visible`'s mask: packed
+documents, context parallelism's token order; docs/models.md): reference and xla as a
+[B, 1, T, T] mask, cudnn as JAX's additive bias from that mask, blockwise by block pair,
+skipping wholly masked pairs. Without them each runs its plain causal program.
+
 Kernels (config.model.attention):
   reference  einsum + causal mask + fp32 softmax, written out here; runs everywhere.
   xla        jax.nn.dot_product_attention(implementation='xla').
@@ -140,12 +145,17 @@ def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str, block_q: int = 64, 
     impl = resolve_impl(impl, q_bthk.dtype)
     if impl == 'reference':
         return reference_attention(q_bthk, k_bshk, v_bshk, positions_bt, segments_bt)
-    if positions_bt is not None or segments_bt is not None:
-        raise NotImplementedError(f'attention {impl!r} with positions or segments (issue 24: kernels)')
     if impl == 'blockwise':
-        return blockwise_attention(q_bthk, k_bshk, v_bshk, block_q, block_kv)
+        return blockwise_attention(q_bthk, k_bshk, v_bshk, block_q, block_kv, positions_bt=positions_bt,
+                                   segments_bt=segments_bt)
     if impl in ('xla', 'cudnn'):
-        return jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, is_causal=True, implementation=impl)
+        if positions_bt is None and segments_bt is None:
+            return jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, is_causal=True, implementation=impl)
+        # jax 0.10 takes a boolean mask for both: xla applies it to its T x S scores, cudnn turns
+        # it into an additive [B, 1, T, S] bias (jax._src.cudnn combine_bias_and_mask). cuDNN's
+        # own packed-segment layout (q_offsets) is not reachable through jax.nn.
+        mask_b1ts = visible(q_bthk.shape[1], positions_bt, segments_bt)[:, None]
+        return jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, mask=mask_b1ts, implementation=impl)
     raise ValueError(f'unknown attention implementation {impl!r}')
 
 

@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,3 +48,19 @@ def positions(seq: int | Seq, batch: int) -> jax.Array:
     if seq.positions_bt is not None:
         return seq.positions_bt
     return jnp.broadcast_to(jnp.arange(seq.length, dtype=jnp.int32)[None, :], (batch, seq.length))
+
+
+def balanced_order(seq_len: int, context: int) -> np.ndarray:
+    """The causal load-balanced token order of context parallelism (zigzag): a permutation of 0..T-1.
+
+    The sequence is cut into 2c equal chunks and context rank r holds chunks r and 2c-1-r (one
+    from the front, its mirror from the back), laid out rank by rank: [0, 2c-1, 1, 2c-2, ...].
+    Under a causal mask the work of a query chunk grows with its position, so each rank's pair
+    sums to the same work (ring.ring_block_pairs counts it). The order doubles as the tokens'
+    positions (position = index in the natural sequence).
+    """
+    if context < 1 or seq_len % (2 * context):
+        raise ValueError(f'balanced_order needs the sequence ({seq_len}) to split into 2 x context '
+                         f'({2 * context}) equal chunks')
+    chunks = np.arange(seq_len).reshape(2 * context, seq_len // (2 * context))
+    return np.concatenate([chunks[i] for r in range(context) for i in (r, 2 * context - 1 - r)])

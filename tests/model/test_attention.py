@@ -6,7 +6,9 @@ reduction-order differences only (rtol 1e-5 / atol 1e-6, as tests/model/test_mod
 float64 numpy attention of test_model checks both kernels. Model-level checks use the tiny GPT
 of test_model (sequence 16, blocks 4 x 8, so queries see up to four key blocks) and the
 layouts of layout_check.py (sequence 24, blocks 8 x 16: the last key block is half padding).
-Memory scaling is held by XLA's compiled memory analysis, never by the clock.
+Masked kernels (positions, segments: issue 24) take 21 shuffled tokens of packed documents
+and are held against the reference kernel's mask, which test_sequence holds against documents
+run alone. Memory scaling is held by XLA's compiled memory analysis, never by the clock.
 """
 
 import functools
@@ -20,7 +22,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.model import attention as attention_lib
-from jaxfrontier.model.blockwise import blockwise_attention
+from jaxfrontier.model import blockwise
 from layout_check import check_against_reference, make_config, run_layout
 from test_model import ATOL, RTOL, assert_trees_close, numpy_causal_attention, params_and_tokens, tiny_config
 
@@ -71,6 +73,84 @@ def test_bad_block_sizes_fail_validation(field, value):
     c = tiny_config(attention='blockwise', **{field: value})
     with pytest.raises(ConfigError, match=f'model.{field}'):
         config_lib.validate(c)
+
+
+# --------------------------------------------------------------------------- masked: positions, segments
+
+
+def packed_ids(seq, seed=0):
+    """Positions and segments [2, seq] of packed documents (positions restart per document), the
+    tokens then shuffled (a token order nothing may assume sorted): row 0 has four documents,
+    row 1 two, so the rows' masks differ."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((2, seq), np.int32)
+    for row, docs in enumerate((4, 2)):
+        for cut in sorted(rng.choice(np.arange(1, seq), docs - 1, replace=False)):
+            seg[row, cut:] += 1
+    pos = np.stack([np.concatenate([np.arange(n) for n in np.bincount(r)]) for r in seg]).astype(np.int32)
+    order = rng.permutation(seq)
+    return jnp.asarray(pos[:, order]), jnp.asarray(seg[:, order]), order
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def masked_out_and_grads(impl, block_q, block_kv, q, k, v, do, pos, seg):
+    fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block_q, block_kv=block_kv,
+                           positions_bt=pos, segments_bt=seg)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(do)
+
+
+@pytest.mark.parametrize('impl,block_q,block_kv', [('blockwise', 4, 4), ('blockwise', 5, 3), ('xla', 0, 0)])
+def test_masked_kernels_equal_reference_forward_and_backward(impl, block_q, block_kv):
+    """Shuffled positions, several documents per row, blocks that do not divide 21."""
+    pos, seg, order = packed_ids(21)
+    q, k, v, do = (x[:, order] for x in qkv_do(21))
+    ref_out, ref_grads = masked_out_and_grads('reference', 0, 0, q, k, v, do, pos, seg)
+    out, grads = masked_out_and_grads(impl, block_q, block_kv, q, k, v, do, pos, seg)
+    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL)
+    for name, g, g_ref in zip('qkv', grads, ref_grads):
+        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
+
+
+def test_masked_blockwise_positions_alone_equal_reference():
+    """Positions without segments (context parallelism's zigzag order of one document)."""
+    order = np.concatenate([np.arange(0, 4), np.arange(12, 16), np.arange(4, 12)])
+    pos = jnp.asarray(np.stack([order, order]), jnp.int32)
+    q, k, v, do = qkv_do(16)
+    ref_out, ref_grads = masked_out_and_grads('reference', 0, 0, q, k, v, do, pos, None)
+    out, grads = masked_out_and_grads('blockwise', 4, 4, q, k, v, do, pos, None)
+    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL)
+    for name, g, g_ref in zip('qkv', grads, ref_grads):
+        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
+
+
+def test_queries_that_see_no_key_give_zero_not_nan():
+    """A key chunk wholly after the queries (ring attention's skipped step): output 0, logsumexp
+    the finite MASKED, zero gradients."""
+    @jax.jit
+    def forward_backward(q, k, v, do):
+        q_pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+        o, lse = blockwise.masked_forward(q, k, v, q_pos, q_pos + 6, block_q=4, block_kv=4)
+        grads = blockwise.masked_backward(q, k, v, do, lse, jnp.zeros(lse.shape), q_pos, q_pos + 6, block_q=4,
+                                          block_kv=4)
+        return o, lse, grads
+
+    o, lse, grads = forward_backward(*qkv_do(6))
+    assert np.all(np.asarray(o) == 0) and np.all(np.asarray(lse) == blockwise.MASKED)
+    assert all(np.all(np.asarray(g) == 0) for g in grads)
+
+
+def test_block_visits_skip_masked_pairs():
+    """Plain positions: the masked kernel visits exactly the plain kernel's causal pairs; two
+    documents of 8 tokens with blocks of 4: the two cross-document pairs below the diagonal go."""
+    for seq, bq, bkv in ((16, 4, 4), (21, 5, 3), (13, 8, 4)):
+        plain = np.broadcast_to(np.arange(seq), (2, seq))
+        assert blockwise.executed_block_pairs(plain, plain, block_q=bq, block_kv=bkv) == \
+            blockwise.visited_block_pairs(seq, bq, bkv)
+    seg = np.repeat([[0, 1]], 8, axis=1).repeat(2, axis=0)  # [2, 16]: tokens 0-7 doc 0, 8-15 doc 1
+    pos = np.tile(np.arange(8), (2, 2))
+    visits = blockwise.block_visits(pos, pos, seg, seg, 4, 4, xp=np)
+    np.testing.assert_array_equal(visits, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
 
 
 # --------------------------------------------------------------------------- in the model
@@ -138,16 +218,19 @@ def test_blockwise_inside_pipeline_matches_single_device():
 # --------------------------------------------------------------------------- memory
 
 
-def attention_temp_bytes(impl, seq, block=64):
-    """XLA's compiled temporary bytes of forward + backward of the attention core alone."""
+def attention_temp_bytes(impl, seq, block=64, masked=False):
+    """XLA's compiled temporary bytes of forward + backward of the attention core alone (`masked`:
+    with positions and segments [1, seq])."""
     x = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.float32)
-    fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block, block_kv=block)
+    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32) if masked else None
 
-    def fwd_bwd(q, k, v, do):
+    def fwd_bwd(q, k, v, do, pos, seg):
+        fn = functools.partial(attention_lib.dot_product_attention, impl=impl, block_q=block, block_kv=block,
+                               positions_bt=pos, segments_bt=seg)
         out, vjp = jax.vjp(fn, q, k, v)
         return vjp(do)
 
-    return jax.jit(fwd_bwd).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+    return jax.jit(fwd_bwd).lower(x, x, x, x, ids, ids).compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow
@@ -161,6 +244,15 @@ def test_blockwise_memory_grows_linearly_reference_quadratically():
     for small, large in zip(reference, reference[1:]):
         assert 3.6 < large / small < 4.4, reference
     assert reference[-1] > 50 * blockwise[-1], (reference, blockwise)
+
+
+@pytest.mark.slow
+def test_masked_blockwise_memory_grows_linearly():
+    """The masked path stays O(s) too: its id blocks are O(s) and its visit table [B, Nq, Nkv]
+    bools is 64 x 64 smaller than the scores. 2k -> 4k -> 8k: temporaries about double."""
+    masked = [attention_temp_bytes('blockwise', s, masked=True) for s in (2048, 4096, 8192)]
+    for small, large in zip(masked, masked[1:]):
+        assert 1.8 < large / small < 2.3, masked
 
 
 # --------------------------------------------------------------------------- remat, unrolled
