@@ -188,12 +188,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _validate_checkpoint(c.checkpoint)
 
 
-# Attention kernels that mask by documents (model/attention.py); the others refuse segments.
-PACKING_KERNELS = ('reference',)
-
-
 def _validate_packing(c: ml_collections.ConfigDict) -> None:
-    """data.pack_documents and what it needs: documents to pack, a kernel that keeps them apart."""
+    """data.pack_documents and what it needs: documents to pack (every attention kernel masks by them)."""
     d = c.data
     for field in ('pack_documents', 'boundary_loss'):
         _require(isinstance(d[field], bool), f'data.{field}', d[field], 'must be true or false',
@@ -211,9 +207,6 @@ def _validate_packing(c: ml_collections.ConfigDict) -> None:
     _require(d.kind == 'tokens', 'data.pack_documents', True, f'data.kind={d.kind!r} has no documents to keep '
              'apart (no end-of-text token between them)', 'use data.kind=tokens with a file from python -m '
              'jaxfrontier.prepare, or data.pack_documents=false')
-    _require(c.model.attention in PACKING_KERNELS, 'model.attention', c.model.attention,
-             'this kernel cannot keep packed documents apart yet', f'use one of {PACKING_KERNELS} with '
-             'data.pack_documents=true')
 
 
 # Fields only the llama family reads (model/llama.py), with the value that means "not used".
