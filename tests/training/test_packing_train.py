@@ -97,23 +97,23 @@ def test_layout_equals_one_device_with_packing(request, reference, name):
 
 
 @pytest.mark.slow
-def test_one_device_loss_is_the_pooled_mean_not_a_mean_of_means(reference):
-    """The reference itself: the mean over all counted predictions of the batch, from per-row
-    losses computed apart; a mean of the two accumulation halves' own means differs."""
-    c = packed_config()
+def test_accumulated_loss_is_the_pooled_mean_not_a_mean_of_means():
+    """Two accumulation steps (rows 0-3 count 84 predictions, rows 4-7 count 52): the step's loss is
+    the mean over all counted predictions, from per-row losses computed apart; the mean of the two
+    micro-batches' own means differs (init_std 0.5: token losses far from uniform)."""
+    c = packed_config(accum=2, init_std=0.5)
+    loss = loss_grads_eval(c)[0]
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:1])
     layout = ts.make_placement(c, mesh)
-    model = layout.model_def.bind(ts.init_train_state(c, layout)['params'])
+    params = ts.init_train_state(c, layout)['params']
     pk, batch = packing.from_config(c), packed_batch()
-    sums, counts = [], []
-    for row in batch:
-        row = row[None]
-        sums.append(float(packing.window_loss(model, row, pk)) * SEQ)  # sum over the row's counted predictions
-        counts.append(float(np.sum(row[0, :-1] != EOT)))
-    sums, counts = np.array(sums), np.array(counts)
-    np.testing.assert_allclose(reference['gpt'][0], sums.sum() / counts.sum(), rtol=1e-5)
-    halves = [sums[i::2].sum() / counts[i::2].sum() for i in (0, 1)]  # not the micro-batch split; any uneven one
-    assert abs(np.mean(halves) - reference['gpt'][0]) > 100 * LOSS_RTOL * reference['gpt'][0]
+    row_loss = jax.jit(lambda p, row: packing.window_loss(layout.model_def.bind(p), row, pk))
+    with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+        sums = np.array([float(row_loss(params, row[None])) * SEQ for row in batch])  # each row's counted sum
+    counts = np.sum(batch[:, :-1] != EOT, axis=1).astype(np.float64)
+    np.testing.assert_allclose(loss, sums.sum() / counts.sum(), rtol=1e-5)
+    micro_means = [sums[:4].sum() / counts[:4].sum(), sums[4:].sum() / counts[4:].sum()]
+    assert abs(np.mean(micro_means) - loss) > 100 * LOSS_RTOL * loss
 
 
 @pytest.mark.slow
