@@ -132,10 +132,11 @@ class StaggeredOps:
             chunk_w = cast_chunk(chunk, self.dtype)
             zero_shared = jax.tree.map(jnp.zeros_like, shared)
             loss = jnp.zeros((), jnp.float32)
+            seq_r = self.ops.seq(tokens_r)  # the recomputed micro-batch's documents (packing)
             if r_kind == 'stash':  # read before this half-slot's forward stores (a different slot)
-                _, res = self.res.capture(chunk_w, self.tokens.gather(stash[slot_r]), m_r, c, self.ops.seq(tokens_r))
+                _, res = self.res.capture(chunk_w, self.tokens.gather(stash[slot_r]), m_r, c, seq_r)
             elif r_kind == 'last':
-                y, res = self.res.capture(chunk_w, self.tokens.gather(msg), m_r, c, self.ops.seq(tokens_r))
+                y, res = self.res.capture(chunk_w, self.tokens.gather(msg), m_r, c, seq_r)
                 loss, zero_shared, g_y = self.ops.loss_vjp(chunk, shared, y, tokens_r)
                 g_self = g_y.astype(g_self.dtype)
             y_send, stash = self._forward_part(f_kind, chunk_w, shared, tokens_f, stash, msg, m_f, c, slot_f)
