@@ -69,12 +69,14 @@ class Residuals:
         return weight_of, [r for r, i in zip(leaves, weight_of) if i < 0], treedef
 
     def probe(self, chunk, x, m, c, seq) -> None:
-        def trace(chunk, x, m, c, seq):
-            _, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c, seq), chunk, x)
+        arrays = None if isinstance(seq, int) else seq  # a plain length stays a Python int
+
+        def trace(chunk, x, m, c, arrays):
+            _, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c, seq if arrays is None else arrays), chunk, x)
             self.weight_of, carried, self.treedef = self._split(pull, chunk)
             return carried
 
-        self.avals = jax.eval_shape(trace, chunk, x, m, c, seq)
+        self.avals = jax.eval_shape(trace, chunk, x, m, c, arrays)
 
     def zeros(self) -> list[jax.Array]:
         def zero(a):
