@@ -100,6 +100,7 @@ def main(argv: list[str]) -> int:
         processes = distributed.ProcessSettings('none')
         if _MODE.value == 'plan':
             data_lib.resolve_vocab(config)  # model.vocab_size=0: from the token file header
+            data_lib.resolve_eot(config)  # data.pack_documents: the end-of-text id too
         if _MODE.value == 'lm_eval':  # before the seconds JAX and the harness take to import
             _check_lm_eval_flags()
         if _MODE.value == 'train':
@@ -109,6 +110,7 @@ def main(argv: list[str]) -> int:
             _use_compile_cache(config)
         if _MODE.value == 'verify':  # the shrunk mesh on simulated CPU devices, whatever this machine has
             data_lib.resolve_vocab(config)
+            data_lib.resolve_eot(config)
             to_verify = shrink.shrink(config, _VERIFY_MAX_DEVICES.value)  # once: its mesh sizes the devices
             os.environ['JAX_PLATFORMS'] = 'cpu'
             # Hundreds of simulated devices share this machine's cores: a collective may wait minutes for

@@ -18,7 +18,7 @@ MAX_SIZES = {'model.seq_len': 2**24, 'model.d_model': 2**20, 'model.num_layers':
              'model.attention_block_q': 2**24, 'model.attention_block_kv': 2**24, 'train.global_batch': 2**31,
              'train.micro_batch': 2**31, 'train.accum_steps': 2**31, 'pipeline.virtual_stages': 2**16,
              'model.mlp_dim': 2**24, 'model.num_kv_heads': 2**16, 'model.multiple_of': 2**24,
-             'model.rope_original_max_len': 2**31}
+             'model.rope_original_max_len': 2**31, 'data.eot_id': 2**32}
 # Floats: the range each must lie in (all finite), and a usual value.
 FLOAT_RANGES = {'model.init_std': (0.0, math.inf, 0.02), 'optim.eps': (0.0, math.inf, 1e-8),
                 'optim.weight_decay': (0.0, math.inf, 0.1), 'optim.clip_norm': (0.0, math.inf, 1.0),

@@ -195,6 +195,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
              'must be >= 0', 'use 1 (process per GPU), the GPUs per process, or 0 (all visible)')
     _require(0.0 < c.data.val_fraction < 0.5, 'data.val_fraction', c.data.val_fraction,
              'must be in (0, 0.5)', 'use e.g. 0.02')
+    _validate_packing(c)
 
     _require(c.sharding.sequence_parallel in SEQUENCE_PARALLEL, 'sharding.sequence_parallel',
              c.sharding.sequence_parallel, 'unknown setting', f'use one of {SEQUENCE_PARALLEL}')
@@ -206,6 +207,27 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
         _require(all(a in axes for a in targets), f'sharding.rules[{i}]', rule,
                  'names an unknown mesh axis', f'use mesh axes from {MESH_AXES} or None')
     _validate_checkpoint(c.checkpoint)
+
+
+def _validate_packing(c: ml_collections.ConfigDict) -> None:
+    """data.pack_documents and what it needs: documents to pack (every attention kernel masks by them)."""
+    d = c.data
+    for field in ('pack_documents', 'boundary_loss'):
+        _require(isinstance(d[field], bool), f'data.{field}', d[field], 'must be true or false',
+                 f'set data.{field}=true or false')
+    _require(isinstance(d.eot_id, int) and not isinstance(d.eot_id, bool) and d.eot_id >= -1, 'data.eot_id',
+             d.eot_id, 'must be an integer >= -1', "set -1 (the token file header's) or the end-of-text id")
+    _require(not c.model.vocab_size or d.eot_id < c.model.vocab_size, 'data.eot_id', d.eot_id,
+             f'is not a token of the vocabulary (model.vocab_size = {c.model.vocab_size})',
+             "set -1 (the token file header's) or the tokenizer's end-of-text id")
+    if not d.pack_documents:
+        _require(not d.boundary_loss, 'data.boundary_loss', True, 'chooses what packed documents count in '
+                 'the loss, but data.pack_documents=false (every prediction counts)',
+                 'set data.pack_documents=true, or leave data.boundary_loss=false')
+        return
+    _require(d.kind == 'tokens', 'data.pack_documents', True, f'data.kind={d.kind!r} has no documents to keep '
+             'apart (no end-of-text token between them)', 'use data.kind=tokens with a file from python -m '
+             'jaxfrontier.prepare, or data.pack_documents=false')
 
 
 # Fields only the llama family reads (model/llama.py), with the value that means "not used".

@@ -250,6 +250,14 @@ def base_config() -> ml_collections.ConfigDict:
         # a .bin path, or a blend 'WEIGHT:PATH,...' (eval loss per file and weighted overall; docs/data.md)
         val_path='',
         val_fraction=0.02,  # without val_path: the validation split is the stream's last share
+        # Packed documents (model/packing.py, docs/data.md): attention stays inside each document
+        # of a window and positions restart per document, from the end-of-text token prepare
+        # writes after every document (data.kind=tokens only).
+        pack_documents=False,
+        # pack_documents: count the prediction of a document's first token from the end-of-text
+        # token before it (no context of its own document) in the loss.
+        boundary_loss=False,
+        eot_id=-1,  # pack_documents: the end-of-text id; -1 = the token file header's eot_id
     ))
 
     # How processes join one job (jaxfrontier/distributed.py); mesh.cpu_devices is the job's total.

@@ -21,7 +21,8 @@ from jaxfrontier.config import DATA_KINDS
 from jaxfrontier.data import sampling
 from jaxfrontier.data.builtin import BYTE_VOCAB, builtin_corpus
 from jaxfrontier.data.sources import TRAIN, VAL, Source, SyntheticSource, TokenSource
-from jaxfrontier.data.token_files import TokenFile, open_token_file, read_header, token_paths, tokenizer_path
+from jaxfrontier.data.token_files import (TokenFile, open_token_file, read_header, run_token_path, token_paths,
+                                          tokenizer_path)
 from jaxfrontier.errors import ConfigError
 
 
@@ -130,6 +131,40 @@ def resolve_vocab(c: ml_collections.ConfigDict) -> None:
                           f'{vocabs[i]}: the files were tokenised differently',
                           'blend only files written with the same tokenizer')
     c.model.vocab_size = int(vocabs[0])
+
+
+def resolve_eot(c: ml_collections.ConfigDict) -> None:
+    """`data.pack_documents`: sets `data.eot_id = -1` to the token file header's `eot_id` (the token
+    `python -m jaxfrontier.prepare` writes after every document; the files of a blend share it).
+
+    Raises:
+      ConfigError: the data has no documents (builtin, synthetic), the header names no end-of-text
+        token and data.eot_id is unset, or data.eot_id disagrees with the header.
+    """
+    if not c.data.pack_documents:
+        return
+    path = run_token_path(c.data)
+    if c.data.kind != 'tokens' or not path:
+        raise ConfigError('data.pack_documents', True, f'data.kind={c.data.kind!r} has no documents to keep apart '
+                          '(no end-of-text token between them)', 'use data.kind=tokens with a file from python -m '
+                          'jaxfrontier.prepare, or data.pack_documents=false')
+    bin_path, header_path = token_paths(path)
+    if not os.path.isfile(bin_path):
+        return  # check_data names the missing file
+    header_eot = read_header(path, header_path).get('eot_id')
+    if header_eot is None and c.data.eot_id < 0:
+        raise ConfigError('data.pack_documents', True, f'the header of {bin_path} names no end-of-text token '
+                          '("eot_id"), so its document boundaries are unknown',
+                          'set data.eot_id to the token that ends each document, or re-tokenize with python -m '
+                          'jaxfrontier.prepare')
+    if header_eot is not None and c.data.eot_id >= 0 and c.data.eot_id != header_eot:
+        raise ConfigError('data.eot_id', c.data.eot_id, f'the header of {bin_path} says the end-of-text token '
+                          f'is {header_eot}', "set data.eot_id=-1 (the header's) or to the header's id")
+    if c.data.eot_id < 0:
+        if not (isinstance(header_eot, int) and not isinstance(header_eot, bool) and header_eot >= 0):
+            raise ConfigError('data.pack_documents', True, f'the header of {bin_path} has eot_id {header_eot!r}, '
+                              'not a token id', 'set data.eot_id to the token that ends each document')
+        c.data.eot_id = int(header_eot)
 
 
 def check_data(c: ml_collections.ConfigDict) -> None:

@@ -4,7 +4,10 @@ Windows are consecutive: window w holds tokens [w S, (w + 1) S + 1) and scores i
 every token after the first is predicted exactly once, with the context of its own window
 (no overlap). The last, shorter window is padded and its padding weighted 0; batches are
 `train.global_batch` windows (the last one padded with empty windows). Bits per byte divide
-the summed loss (in bits) by the UTF-8 bytes the scored tokens stand for (text.py).
+the summed loss (in bits) by the UTF-8 bytes the scored tokens stand for (text.py). A run
+trained with packed documents (its saved data.pack_documents) is scored with its documents kept
+apart, and without the predictions from an end-of-text token unless it counted them
+(data.boundary_loss; model/packing.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import scoring
 from jaxfrontier.inference import text
+from jaxfrontier.model import packing as packing_lib
 
 
 def windows(tokens: np.ndarray, start: int, stop: int, seq_len: int):
@@ -37,13 +41,35 @@ def windows(tokens: np.ndarray, start: int, stop: int, seq_len: int):
         yield row, len(piece) - 1
 
 
-def make_nll_step(layout):
-    """`(params, tokens [B, S + 1], weights [B, S]) -> (weighted nll sum, weight sum)`, jitted."""
+def run_packing(run_config: dict) -> packing_lib.Packing | None:
+    """The packed documents the run trained with (its saved data.pack_documents, resolved data.eot_id), or None."""
+    data = run_config.get('data', {})
+    if not data.get('pack_documents') or data.get('eot_id', -1) < 0:
+        return None
+    return packing_lib.Packing(int(data['eot_id']), bool(data.get('boundary_loss', False)))
+
+
+def make_nll_step(layout, packing: packing_lib.Packing | None = None):
+    """`(params, tokens [B, S + 1], weights [B, S]) -> (weighted nll sum, weight sum)`, jitted.
+
+    With `packing`, each window's documents are kept apart as in training (model/packing.py); the
+    caller weighs the predictions training did not count 0 (`counted`)."""
     def nll(params, tokens_bt, weights_bt):
-        logp_n, _ = scoring.target_logprobs(layout.model_def.bind(params), tokens_bt[:, :-1], tokens_bt[:, 1:])
+        inputs, targets = tokens_bt[:, :-1], tokens_bt[:, 1:]
+        seq = None if packing is None else packing_lib.documents(inputs, packing.eot_id)
+        logp_n, _ = scoring.target_logprobs(layout.model_def.bind(params), inputs, targets, seq)
         w_n = weights_bt.reshape(-1)
         return -jnp.sum(logp_n * w_n), jnp.sum(w_n)
     return jax.jit(nll)
+
+
+def counted(row: np.ndarray, scored: int, packing: packing_lib.Packing | None) -> np.ndarray:
+    """Which of a window's predictions [S] are scored: its first `scored`, less (with packing and no
+    boundary loss) those from an end-of-text token, which training did not count either."""
+    keep = np.arange(len(row) - 1) < scored
+    if packing is not None and not packing.boundary_loss:
+        keep &= row[:-1] != packing.eot_id
+    return keep
 
 
 def eval_path_error(e: ConfigError, eval_path: str) -> UserError:
@@ -92,7 +118,8 @@ def evaluate(c: ml_collections.ConfigDict, workdir: str, eval_path: str) -> dict
     byte_lengths = codec.byte_lengths(c.model.vocab_size)
     seq_len, batch = c.model.seq_len, c.train.global_batch
     sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
-    step = make_nll_step(layout)
+    packing = run_packing(loaded.run_config)
+    step = make_nll_step(layout, packing)
     total, count, num_bytes, num_windows = 0.0, 0.0, 0, 0
     rows, weights = [], []
 
@@ -109,8 +136,9 @@ def evaluate(c: ml_collections.ConfigDict, workdir: str, eval_path: str) -> dict
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         for row, scored in windows(tokens, start, stop, seq_len):
             rows.append(row)
-            weights.append((np.arange(seq_len) < scored).astype(np.float32))
-            num_bytes += int(byte_lengths[row[1:scored + 1]].sum())
+            keep = counted(row, scored, packing)
+            weights.append(keep.astype(np.float32))
+            num_bytes += int(byte_lengths[row[1:][keep]].sum())
             num_windows += 1
             if len(rows) == batch:
                 flush()

@@ -38,13 +38,19 @@ class Score:
     greedy: bool  # every continuation token is its position's most likely token
 
 
-def target_logprobs(model, inputs_bt: jax.Array, targets_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+def target_logprobs(model, inputs_bt: jax.Array, targets_bt: jax.Array,
+                    seq=None) -> tuple[jax.Array, jax.Array]:
     """log p(target) [B*T] and whether each target is the argmax [B*T]; padded vocabulary entries excluded.
+
+    `seq`: the inputs' positions and documents where not plain (model/sequence.Seq; packed
+    documents in `--mode=eval`), else their length.
 
     The target's logit is picked by a compare-and-sum over the vocabulary, not a gather, so a
     vocabulary split over `tensor` stays split (a gather would replicate the logits).
     """
-    logits_nv = model.logits(model.apply_blocks(model.embed(inputs_bt), inputs_bt.shape[1])).astype(jnp.float32)
+    seq = inputs_bt.shape[1] if seq is None else seq
+    positions_bt = None if isinstance(seq, int) else seq.positions_bt
+    logits_nv = model.logits(model.apply_blocks(model.embed(inputs_bt, None, positions_bt), seq)).astype(jnp.float32)
     vocab_v = jnp.arange(logits_nv.shape[-1])
     logits_nv = jnp.where(vocab_v < model.shape.real_vocab_size, logits_nv, jnp.finfo(jnp.float32).min)
     target_n = targets_bt.reshape(-1)

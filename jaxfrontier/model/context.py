@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.model.sequence import Seq, balanced_order
 
 TOKENS_BT = ('batch', 'length')  # token ids, targets and positions [B, T]
@@ -68,20 +69,25 @@ def unflatten_tokens(x_n: jax.Array, b: int, t: int) -> jax.Array:
 
 
 class TokenOrder:
-    """The order of a micro-batch's T tokens along the sequence dimension (see the module docstring).
+    """How a micro-batch's windows [B, T + 1] become the model's inputs, targets, positions,
+    documents and loss weights (see the module docstring).
 
     `order` is None where nothing is permuted: context 1, or `context_balance` off (device r
-    holds the r-th contiguous part); then the blocks see plain sequences, as without context.
+    holds the r-th contiguous part). With packed documents (`packing`, model/packing.py) the
+    documents, their restarting positions and the loss weights are found on the window in its
+    natural order and then permuted with the tokens, so packing and balancing compose. Without
+    either, the blocks see plain sequences, as without context.
     """
 
-    def __init__(self, seq_len: int, context: int = 1, balance: bool = True):
-        self.seq_len = seq_len
+    def __init__(self, seq_len: int, context: int = 1, balance: bool = True,
+                 packing: packing_lib.Packing | None = None):
+        self.seq_len, self.packing = seq_len, packing
         self.order = balanced_order(seq_len, context) if context > 1 and balance else None
 
     @classmethod
-    def of(cls, layout: layout_lib.Layout, seq_len: int) -> TokenOrder:
+    def of(cls, layout: layout_lib.Layout, seq_len: int, packing: packing_lib.Packing | None = None) -> TokenOrder:
         """The order of a layout's micro-batches (what the steps and every pipeline unit use)."""
-        return cls(seq_len, layout.context, layout.context_balance)
+        return cls(seq_len, layout.context, layout.context_balance, packing)
 
     def permute(self, x_bt: jax.Array) -> jax.Array:
         """`x_bt` [B, T] in this order (unchanged where nothing is permuted)."""
@@ -89,16 +95,22 @@ class TokenOrder:
             return x_bt
         return mesh_lib.constrain(jnp.take(x_bt, jnp.asarray(self.order, jnp.int32), axis=1), TOKENS_BT)
 
-    def positions(self, rows: int) -> jax.Array | None:
-        """Each token's position [rows, T] (the permutation itself), or None for 0..T-1."""
+    def seq(self, tokens_bt1: jax.Array) -> int | Seq:
+        """What the blocks know of the micro-batch (model/sequence.py): T, or T with the tokens'
+        positions (the permutation; per document when packed) and documents."""
+        rows = tokens_bt1.shape[0]
+        if self.packing is not None:
+            docs = packing_lib.documents(tokens_bt1[:, :-1], self.packing.eot_id)
+            return Seq(self.seq_len, self.permute(docs.positions_bt), self.permute(docs.segments_bt))
         if self.order is None:
-            return None
+            return self.seq_len
         positions_bt = jnp.broadcast_to(jnp.asarray(self.order, jnp.int32)[None], (rows, self.seq_len))
-        return mesh_lib.constrain(positions_bt, TOKENS_BT)
+        return Seq(self.seq_len, mesh_lib.constrain(positions_bt, TOKENS_BT))
 
-    def seq(self, rows: int) -> int | Seq:
-        """What the blocks know of the micro-batch (model/sequence.py): T, or T with the positions."""
-        return self.seq_len if self.order is None else Seq(self.seq_len, self.positions(rows))
+    def positions(self, tokens_bt1: jax.Array) -> jax.Array | None:
+        """Each input token's position [B, T] in this order, or None for 0..T-1."""
+        seq = self.seq(tokens_bt1)
+        return None if isinstance(seq, int) else seq.positions_bt
 
     def inputs(self, tokens_bt1: jax.Array) -> jax.Array:
         """A micro-batch's input tokens [B, T] from its windows [B, T + 1], in this order."""
@@ -108,8 +120,16 @@ class TokenOrder:
         """The next tokens [B, T] of the windows [B, T + 1], in this order."""
         return self.permute(tokens_bt1[:, 1:])
 
+    def weights(self, tokens_bt1: jax.Array) -> jax.Array | None:
+        """The predictions' loss weights [B, T] in this order (packing's; None: all count)."""
+        if self.packing is None:
+            return None
+        weights_bt = packing_lib.loss_weights(tokens_bt1[:, :-1], self.packing)
+        return None if weights_bt is None else self.permute(weights_bt)
+
     def loss(self, model, tokens_bt1: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """`model.loss` (model/decoder.py) of one micro-batch's windows [B, T + 1] in this order."""
-        return model.loss(self.inputs(tokens_bt1), self.targets(tokens_bt1), dropout_key,
-                          self.positions(tokens_bt1.shape[0]))
-
+        seq = self.seq(tokens_bt1)
+        positions, segments = (None, None) if isinstance(seq, int) else (seq.positions_bt, seq.segments_bt)
+        return model.loss(self.inputs(tokens_bt1), self.targets(tokens_bt1), dropout_key, positions, segments,
+                          self.weights(tokens_bt1))

@@ -45,18 +45,22 @@ class Decoder(nnx.Module):
                                preferred_element_type=jnp.float32)
         return mesh_lib.constrain(logits_nv, ('tokens', 'vocab'))
 
-    def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy (fp32) from the last block's output."""
-        return cross_entropy(self.logits(x_nd), flatten_tokens(targets_bt), self.shape.real_vocab_size)
+    def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy (fp32) from the last block's output; with `weights_bt`
+        [B, T], the mean over all B*T predictions of weight * loss (layers.cross_entropy).
+        Targets and weights are flattened in the activations' token order (model/context.py)."""
+        weights_n = None if weights_bt is None else flatten_tokens(weights_bt)
+        return cross_entropy(self.logits(x_nd), flatten_tokens(targets_bt), self.shape.real_vocab_size, weights_n)
 
     def loss(self, tokens_bt: jax.Array, targets_bt: jax.Array, dropout_key: jax.Array | None = None,
-             positions_bt: jax.Array | None = None, segments_bt: jax.Array | None = None) -> jax.Array:
+             positions_bt: jax.Array | None = None, segments_bt: jax.Array | None = None,
+             weights_bt: jax.Array | None = None) -> jax.Array:
         """Mean next-token cross-entropy (fp32) of one micro-batch; positions and documents [B, T]
-        where they are not plain (model/sequence.py)."""
+        where they are not plain (model/sequence.py); per-prediction weights [B, T] as `head_loss`."""
         seq = Seq(tokens_bt.shape[1], positions_bt, segments_bt)
         x_nd = self.apply_blocks(self.embed(tokens_bt, dropout_key, positions_bt), seq if not seq.plain else seq.length,
                                  dropout_key)
-        return self.head_loss(x_nd, targets_bt)
+        return self.head_loss(x_nd, targets_bt, weights_bt)
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         """Logits [B, T, V] (fp32) for evaluation and inference."""

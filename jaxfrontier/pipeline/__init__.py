@@ -27,11 +27,12 @@ def build_schedule(layout: layout_lib.Layout) -> schedules.Schedule | schedules.
 
 def make_pipeline_grads(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
                         schedule: schedules.Schedule | schedules.Staggered, dropout_key_fn,
-                        data_local_rules: mesh_lib.Rules | None = None):
+                        data_local_rules: mesh_lib.Rules | None = None, packing=None):
     """`(params, micro_abt, step[, scale]) -> (mean loss, grads)` of a pipelined layout (training/step.py lays out the result).
 
     `schedule`: `build_schedule(layout)`, built once per run; `dropout_key_fn(step, micro)`: the
-    dropout key of a micro-batch (None without dropout).
+    dropout key of a micro-batch (None without dropout); `packing`: packed documents
+    (model/packing.py: each unit builds them from its micro-batch's tokens), or None.
 
     `data_local_rules`: the layout's rules when gradients cross `data` once per step
     (`layout.reduce_once`, training/reduction.py). The map is then manual over `data` too: each
@@ -49,7 +50,7 @@ def make_pipeline_grads(layout: layout_lib.Layout, shape: config_lib.ModelShape,
     def traced(params, micro_abt, step, scale):
         blocks, shared = split_shared(params)
         make_engine = staggered.make_engine if isinstance(schedule, schedules.Staggered) else lockstep.make_engine
-        engine = make_engine(layout, shape, model_def, schedule, lambda m: dropout_key_fn(step, m), scale)
+        engine = make_engine(layout, shape, model_def, schedule, lambda m: dropout_key_fn(step, m), scale, packing)
 
         def run_replica(blocks, shared, micro_abt):
             out = engine(blocks, shared, micro_abt)  # (loss, block grads, shared grads)

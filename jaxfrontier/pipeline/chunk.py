@@ -68,8 +68,9 @@ class ChunkOps:
     forward (chunk, shared, tokens, stash_lx, m, c) -> (y, stash_lx);
     backward (chunk, shared, tokens, stash_lx, g, m, c) -> (g_chunk, g_shared, g_x, loss).
     Stash slots, y, g and g_x are held split over `tensor` (`TokenSplit`) between units.
-    With context parallelism's balanced order (`order`, model/context.py) every unit permutes
-    its micro-batch's inputs and targets and rebuilds the positions from the static order.
+    With context parallelism's balanced order and packed documents (`order`, model/context.py)
+    every unit builds its micro-batch's inputs, targets, positions, documents and loss weights
+    from the micro-batch's tokens, which every stage receives, and the static order.
     """
 
     def __init__(self, model_def: ModelDef, seq_len: int, layers_per_chunk: int, num_micro: int, dropout_key_fn,
@@ -82,39 +83,44 @@ class ChunkOps:
     def model(self, chunk, shared):
         return self.model_def.bind({'blocks': chunk, **shared})
 
-    def seq(self, x_nd: jax.Array):
-        """What the blocks know of the tokens of (whole) activations [rows * T, d] (model/context.py)."""
-        return self.order.seq(x_nd.shape[0] // self.seq_len)
+    def seq(self, tokens):
+        """What the blocks know of micro-batch `tokens` [rows, T + 1] (TokenOrder.seq)."""
+        return self.order.seq(tokens)
 
-    def embed(self, model, tokens, m):
-        """The embedding of micro-batch m's inputs (tokens [rows, T + 1]) in the token order."""
-        return model.embed(self.order.inputs(tokens), self.dropout_key_fn(m), self.order.positions(tokens.shape[0]))
+    def embed(self, chunk, shared, tokens, m):
+        """The embedding of micro-batch m's inputs in the token order, at their positions."""
+        return self.model(chunk, shared).embed(self.order.inputs(tokens), self.dropout_key_fn(m),
+                                               self.order.positions(tokens))
 
-    def run(self, chunk, shared, x, m, c, remat: str = 'none', keep_inputs: bool = False):
+    def head_loss(self, model, y, tokens):
+        """Micro-batch `tokens`' loss (packing's weights; layers.cross_entropy) / M: the executors sum it."""
+        return model.head_loss(y, self.order.targets(tokens), self.order.weights(tokens)) / self.num_micro
+
+    def run(self, chunk, shared, x, m, c, seq, remat: str = 'none', keep_inputs: bool = False):
         """Chunk c's layers on x for micro-batch m (`stack.apply_stack`, dropout keys by global layer)."""
         graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
-        return stack.apply_stack(graphdef, stacked, x, seq_len=self.seq(x), remat=remat,
+        return stack.apply_stack(graphdef, stacked, x, seq_len=seq, remat=remat,
                                  dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc, unroll=0,
-                               keep_inputs=keep_inputs)
+                                 keep_inputs=keep_inputs)
 
-    def forward(self, chunk, shared, x, m, c):
+    def forward(self, chunk, shared, x, m, c, seq):
         """Runs the chunk from x; returns the output and each layer's input [Lc, N, d]."""
-        return self.run(chunk, shared, x, m, c, keep_inputs=True)
+        return self.run(chunk, shared, x, m, c, seq, keep_inputs=True)
 
-    def backward(self, chunk, shared, stash_lx, g, m, c, stashed=True):
+    def backward(self, chunk, shared, stash_lx, g, m, c, seq, stashed=True):
         """Reverse pass over the layers from their inputs (split, when `stashed`); (g_chunk, g_input)."""
         graphdef, stacked = nnx.split(self.model(chunk, shared).blocks)
         # one all-gather per layer, just before its recomputation
-        g_stacked, g_in = stack.recompute_stack_vjp(graphdef, stacked, stash_lx, g, seq_len=self.seq(g),
+        g_stacked, g_in = stack.recompute_stack_vjp(graphdef, stacked, stash_lx, g, seq_len=seq,
                                                     dropout_key=self.dropout_key_fn(m), first_layer=c * self.lc,
                                                     fetch_input=self.tokens.gather if stashed else (lambda x: x))
         return nnx.to_pure_dict(g_stacked), g_in
 
     def embed_vjp(self, chunk, shared, tokens, m):
-        return jax.vjp(lambda sh: self.embed(self.model(chunk, sh), tokens, m), shared)
+        return jax.vjp(lambda sh: self.embed(chunk, sh, tokens, m), shared)
 
     def loss_vjp(self, chunk, shared, y, tokens):
-        fn = lambda sh, yy: self.model(chunk, sh).head_loss(yy, self.order.targets(tokens)) / self.num_micro
+        fn = lambda sh, yy: self.head_loss(self.model(chunk, sh), yy, tokens)
         loss, pull = jax.vjp(fn, shared, y)
         seed = jnp.ones((), jnp.float32) if self.loss_scale is None else self.loss_scale.astype(jnp.float32)
         g_shared, g_y = pull(seed)
@@ -124,12 +130,12 @@ class ChunkOps:
         return stash_lx[0], stash_lx
 
     def f_first(self, chunk, shared, tokens, stash_lx, m, c):
-        x = self.embed(self.model(chunk, shared), tokens, m)
-        y, stash = self.forward(chunk, shared, x.astype(stash_lx.dtype), m, c)
+        x = self.embed(chunk, shared, tokens, m)
+        y, stash = self.forward(chunk, shared, x.astype(stash_lx.dtype), m, c, self.seq(tokens))
         return self.tokens.split(y), self.tokens.split(stash)
 
     def f_mid(self, chunk, shared, tokens, stash_lx, m, c):
-        y, stash = self.forward(chunk, shared, self.tokens.gather(stash_lx[0]), m, c)
+        y, stash = self.forward(chunk, shared, self.tokens.gather(stash_lx[0]), m, c, self.seq(tokens))
         return self.tokens.split(y), self.tokens.split(stash)
 
     def b_none(self, chunk, shared, tokens, stash_lx, g, m, c):
@@ -137,26 +143,28 @@ class ChunkOps:
         return zeros(chunk), zeros(shared), jnp.zeros_like(g), jnp.zeros((), jnp.float32)
 
     def b_first(self, chunk, shared, tokens, stash_lx, g, m, c):
-        g_chunk, g_x = self.backward(chunk, shared, stash_lx, self.tokens.gather(g), m, c)
+        g_chunk, g_x = self.backward(chunk, shared, stash_lx, self.tokens.gather(g), m, c, self.seq(tokens))
         _, pull = self.embed_vjp(chunk, shared, tokens, m)
         (g_shared,) = pull(g_x.astype(stash_lx.dtype))
         return g_chunk, g_shared, jnp.zeros_like(g), jnp.zeros((), jnp.float32)
 
     def b_mid(self, chunk, shared, tokens, stash_lx, g, m, c):
-        g_chunk, g_x = self.backward(chunk, shared, stash_lx, self.tokens.gather(g), m, c)
+        g_chunk, g_x = self.backward(chunk, shared, stash_lx, self.tokens.gather(g), m, c, self.seq(tokens))
         return g_chunk, jax.tree.map(jnp.zeros_like, shared), self.tokens.split(g_x), jnp.zeros((), jnp.float32)
 
     def b_last(self, chunk, shared, tokens, stash_lx, g, m, c):
-        y, stash_lx = self.forward(chunk, shared, self.tokens.gather(stash_lx[0]), m, c)
+        seq = self.seq(tokens)
+        y, stash_lx = self.forward(chunk, shared, self.tokens.gather(stash_lx[0]), m, c, seq)
         loss, g_shared, g_y = self.loss_vjp(chunk, shared, y, tokens)
-        g_chunk, g_x = self.backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c, stashed=False)
+        g_chunk, g_x = self.backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c, seq, stashed=False)
         return g_chunk, g_shared, self.tokens.split(g_x), loss
 
     def b_only(self, chunk, shared, tokens, stash_lx, g, m, c):
+        seq = self.seq(tokens)
         x, embed_pull = self.embed_vjp(chunk, shared, tokens, m)
-        y, stash_lx = self.forward(chunk, shared, x.astype(g.dtype), m, c)
+        y, stash_lx = self.forward(chunk, shared, x.astype(g.dtype), m, c, seq)
         loss, g_head, g_y = self.loss_vjp(chunk, shared, y, tokens)
-        g_chunk, g_x = self.backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c, stashed=False)
+        g_chunk, g_x = self.backward(chunk, shared, stash_lx, g_y.astype(g.dtype), m, c, seq, stashed=False)
         (g_embed,) = embed_pull(g_x.astype(x.dtype))
         return g_chunk, jax.tree.map(jnp.add, g_head, g_embed), jnp.zeros_like(g), loss
 

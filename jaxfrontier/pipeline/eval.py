@@ -21,7 +21,7 @@ from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, data_local_s
 
 
 def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef, split_micro,
-                       data_local_rules: mesh_lib.Rules | None = None):
+                       data_local_rules: mesh_lib.Rules | None = None, packing=None):
     """`eval_loss(params, tokens) -> mean loss` of a pipelined layout: forward units only.
 
     A wave of chunk forwards (`schedules.forward_only`): no stash, no backward, one activation
@@ -30,6 +30,7 @@ def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, 
     too, each replica's loss averaged over `data` inside it, as the training step's
     (pipeline.make_pipeline_grads). jax 0.11.2 aborts compiling the wave with both `data` and
     `fsdp` > 1 left automatic inside the pipeline's map (spmd_partitioner_util.cc:498).
+    `packing` (model/packing.py): each micro-batch's documents, positions and loss weights, as training's.
     """
     schedule = schedules.forward_only(layout.pipeline, layout.accum_steps,
                                       layout.virtual_stages if layout.schedule == 'interleaved' else 1)
@@ -43,7 +44,7 @@ def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, 
 
     def engine(blocks, shared, micro_tokens):
         ops = ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, lambda m: None,
-                       TokenSplit(layout.shard_activations), order=TokenOrder.of(layout, shape.seq_len))
+                       TokenSplit(layout.shard_activations), order=TokenOrder.of(layout, shape.seq_len, packing))
         stage = jax.lax.axis_index(AXIS)
         chunks = stage_chunks(blocks, v_size)
         x_zero = zero_activation(micro_tokens, shape.d_model, dtype)
@@ -53,11 +54,11 @@ def make_pipeline_eval(layout: layout_lib.Layout, shape: config_lib.ModelShape, 
                 if kind == schedules.E_NONE:
                     return x_split, jnp.zeros((), jnp.float32)
                 model = ops.model(chunk, shared)
-                x = (ops.embed(model, tokens, m).astype(dtype) if kind == schedules.E_FIRST
+                x = (ops.embed(chunk, shared, tokens, m).astype(dtype) if kind == schedules.E_FIRST
                      else ops.tokens.gather(x_split))
-                y, _ = ops.forward(chunk, shared, x, m, chunk_index)
+                y, _ = ops.forward(chunk, shared, x, m, chunk_index, ops.seq(tokens))
                 if kind == schedules.E_LAST:
-                    return jnp.zeros_like(x_split), model.head_loss(y, ops.order.targets(tokens)) / schedule.num_micro
+                    return jnp.zeros_like(x_split), ops.head_loss(model, y, tokens)
                 return ops.tokens.split(y), jnp.zeros((), jnp.float32)
             return unit
 

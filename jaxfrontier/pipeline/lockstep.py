@@ -35,12 +35,12 @@ from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, s
 
 
 def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
-                schedule: schedules.Schedule, dropout_key_fn, loss_scale=None):
-    """The per-stage tick loop: (local blocks, shared, micro tokens) -> (loss, grads)."""
+                schedule: schedules.Schedule, dropout_key_fn, loss_scale=None, packing=None):
+    """The per-stage tick loop: (local blocks, shared, micro tokens) -> (loss, grads); `packing`: ChunkOps'."""
     p_size, v_size = schedule.num_stages, schedule.virtual
     lc = shape.num_layers // (p_size * v_size)
     ops = ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                   TokenSplit(layout.shard_activations), loss_scale, TokenOrder.of(layout, shape.seq_len))
+                   TokenSplit(layout.shard_activations), loss_scale, TokenOrder.of(layout, shape.seq_len, packing))
     f_ops = [ops.f_none, ops.f_first, ops.f_mid]
     b_ops = [ops.b_none, ops.b_first, ops.b_mid, ops.b_last, ops.b_only]
     dtype = jnp.dtype(shape.dtype)

@@ -51,10 +51,11 @@ def cast_chunk(chunk: dict[str, Any], dtype) -> dict[str, Any]:
 class Residuals:
     """A chunk's `jax.vjp` residuals as loop-carriable arrays, without the weights among them.
 
-    `fn(chunk, x, m, c) -> y` is traced once abstractly (`probe`) to learn the closure's tree
+    `fn(chunk, x, m, c, seq) -> y` is traced once abstractly (`probe`) to learn the closure's tree
     structure and which residuals are the chunk's own weight arrays; `capture` runs the
     forward and returns (y, the other residuals); `pullback` rebuilds the closure from those
-    and the weights.
+    and the weights. `seq` (the micro-batch's length, or its packed documents) is not
+    differentiated; its arrays travel among the residuals.
     """
 
     def __init__(self, fn):
@@ -69,13 +70,15 @@ class Residuals:
         weight_of = [next((i for i, w in enumerate(weights) if r is w), -1) for r in leaves]
         return weight_of, [r for r, i in zip(leaves, weight_of) if i < 0], treedef
 
-    def probe(self, chunk, x, m, c) -> None:
-        def trace(chunk, x, m, c):
-            _, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c), chunk, x)
+    def probe(self, chunk, x, m, c, seq) -> None:
+        arrays = None if isinstance(seq, int) else seq  # a plain length stays a Python int
+
+        def trace(chunk, x, m, c, arrays):
+            _, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c, seq if arrays is None else arrays), chunk, x)
             self.weight_of, carried, self.treedef = self._split(pull, chunk)
             return carried
 
-        self.avals = jax.eval_shape(trace, chunk, x, m, c)
+        self.avals = jax.eval_shape(trace, chunk, x, m, c, arrays)
 
     def zeros(self) -> list[jax.Array]:
         def zero(a):
@@ -85,8 +88,8 @@ class Residuals:
 
         return [zero(a) for a in self.avals]
 
-    def capture(self, chunk, x, m, c) -> tuple[jax.Array, list[jax.Array]]:
-        y, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c), chunk, x)
+    def capture(self, chunk, x, m, c, seq) -> tuple[jax.Array, list[jax.Array]]:
+        y, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c, seq), chunk, x)
         weight_of, carried, _ = self._split(pull, chunk)
         if weight_of != self.weight_of:
             raise AssertionError('the chunk vjp residuals changed between traces')
@@ -111,8 +114,8 @@ class StaggeredOps:
         self.policy = RESIDUAL_POLICY[remat]
         self.res = Residuals(self._chunk_forward)
 
-    def _chunk_forward(self, chunk_w, x, m, c):
-        return self.ops.run(chunk_w, self._shared, x, m, c, remat=self.policy)
+    def _chunk_forward(self, chunk_w, x, m, c, seq):
+        return self.ops.run(chunk_w, self._shared, x, m, c, seq, remat=self.policy)
 
     def bind_shared(self, shared) -> None:
         self._shared = shared  # the model binding needs them; the blocks never read them
@@ -122,11 +125,10 @@ class StaggeredOps:
         if f_kind == 'none':
             return jnp.zeros_like(msg), stash
         if f_kind == 'first':
-            x = self.ops.embed(self.ops.model(chunk_w, shared), tokens, m)
-            x = x.astype(self.dtype)
+            x = self.ops.embed(chunk_w, shared, tokens, m).astype(self.dtype)
         else:
             x = self.tokens.gather(msg)
-        y = self._chunk_forward(chunk_w, x, m, c)
+        y = self._chunk_forward(chunk_w, x, m, c, self.ops.seq(tokens))
         return self.tokens.split(y), stash.at[slot].set(self.tokens.split(x))
 
     def a_branch(self, f_kind: str, r_kind: str):
@@ -134,10 +136,11 @@ class StaggeredOps:
             chunk_w = cast_chunk(chunk, self.dtype)
             zero_shared = jax.tree.map(jnp.zeros_like, shared)
             loss = jnp.zeros((), jnp.float32)
+            seq_r = self.ops.seq(tokens_r)  # the recomputed micro-batch's documents (packing)
             if r_kind == 'stash':  # read before this half-slot's forward stores (a different slot)
-                _, res = self.res.capture(chunk_w, self.tokens.gather(stash[slot_r]), m_r, c)
+                _, res = self.res.capture(chunk_w, self.tokens.gather(stash[slot_r]), m_r, c, seq_r)
             elif r_kind == 'last':
-                y, res = self.res.capture(chunk_w, self.tokens.gather(msg), m_r, c)
+                y, res = self.res.capture(chunk_w, self.tokens.gather(msg), m_r, c, seq_r)
                 loss, zero_shared, g_y = self.ops.loss_vjp(chunk, shared, y, tokens_r)
                 g_self = g_y.astype(g_self.dtype)
             y_send, stash = self._forward_part(f_kind, chunk_w, shared, tokens_f, stash, msg, m_f, c, slot_f)
@@ -178,14 +181,14 @@ _B_KINDS = {schedules.BS_NONE: 'none', schedules.BS_FIRST: 'first', schedules.BS
 
 
 def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
-                schedule: schedules.Staggered, dropout_key_fn, loss_scale=None):
+                schedule: schedules.Staggered, dropout_key_fn, loss_scale=None, packing=None):
     """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, grads); pipeline/__init__.py's contract."""
     p_size = schedule.num_stages
     lc = shape.num_layers // p_size
     dtype = jnp.dtype(shape.dtype)
     ops = StaggeredOps(ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
-                                TokenSplit(layout.shard_activations), loss_scale, TokenOrder.of(layout, shape.seq_len)),
-                       dtype, layout.remat)
+                                TokenSplit(layout.shard_activations), loss_scale,
+                                TokenOrder.of(layout, shape.seq_len, packing)), dtype, layout.remat)
     a_ops = [ops.a_branch(*_A_KINDS[k]) for k in range(len(_A_KINDS))]
     b_ops = [ops.b_branch(_B_KINDS[k]) for k in range(len(_B_KINDS))]
     a_table, b_table = jnp.asarray(schedule.a_table), jnp.asarray(schedule.b_table)
@@ -195,7 +198,7 @@ def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_d
         stage = jax.lax.axis_index(AXIS)
         ops.bind_shared(shared)
         x_zero = zero_activation(micro_tokens, shape.d_model, dtype)
-        ops.res.probe(cast_chunk(blocks, dtype), x_zero, jnp.int32(0), jnp.int32(0))
+        ops.res.probe(cast_chunk(blocks, dtype), x_zero, jnp.int32(0), jnp.int32(0), ops.ops.seq(micro_tokens[0]))
         chunk_index = stage  # one chunk per stage
 
         def half_slot(carry, s, h):

@@ -24,6 +24,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.model.context import TokenOrder
+from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.training import loss_scale
 from jaxfrontier.training import reduction
 from jaxfrontier.training import spikes
@@ -61,7 +62,7 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_sp
     The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
     """
     accum, model_def, dropout_key = layout.layout.accum_steps, layout.model_def, dropout_keys(c)
-    order = TokenOrder.of(layout.layout, layout.shape.seq_len)
+    order = TokenOrder.of(layout.layout, layout.shape.seq_len, packing_lib.from_config(c))
 
     def micro_loss(params, tokens_bt, key):
         return order.loss(model_def.bind(params), tokens_bt, key)
@@ -98,16 +99,18 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_sp
 def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     """Returns `loss_and_grads(params, tokens, step, scale=None) -> (loss, grads)` over the accumulation steps.
 
-    The loss is the mean over all tokens of the global batch; gradients are averaged over the
-    micro-batches in fp32 and laid out like the optimizer state (`layout.update_shardings`).
+    The loss is the mean over all tokens of the global batch (over the counted ones with packed
+    documents: model/packing.py); gradients are averaged over the micro-batches in fp32 and laid
+    out like the optimizer state (`layout.update_shardings`).
     Where `Layout.reduce_once` holds, each data-parallel replica accumulates its own rows'
     gradients and they cross the `data` axis once per step (jaxfrontier/training/reduction.py).
     """
     lay = layout.layout
     accum, dp, once = lay.accum_steps, lay.dp, lay.reduce_once
+    packing = packing_lib.from_config(c)
     if lay.pipeline > 1:  # reduced once: the pipeline's own map is manual over `data` too
         micro_fn = pipeline.make_pipeline_grads(lay, layout.shape, layout.model_def, layout.pipeline_schedule,
-                                                dropout_keys(c), layout.rules if once else None)
+                                                dropout_keys(c), layout.rules if once else None, packing)
     else:
         # Per micro-batch reduction: gradients meet the optimizer layout (ZeRO-1: a reduce-scatter)
         # in every step. Reduced once: they stay where the parameters are until the end.
@@ -119,6 +122,9 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement)
     def loss_and_grads(params, tokens_gt, step, scale=None):
         scaled = () if scale is None else (scale,)  # float16: gradients come back multiplied by `scale`
         loss, grads = micro_fn(params, split_micro_batches(tokens_gt, accum, dp), step, *scaled)
+        if packing is not None:  # the mean over all predictions -> over the counted ones (model/packing.py)
+            scale_n = packing_lib.count_scale(tokens_gt, packing)
+            loss, grads = loss * scale_n, jax.tree.map(lambda g: g * scale_n, grads)
         return loss, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
 
     return loss_and_grads
@@ -157,23 +163,26 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
 
 
 def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
-    """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training."""
-    del c  # evaluation needs only the layout
+    """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training (with packed
+    documents, the mean over the batch's counted predictions; training/evaluation.py weighs batches)."""
     lay = layout.layout
     accum, dp = lay.accum_steps, lay.dp
+    packing = packing_lib.from_config(c)
     if lay.pipeline > 1:  # a forward-only wave through the stages (pipeline.make_pipeline_eval)
         local = lay.reduces_once(training=False)
-        return pipeline.make_pipeline_eval(lay, layout.shape, layout.model_def, split_micro_batches,
-                                           layout.rules if local else None)
+        mean_all = pipeline.make_pipeline_eval(lay, layout.shape, layout.model_def, split_micro_batches,
+                                               layout.rules if local else None, packing)
+    else:
+        order = TokenOrder.of(lay, layout.shape.seq_len, packing)
 
-    order = TokenOrder.of(lay, layout.shape.seq_len)
+        def mean_all(params, tokens_gt):
+            model = layout.model_def.bind(params)
+            micro_abt = split_micro_batches(tokens_gt, accum, dp)
+            return jnp.mean(jax.lax.map(lambda tokens_bt: order.loss(model, tokens_bt), micro_abt))
 
-    def eval_step(params, tokens_gt):
-        model = layout.model_def.bind(params)
-        micro_abt = split_micro_batches(tokens_gt, accum, dp)
-        return jnp.mean(jax.lax.map(lambda tokens_bt: order.loss(model, tokens_bt), micro_abt))
-
-    return eval_step
+    if packing is None:
+        return mean_all
+    return lambda params, tokens_gt: mean_all(params, tokens_gt) * packing_lib.count_scale(tokens_gt, packing)
 
 
 def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
