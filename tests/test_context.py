@@ -24,6 +24,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.checkpoint import saved_meta
 from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.model import context as context_lib
+from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.model.sequence import balanced_order
 from jaxfrontier.plan import shrink as shrink_lib
 from jaxfrontier.training import state as ts
@@ -68,8 +69,22 @@ def test_token_order_permutes_only_when_balanced_over_several_devices():
     order = context_lib.TokenOrder(8, 2)
     np.testing.assert_array_equal(order.inputs(tokens), tokens[:, :-1][:, [0, 1, 6, 7, 2, 3, 4, 5]])
     np.testing.assert_array_equal(order.targets(tokens), tokens[:, 1:][:, [0, 1, 6, 7, 2, 3, 4, 5]])
-    np.testing.assert_array_equal(order.positions(2), np.tile([0, 1, 6, 7, 2, 3, 4, 5], (2, 1)))
-    assert context_lib.TokenOrder(8, 1).seq(2) == 8
+    np.testing.assert_array_equal(order.positions(tokens), np.tile([0, 1, 6, 7, 2, 3, 4, 5], (2, 1)))
+    assert context_lib.TokenOrder(8, 1).seq(tokens) == 8 and context_lib.TokenOrder(8, 1).positions(tokens) is None
+
+
+def test_packed_documents_are_found_before_the_tokens_are_permuted():
+    """Documents, their positions and the loss weights come from the window in its natural order,
+    then move with their tokens: a token keeps its document and its position in it."""
+    eot = 99
+    window = jnp.asarray([[5, 6, eot, 7, 8, 9, eot, 4, 3]], jnp.int32)  # inputs: docs [0..2], [3..6], [7]
+    order = context_lib.TokenOrder(8, 2, packing=packing_lib.Packing(eot))
+    perm = [0, 1, 6, 7, 2, 3, 4, 5]
+    seq = order.seq(window)
+    np.testing.assert_array_equal(seq.segments_bt, np.asarray([[0, 0, 0, 1, 1, 1, 1, 2]])[:, perm])
+    np.testing.assert_array_equal(seq.positions_bt, np.asarray([[0, 1, 2, 0, 1, 2, 3, 0]])[:, perm])
+    np.testing.assert_array_equal(order.weights(window), np.asarray([[1, 1, 0, 1, 1, 1, 0, 1]])[:, perm])
+    np.testing.assert_array_equal(order.inputs(window), window[:, :-1][:, perm])
 
 
 def test_flat_token_order_is_part_major_and_splits_locally():
