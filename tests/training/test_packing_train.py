@@ -68,6 +68,9 @@ LAYOUTS = {
     'fsdp2_tensor2': dict(fsdp=2, tensor=2),
     'fsdp2_tensor2_blockwise': dict(fsdp=2, tensor=2, attention='blockwise', attention_block_q=8,
                                     attention_block_kv=8),  # whole block pairs across documents skipped
+    # context parallelism: documents found on the window, then permuted with the tokens (model/context.py)
+    'context2_tensor2_blockwise': dict(context=2, tensor=2, attention='blockwise', attention_block_q=8,
+                                       attention_block_kv=8),
     'pipeline2_1f1b': dict(pipeline=2, accum=2),  # staggered executor
     'pipeline2_gpipe_data2': dict(pipeline=2, data=2, accum=2, schedule='gpipe'),  # lockstep, data-local
 }
@@ -80,7 +83,7 @@ def reference():
 
 @pytest.fixture(scope='module')
 def blockwise_reference():
-    return loss_grads_eval(packed_config(**{**LAYOUTS['fsdp2_tensor2_blockwise'], 'fsdp': 1, 'tensor': 1}))
+    return loss_grads_eval(packed_config(**{**LAYOUTS['fsdp2_tensor2_blockwise'], 'fsdp': 1, 'tensor': 1}))  # = context2's
 
 
 @pytest.mark.slow
