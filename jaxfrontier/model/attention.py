@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model import ring
 from jaxfrontier.model.blockwise import blockwise_attention
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.layers import ACT_ND, param
@@ -130,10 +131,10 @@ def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, b
         k_bthk, v_bthk = (mesh_lib.constrain(repeat_kv(x, h), ACT_BTHK) for x in (k_btgk, v_btgk))
         seq = as_seq(q_bthk.shape[1] if seq is None else seq)
         context = mesh_lib.active_axes('length')
-        if context:  # the sequence is split over devices: attention across them (context_attention)
-            o_bthk = context_attention(q_bthk, k_bthk, v_bthk, positions_bt=positions(seq, q_bthk.shape[0]),
-                                       segments_bt=seq.segments_bt, block_q=blocks[0], block_kv=blocks[1],
-                                       axis=context[0] if len(context) == 1 else context)
+        if context:  # the sequence is split over devices: attention across them
+            o_bthk = across_context(q_bthk, k_bthk, v_bthk, positions_bt=positions(seq, q_bthk.shape[0]),
+                                    segments_bt=seq.segments_bt, block_q=blocks[0], block_kv=blocks[1],
+                                    axis=context[0] if len(context) == 1 else context)
         else:
             o_bthk = dot_product_attention(q_bthk, k_bthk, v_bthk, impl, *blocks, positions_bt=seq.positions_bt,
                                            segments_bt=seq.segments_bt)
@@ -144,6 +145,25 @@ def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, b
     return mesh_lib.constrain(cached_attention(q_bthk, k_bshk, v_bshk, positions_bt), ACT_BTHK), cache
 
 
+def across_context(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *, positions_bt: jax.Array,
+                   segments_bt: jax.Array | None, block_q: int, block_kv: int, axis='context') -> jax.Array:
+    """Attention with the sequence split over mesh `axis`: ring attention (model/ring.py), except
+    inside the pipeline's stages, where it gathers (`context_attention`).
+
+    Ring attention's collective-permutes inside the pipeline executors' per-stage `lax.switch`
+    branches deadlock on XLA:CPU: the permute waits for every device of the program, and only
+    one stage's devices reach the branch (issue 24's notes). The gather's collectives are the
+    same in every branch of a stage and do not. Whatever `model.attention` says, the ring runs
+    the blockwise kernel and the gather the reference one.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if isinstance(axis, str) and 'pipeline' not in mesh.manual_axes:
+        return ring.ring_attention(q_bthk, k_bthk, v_bthk, positions_bt=positions_bt, segments_bt=segments_bt,
+                                   block_q=block_q, block_kv=block_kv, axis=axis)
+    return context_attention(q_bthk, k_bthk, v_bthk, positions_bt=positions_bt, segments_bt=segments_bt,
+                             block_q=block_q, block_kv=block_kv, axis=axis)
+
+
 def context_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *, positions_bt: jax.Array,
                       segments_bt: jax.Array | None, block_q: int, block_kv: int, axis='context') -> jax.Array:
     """Attention of queries whose sequence is split over mesh `axis` (context parallelism) over all keys.
@@ -151,9 +171,9 @@ def context_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *
     All-gather context parallelism (MaxText's `all-gather` strategy): each device keeps its
     queries and gathers every key and value (and their positions) over `axis`; the mask comes
     from positions, so any token order works (model/context.py). Memory per device: the local
-    queries' scores against all T keys. `model/ring.py`'s ring attention (issue 24) has this
-    signature and replaces it here: keys and values then travel around the ring blockwise
-    instead of being gathered.
+    queries' scores against all T keys. `model/ring.py`'s ring attention has this signature and
+    replaces it outside pipelines (`across_context`): keys and values travel around the ring
+    blockwise instead of being gathered.
     """
     del block_q, block_kv, axis  # the ring's; XLA places the gathers from the constraints
     k_bshk, v_bshk = (mesh_lib.constrain(x, ACT_BSHK_WHOLE) for x in (k_bthk, v_bthk))
