@@ -149,7 +149,8 @@ def references():
 # data, accumulation, the three remat policies and both pipeline executors.
 CASES = {
     'gpt_c2': ('gpt', dict(context=2), True),
-    'gpt_c4_natural_t2_full': ('gpt', dict(context=4, context_balance=False, tensor=2, remat='full'), False),
+    'gpt_c4_natural_t2_dots_no_batch': ('gpt', dict(context=4, context_balance=False, tensor=2,
+                                                    remat='save_dots_no_batch'), False),
     'gpt_c2_f2_t2_dots_accum': ('gpt', dict(context=2, fsdp=2, tensor=2, remat='save_dots', accum=2), False),
     'llama_c4_full': ('llama', dict(context=4, remat='full'), False),
     'gpt_p2_c2_t2_1f1b': ('gpt', dict(pipeline=2, context=2, tensor=2, accum=2, remat='full'), False),
