@@ -141,6 +141,18 @@ def _forward(block_q: int, block_kv: int, q_bthk, k_bshk, v_bshk):
     return _from_blocks(mesh_lib.constrain(o_nbhqk, ACT_NBHRK), t), mesh_lib.constrain(lse_nbhq, ACT_NBHR)
 
 
+def _pair_grads(p_bhqs, q_bhqk, do_bhqk, k_bhsk, v_bhsk, delta_bhq, scale, dk_bhsk, dv_bhsk):
+    """One block pair's backward from its probabilities p (FlashAttention-2): (dq of the query
+    block, dk and dv of the key/value block with this pair's share added), fp32 accumulation."""
+    dv_bhsk = dv_bhsk + jnp.einsum('bhqs,bhqk->bhsk', p_bhqs.astype(do_bhqk.dtype), do_bhqk,
+                                   preferred_element_type=jnp.float32)
+    dp_bhqs = jnp.einsum('bhqk,bhsk->bhqs', do_bhqk, v_bhsk, preferred_element_type=jnp.float32)
+    ds_bhqs = (p_bhqs * (dp_bhqs - delta_bhq[..., None]) * scale).astype(q_bhqk.dtype)
+    dq_bhqk = jnp.einsum('bhqs,bhsk->bhqk', ds_bhqs, k_bhsk, preferred_element_type=jnp.float32)
+    dk_bhsk = dk_bhsk + jnp.einsum('bhqs,bhqk->bhsk', ds_bhqs, q_bhqk, preferred_element_type=jnp.float32)
+    return dq_bhqk, dk_bhsk, dv_bhsk
+
+
 def _backward(block_q: int, block_kv: int, residuals, do_bthk):
     """(dq, dk, dv) by FlashAttention-2's backward: key/value blocks outer, query blocks inner."""
     q_bthk, k_bshk, v_bshk, o_bthk, lse_nbhq = residuals
@@ -162,12 +174,8 @@ def _backward(block_q: int, block_kv: int, residuals, do_bthk):
             q_bhqk, do_bhqk = q_nbhqk[i], do_nbhqk[i]
             s_bhqs = _scores(q_bhqk, k_bhsk, scale, i * block_q, kv_start, masked)
             p_bhqs = jnp.exp(s_bhqs - lse_nbhq[i][..., None])
-            dv_bhsk = dv_bhsk + jnp.einsum('bhqs,bhqk->bhsk', p_bhqs.astype(do_bhqk.dtype), do_bhqk,
-                                           preferred_element_type=jnp.float32)
-            dp_bhqs = jnp.einsum('bhqk,bhsk->bhqs', do_bhqk, v_bhsk, preferred_element_type=jnp.float32)
-            ds_bhqs = (p_bhqs * (dp_bhqs - delta_nbhq[i][..., None]) * scale).astype(q_bhqk.dtype)
-            dq_bhqk = jnp.einsum('bhqs,bhsk->bhqk', ds_bhqs, k_bhsk, preferred_element_type=jnp.float32)
-            dk_bhsk = dk_bhsk + jnp.einsum('bhqs,bhqk->bhsk', ds_bhqs, q_bhqk, preferred_element_type=jnp.float32)
+            dq_bhqk, dk_bhsk, dv_bhsk = _pair_grads(p_bhqs, q_bhqk, do_bhqk, k_bhsk, v_bhsk, delta_nbhq[i], scale,
+                                                    dk_bhsk, dv_bhsk)
             return dq_nbhqk.at[i].add(dq_bhqk), dk_bhsk, dv_bhsk
 
         # q blocks [first, num_q) see this kv block; from first_full on, every row sees all of it.
@@ -392,13 +400,7 @@ def masked_backward(q_bthk, k_bshk, v_bshk, do_bthk, lse_bth, delta_bth, q_posit
             mask = _pair_mask(qpos[i], None if qseg is None else qseg[i], kpos_bs, kseg_bs)
             s_bhqs = jnp.einsum('bhqk,bhsk->bhqs', q_bhqk, k_bhsk, preferred_element_type=jnp.float32) * scale
             p_bhqs = jnp.where(mask, jnp.exp(s_bhqs - lse_nbhq[i][..., None]), 0.0)
-            dv_bhsk = dv_bhsk + jnp.einsum('bhqs,bhqk->bhsk', p_bhqs.astype(do_bhqk.dtype), do_bhqk,
-                                           preferred_element_type=jnp.float32)
-            dp_bhqs = jnp.einsum('bhqk,bhsk->bhqs', do_bhqk, v_bhsk, preferred_element_type=jnp.float32)
-            ds_bhqs = (p_bhqs * (dp_bhqs - delta_nbhq[i][..., None]) * scale).astype(q_bhqk.dtype)
-            dq_bhqk = jnp.einsum('bhqs,bhsk->bhqk', ds_bhqs, k_bhsk, preferred_element_type=jnp.float32)
-            dk_bhsk = dk_bhsk + jnp.einsum('bhqs,bhqk->bhsk', ds_bhqs, q_bhqk, preferred_element_type=jnp.float32)
-            return dq_bhqk, dk_bhsk, dv_bhsk
+            return _pair_grads(p_bhqs, q_bhqk, do_bhqk, k_bhsk, v_bhsk, delta_nbhq[i], scale, dk_bhsk, dv_bhsk)
 
         def skip(i, dk_bhsk, dv_bhsk):
             return jnp.zeros(q_nbhqk.shape[1:], jnp.float32), dk_bhsk, dv_bhsk
