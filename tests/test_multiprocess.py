@@ -52,7 +52,7 @@ def test_two_processes_train_like_one_and_checkpoint_for_one(tmp_path, env):
     for process in (0, 1):
         assert f'process {process}/2 on ' in output and '4 local device(s)' in output
     assert output.count('of 8 global') == 2, output[-4000:]
-    assert "mesh: {'pipeline': 1, 'data': 2, 'fsdp': 2, 'tensor': 2} over 8 cpu devices (2 process(es))" in output
+    assert "mesh: {'pipeline': 1, 'data': 2, 'fsdp': 2, 'context': 1, 'tensor': 2} over 8 cpu devices (2 process(es))" in output
 
     rows = read_metrics(pair_dir)
     assert [row['step'] for row in rows] == [1, 2, 3]  # written once: by process 0 only
