@@ -95,14 +95,3 @@ def count_scale(tokens_gt: jax.Array, packing: Packing | None) -> jax.Array | fl
     if isinstance(share, float):
         return 1.0
     return 1.0 / jnp.maximum(share, 1.0 / (tokens_gt.shape[0] * (tokens_gt.shape[1] - 1)))
-
-
-def window_loss(model, tokens_bt1: jax.Array, packing: Packing | None, dropout_key: jax.Array | None = None):
-    """`model.loss` (model/decoder.py) of one micro-batch's windows [B, T + 1]: inputs are the
-    first T tokens, targets the last T; with packing, its documents, positions and weights."""
-    inputs_bt, targets_bt = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-    if packing is None:
-        return model.loss(inputs_bt, targets_bt, dropout_key)
-    seq = documents(inputs_bt, packing.eot_id)
-    return model.loss(inputs_bt, targets_bt, dropout_key, seq.positions_bt, seq.segments_bt,
-                      loss_weights(inputs_bt, packing))

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.model import packing, registry
+from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.plan import verify
 from layout_check import LOSS_RTOL
 from model.test_llama import SHAPE  # 3 layers, d 40, 4 heads, seq 24, vocabulary 97, MLP 56
@@ -85,7 +86,8 @@ def test_packed_equals_each_document_alone(family, boundary_loss, kernel):
     pk = packing.Packing(EOT, boundary_loss)
 
     def packed(p):
-        return packing.window_loss(nnx.merge(graphdef, p), window, pk) * packing.count_scale(window, pk)
+        loss = TokenOrder(SHAPE['seq_len'], packing=pk).loss(nnx.merge(graphdef, p), window)
+        return loss * packing.count_scale(window, pk)
 
     inputs, targets, weights = _documents_alone(window, boundary_loss)
 

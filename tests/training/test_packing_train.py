@@ -24,6 +24,7 @@ from jaxfrontier.data import token_files
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.inference import evaluate as evaluate_lib
 from jaxfrontier.model import packing
+from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
@@ -110,7 +111,7 @@ def test_accumulated_loss_is_the_pooled_mean_not_a_mean_of_means():
     layout = ts.make_placement(c, mesh)
     params = ts.init_train_state(c, layout)['params']
     pk, batch = packing.from_config(c), packed_batch()
-    row_loss = jax.jit(lambda p, row: packing.window_loss(layout.model_def.bind(p), row, pk))
+    row_loss = jax.jit(lambda p, row: TokenOrder(SEQ, packing=pk).loss(layout.model_def.bind(p), row))
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         sums = np.array([float(row_loss(params, row[None])) * SEQ for row in batch])  # each row's counted sum
     counts = np.sum(batch[:, :-1] != EOT, axis=1).astype(np.float64)
