@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from jaxfrontier import logs
+from jaxfrontier.training import disk
 
 PARTS = ('startup', 'compile', 'checkpoint', 'eval', 'productive', 'replayed')
 FILE = 'goodput.json'
@@ -161,9 +162,7 @@ class Ledger:
 
     def _save(self, current: dict[str, Any], total: dict[str, float]) -> None:
         record = {'attempts': [*self.earlier, current], 'total': total}
-        with open(self.path + '.tmp', 'w', encoding='utf-8') as f:
-            json.dump(record, f, indent=1)
-        os.replace(self.path + '.tmp', self.path)
+        disk.write_atomic(self.path, json.dumps(record, indent=1))
 
     def summary(self) -> str:
         """The closing line: this attempt, then every attempt's total where there were several."""

@@ -191,10 +191,7 @@ def _wandb_sink(c: ml_collections.ConfigDict, workdir: str, handlers: contextlib
 
 def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
     if jax.process_index() == 0:
-        path = os.path.join(workdir, 'config.json')
-        with open(path + '.tmp', 'w') as f:
-            f.write(c.to_json_best_effort(indent=2, sort_keys=True))
-        os.replace(path + '.tmp', path)
+        disk.write_atomic(os.path.join(workdir, 'config.json'), c.to_json_best_effort(indent=2, sort_keys=True))
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated: bool = False,
@@ -346,10 +343,9 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                         commits.poll(committed=True)
                     pending = None
                     continue
-                if save:  # Orbax first waits for the previous save's commit: a slow file system, not a hang
-                    watchdog.relax()
                 # Before the next step is dispatched (it donates `state`); a non-finite step is not saved.
                 if save:
+                    watchdog.relax()  # Orbax first waits for the previous save's commit: a slow file system, not a hang
                     with ledger.span('sync'):
                         jax.block_until_ready(state)
                     with ledger.span('checkpoint'):

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from jaxfrontier.errors import ConfigError
+from jaxfrontier.training import disk
 
 ID_FILE = 'wandb_run_id'
 
@@ -54,9 +55,7 @@ def run_id(workdir: str) -> str:
     except FileNotFoundError:
         pass
     new = ''.join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id shape
-    with open(path + '.tmp', 'w', encoding='utf-8') as f:
-        f.write(new + '\n')
-    os.replace(path + '.tmp', path)
+    disk.write_atomic(path, new + '\n')
     return new
 
 
