@@ -8,10 +8,10 @@ layer unrolled, the GPU default): XLA compiles `model.stack.layer_bodies(layers,
 the layer. Each row is one (layers, k) in a fresh process with the compilation cache off: the
 train and eval steps' compile time (AOT, `training.step.compile_steps`) and the median step
 time after warm-up (benchmarks/harness.py; one device, a small width, fp32). Then the least-
-squares fit compile_s = base_s + per_body_s x bodies and its worst relative residual: the
-relation plan/compile_time.py charges a layout (its CPU_FIT), and whether a straight line
-describes it. Step times show what unrolling buys at run time (GPUs: docs/PERFORMANCE.md, "GPU
-defaults").
+squares fit compile_s = base_s + per_body_s x bodies + per_body2_s x bodies^2 (relative errors) and
+its worst relative residual: the relation plan/compile_time.py charges a layout (its CPU_FIT).
+Step times show what unrolling buys at run time (GPUs: docs/PERFORMANCE.md, "GPU defaults").
+`--refit` recomputes the fit of the rows already in --out without compiling.
 
 Needs a quiet machine: compile and step times are wall-clock. Rows go to --out (JSON lines),
 the fit last. On a shared machine fit the CPU seconds (--fit_on=compile_cpu_s): the load
@@ -49,14 +49,22 @@ def one_row(layers: int, unroll: int, args: argparse.Namespace) -> dict:
 
 
 def fit(rows: list[dict], key: str = 'compile_s') -> dict:
-    """seconds = base_s + per_body_s x bodies by least squares (seconds: the rows' `key`), and how well it holds."""
+    """seconds = base_s + per_body_s x bodies + per_body2_s x bodies^2, fitted to the relative error.
+
+    A straight line does not describe XLA:CPU: 1 / 16 / 32 / 64 unrolled copies compile in about
+    4 / 24 / 72 / 300 s, so the passes whose work grows with the square of the program size dominate
+    past ~16 copies. Each row weighs by its relative error (1 / seconds), so the short rolled compiles
+    are not drowned by the long unrolled ones.
+    """
     bodies = np.array([r['bodies'] for r in rows], float)
     seconds = np.array([r[key] for r in rows], float)
-    (per_body_s, base_s), *_ = np.linalg.lstsq(np.stack([bodies, np.ones_like(bodies)], 1), seconds, rcond=None)
-    predicted = base_s + per_body_s * bodies
-    return {'fit': f'{key} = base_s + per_body_s * bodies', 'base_s': float(base_s),
-            'per_body_s': float(per_body_s), 'rows': len(rows),
-            'max_abs_rel_residual': float(np.max(np.abs(predicted - seconds) / seconds))}
+    design = np.stack([np.ones_like(bodies), bodies, bodies ** 2], 1)
+    weight = 1.0 / seconds
+    (base_s, per_body_s, per_body2_s), *_ = np.linalg.lstsq(design * weight[:, None], seconds * weight, rcond=None)
+    predicted = design @ np.array([base_s, per_body_s, per_body2_s])
+    return {'fit': f'{key} = base_s + per_body_s * bodies + per_body2_s * bodies^2 (relative least squares)',
+            'base_s': float(base_s), 'per_body_s': float(per_body_s), 'per_body2_s': float(per_body2_s),
+            'rows': len(rows), 'max_abs_rel_residual': float(np.max(np.abs(predicted - seconds) / seconds))}
 
 
 def main() -> None:
@@ -71,11 +79,17 @@ def main() -> None:
     p.add_argument('--fit_on', choices=('compile_s', 'compile_cpu_s'), default='compile_s',
                    help='wall-clock compile seconds (a quiet machine), or the process CPU seconds (a shared one)')
     p.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'compile_layers.jsonl'))
+    p.add_argument('--refit', action='store_true', help='fit the rows already in --out again (no compiles)')
     p.add_argument('--row', default='', help=argparse.SUPPRESS)  # 'layers,unroll': one row, in this process
     args = p.parse_args()
     if args.row:
         layers, unroll = map(int, args.row.split(','))
         print(json.dumps(one_row(layers, unroll, args)))
+        return
+    if args.refit:
+        with open(args.out, encoding='utf-8') as f:
+            rows = [r for r in map(json.loads, f) if 'bodies' in r]
+        _finish(rows, args)
         return
     env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT)
     for var in ('JAX_COMPILATION_CACHE_DIR', 'XLA_FLAGS'):  # cold compiles, one device
@@ -93,8 +107,13 @@ def main() -> None:
             print(f"layers {layers:3d}  scan_unroll {unroll:3d}  bodies {r['bodies']:3d}  compile {r['compile_s']:7.1f} s"
                   f" ({r['compile_cpu_s']:7.1f} CPU s)"
                   f"  step {r['median_step_s'] * 1e3:8.1f} ms  {r['tokens_per_s']:9.0f} tokens/s", flush=True)
+    _finish(rows, args)
+
+
+def _finish(rows: list[dict], args: argparse.Namespace) -> None:
     summary = fit(rows, args.fit_on)
-    print(f"fit: {args.fit_on} = {summary['base_s']:.2f} + {summary['per_body_s']:.2f} x bodies "
+    print(f"fit: {args.fit_on} = {summary['base_s']:.2f} + {summary['per_body_s']:.3f} x bodies "
+          f"+ {summary['per_body2_s']:.4f} x bodies^2 "
           f"(worst residual {summary['max_abs_rel_residual']:.1%} over {len(rows)} rows)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, 'w', encoding='utf-8') as f:

@@ -40,6 +40,17 @@ def test_auto_unroll_is_every_layer_on_gpus_and_rolled_on_the_cpu():
     assert (cpu.platform, cpu.scan_unroll, cpu.bodies, cpu.vs_rolled) == ('cpu', 1, 1, 1.0)
 
 
+def test_quadratic_term_and_the_grouped_hint_for_deep_unrolled_stacks():
+    fit = dataclasses.replace(FIT, per_body2_s=0.5)
+    deep = compile_time.estimate(64, 0, 1, GPU, fit)  # 64 copies: the hint names groups of 8
+    assert deep.seconds == 11.0 + 3.0 * 64 + 0.5 * 64 ** 2
+    assert deep.grouped_s == 11.0 + 3.0 * 8 + 0.5 * 8 ** 2
+    assert f'model.scan_unroll=8 (a scan over groups of 8) would take about {deep.grouped_s:.0f} s' in deep.line()
+    shallow = compile_time.estimate(16, 0, 1, GPU, fit)  # 16 copies: no hint
+    assert shallow.grouped_s is None and 'would take' not in shallow.line()
+    assert compile_time.estimate(64, 0, 4, GPU, fit).grouped_s is None  # pipelined: one copy already
+
+
 def test_grouped_scan_and_pipelines():
     grouped = compile_time.estimate(96, 8, 1, GPU, FIT)  # an explicit value wins on every platform
     assert (grouped.scan_unroll, grouped.bodies, grouped.seconds) == (8, 8, 11.0 + 24.0)
