@@ -26,7 +26,7 @@ from jaxfrontier.sweep import trials as sweep_trials  # pylint: disable=wrong-im
 COLUMNS = (
     ('trial_id', 'trial', '{}'), ('status', 'status', '{}'), ('model', 'model', '{}'), ('devices', 'dev', '{}'),
     ('tensor', 'TP', '{}'), ('pipeline', 'PP', '{}'), ('data', 'data', '{}'), ('fsdp', 'fsdp', '{}'),
-    ('zero1', 'ZeRO-1', '{}'), ('micro_batch', 'mb', '{}'), ('accum_steps', 'accum', '{}'),
+    ('context', 'CP', '{}'), ('sequence_parallel', 'SP', '{}'), ('zero1', 'ZeRO-1', '{}'), ('micro_batch', 'mb', '{}'), ('accum_steps', 'accum', '{}'),
     ('global_batch', 'GB', '{}'), ('remat', 'remat', '{}'), ('schedule', 'schedule', '{}'),
     ('attention', 'attention', '{}'), ('tokens_per_s', 'tokens/s', '{:,.0f}'),
     ('tokens_per_s_per_device', 'tokens/s/device', '{:,.0f}'), ('tflops_per_device', 'TFLOP/s/device', '{:.4g}'),

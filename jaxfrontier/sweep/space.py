@@ -3,14 +3,14 @@
 A space maps parameter names to the values to try. The names are the knobs of the paper's
 search plus any model field:
 
-  tensor, pipeline, fsdp, zero1, micro_batch, accum_steps, global_batch, remat, schedule,
+  tensor, pipeline, fsdp, context, zero1, sequence_parallel, micro_batch, accum_steps, global_batch, remat, schedule,
   virtual_stages, attention, size (a row of config.MODEL_SIZES), model.<field> (e.g. model.d_model)
 
 Written on the command line as `--space tensor=1,2,4 --space remat=full,none` or as a JSON file
 `{"tensor": [1, 2, 4], "remat": ["full", "none"]}`.
 
 How a point becomes a layout on D devices (`point_config`):
-  * data = D / (tensor x pipeline x fsdp): the data-parallel axis takes the devices left over;
+  * data = D / (tensor x pipeline x fsdp x context): the data-parallel axis takes the devices left over;
   * when accum_steps is swept, the global batch follows: micro_batch x accum_steps x data x fsdp
     (the batch grows with the data-parallel size);
   * otherwise the global batch is kept (the base config's, or the swept global_batch) and
@@ -51,6 +51,8 @@ PARAMS = {
     'fsdp': Param('mesh.fsdp', int, help='FSDP (ZeRO-3) size; data takes the remaining devices'),
     'context': Param('mesh.context', int, help='context-parallel size (the sequence split over devices)'),
     'zero1': Param('sharding.zero1', bool, help='ZeRO-1: optimizer state sharded over data-parallel axes'),
+    'sequence_parallel': Param('sharding.sequence_parallel', str, config_lib.SEQUENCE_PARALLEL,
+                               'sequence-parallelism setting (true: the residual stream split over tensor)'),
     'micro_batch': Param('train.micro_batch', int, help='sequences per replica per accumulation step'),
     'accum_steps': Param('train.accum_steps', int, help='accumulation steps (pipeline micro-batches); '
                          'the global batch then follows'),
@@ -239,6 +241,7 @@ def layout_of(c: ml_collections.ConfigDict) -> dict[str, Any]:
     return {
         'model': describe_model(c), 'tensor': c.mesh.tensor, 'pipeline': c.mesh.pipeline, 'data': c.mesh.data,
         'fsdp': c.mesh.fsdp, 'context': c.mesh.context, 'zero1': bool(c.sharding.zero1),
+        'sequence_parallel': config_lib.sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor),
         'micro_batch': c.train.micro_batch, 'accum_steps': c.train.accum_steps, 'global_batch': c.train.global_batch, 'remat': c.model.remat,
         'schedule': c.pipeline.schedule if c.mesh.pipeline > 1 else '-',
         'virtual_stages': c.pipeline.virtual_stages, 'attention': c.model.attention, 'dtype': c.model.dtype,

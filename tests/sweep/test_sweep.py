@@ -49,6 +49,19 @@ def test_space_parses_typed_values_from_flags_and_json():
     assert shuffled == sweep_space.random_order(space, seed=3)
 
 
+def test_context_and_sequence_parallelism_are_swept_and_recorded():
+    space = sweep_space.parse_space(['context=1,2', 'sequence_parallel=true,false'], '')
+    base = tiny_base()
+    base.mesh.update(data=2, fsdp=2, tensor=2)
+    base.train.global_batch = 32
+    layouts = [sweep_space.layout_of(sweep_space.point_config(base, p, 8, set(dict(space)))[0])
+               for p in sweep_space.grid(space)]
+    assert [(l['context'], l['data'], l['sequence_parallel']) for l in layouts] == [
+        (1, 2, True), (1, 2, False), (2, 1, True), (2, 1, False)]  # data takes what context leaves
+    with pytest.raises(UserError, match="unknown sequence-parallelism setting.*'auto', 'true', 'false'"):
+        sweep_space.parse_space(['sequence_parallel=yes'], '')
+
+
 @pytest.mark.parametrize('items, json_text, message', [
     ([], '', 'the search space is empty'),
     (['tensr=1,2'], '', 'tensr=...: unknown parameter'),
