@@ -49,7 +49,8 @@ def test_lost_fast_tier_is_restored_from_the_peer_copy(tmp_path):
     flags = [*TINY, '--config.sharding.zero1=True', f'--workdir={workdir}', '--config.train.steps=4',
              '--config.checkpoint.every_steps=2', '--config.checkpoint.fast_dir=$JF_NODE_LOCAL',
              '--config.checkpoint.fast_every_steps=1', '--config.checkpoint.fast_keep=2']
-    procs = start(flags, tmp_path, 'first', ['tests/killed_main.py'], JF_TEST_KILL_AT='1:3')
+    procs = start(flags, tmp_path, 'first', ['tests/killed_main.py'], JF_TEST_KILL_AT='1:3',
+                  JF_TEST_KILL_AFTER=str(workdir / 'checkpoints' / '2'))
     try:
         assert procs[1].wait(timeout=400) == -signal.SIGKILL, open(tmp_path / 'first_1.log').read()[-4000:]
         deadline = time.monotonic() + 60  # process 0 wrote its step 3 too before waiting on its dead peer

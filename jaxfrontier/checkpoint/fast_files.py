@@ -119,9 +119,9 @@ def load_part(directory: str, manifest: dict[str, Any], dtype_of) -> dict[str, l
         shards = []
         for shard in leaf['shards']:
             path = os.path.join(directory, shard['file'])
-            try:
+            try:  # a writable buffer of its own: the restored arrays may be built on it
                 with open(path, 'rb') as f:
-                    payload = f.read()
+                    payload = bytearray(f.read())
             except OSError as e:
                 raise CheckpointError(f'{path}: {e.strerror or e}') from None
             if len(payload) != shard['bytes'] or zlib.crc32(payload) != shard['crc32']:

@@ -43,10 +43,10 @@ def local_order() -> list[Any]:
     return [d for d in device_order() if d.process_index == jax.process_index()]
 
 
-def _host_ids() -> np.ndarray:
-    """A 62-bit hash of each process's host name, indexed by process (one all-gather)."""
-    mine = np.array([int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], 'little') >> 2],
-                    np.int64)
+def host_ids() -> np.ndarray:
+    """A 31-bit hash of each process's host name, indexed by process (one all-gather; int32: JAX's default)."""
+    mine = np.array([int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:4], 'little') >> 1],
+                    np.int32)
     if jax.process_count() == 1:
         return mine
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
@@ -62,7 +62,7 @@ def peer_offset(hosts: np.ndarray | None = None) -> int:
     count = jax.process_count()
     if count == 1:
         return 0
-    hosts = _host_ids() if hosts is None else hosts
+    hosts = host_ids() if hosts is None else hosts
     per_node = int(np.sum(hosts == hosts[0]))
     return per_node % count or 1
 
@@ -117,7 +117,8 @@ def shift(blocks: list[list[jax.Array]], rows: int) -> list[list[jax.Array]]:
         shape = (n * flat[0].shape[0], *flat[0].shape[1:])
         arrays.append(jax.make_array_from_single_device_arrays(shape, sharding, flat))
     fn = _shift_fn(devices, rows % n, tuple(a.ndim for a in arrays))
-    moved = fn(arrays)
+    with jax.set_mesh(mesh):  # inside the training loop's mesh: this program runs on the ring
+        moved = fn(arrays)
     local = local_order()
     out = []
     for leaf, array in zip(blocks, moved):

@@ -43,7 +43,7 @@ import ml_collections
 import numpy as np
 
 from jaxfrontier import logs
-from jaxfrontier.errors import CheckpointError, UserError
+from jaxfrontier.errors import CheckpointError, ConfigError, UserError
 from jaxfrontier.checkpoint import fast_files
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import integrity
@@ -57,6 +57,13 @@ _KEEP_LISTED = 32  # steps per part in the all-gathered listing (far above any f
 def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """A shard's global index as ((start, stop), ...) per dimension."""
     return tuple(tuple(s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def _host_copy(block: jax.Array) -> np.ndarray:
+    """The block's values in host memory of their own. On a GPU `np.asarray` copies; on the CPU backend it
+    is a view of the device buffer, which the next step (donating the state) may overwrite."""
+    host = np.asarray(block)
+    return host.copy() if block.device.platform == 'cpu' else host
 
 
 def _allgather(row: np.ndarray) -> np.ndarray:
@@ -87,6 +94,9 @@ class FastTier:
         self._pending: concurrent.futures.Future | None = None
         if not self.enabled:
             return
+        if '$' in cc.fast_dir:  # main expands it (config.resolve_fast_dir); a direct caller must too
+            raise ConfigError('checkpoint.fast_dir', cc.fast_dir, 'holds an unexpanded $VARIABLE',
+                              'expand it with config.resolve_fast_dir(config, os.environ) first')
         self.process, self.count = jax.process_index(), jax.process_count()
         self.root = fast_files.process_root(os.path.abspath(cc.fast_dir), self.process)
         try:
@@ -95,7 +105,7 @@ class FastTier:
             raise UserError(f'checkpoint.fast_dir: {self.root} cannot be created ({e.strerror or e}). Fix: name a '
                             "node-local directory you can write (e.g. '$JF_NODE_LOCAL/fast'), or '' for no fast "
                             'tier.') from None
-        hosts = peer._host_ids()  # pylint: disable=protected-access
+        hosts = peer.host_ids()
         self.offset = peer.peer_offset(hosts)
         self.local = peer.local_order()
         self.order = peer.device_order()
@@ -166,7 +176,7 @@ class FastTier:
         for leaf in received:
             for block in leaf:
                 block.copy_to_host_async()
-        own = [(name, shape, dtype, [(i, p, np.asarray(b)) for i, p, b in groups])
+        own = [(name, shape, dtype, [(i, p, _host_copy(b)) for i, p, b in groups])
                for name, shape, dtype, groups in own]
         source = self._source()
         held = [(name, tuple(x.shape), str(x.dtype), self._grouped(self._positions(x.sharding, x.shape, source), leaf))
@@ -188,8 +198,9 @@ class FastTier:
                                              {**head, 'source': self._source()}, held)
         fast_files.prune(self.root, self.keep)
         seconds = time.perf_counter() - t0
-        _log(f'fast tier: step {step} committed on process {self.process}, {written / 2**30:.3f} GiB in {seconds:.2f} s '
-             f'({written / 2**30 / max(seconds, 1e-9):.2f} GiB/s) after a {self.last_blocking_s:.3f} s wait')
+        gib = written / 2**30
+        _log(f'fast tier: step {step} committed on process {self.process}, {gib:.3f} GiB in {seconds:.2f} s '
+             f'({gib / max(seconds, 1e-9):.2f} GiB/s) after a {self.last_blocking_s:.3f} s wait')
 
     def wait(self) -> None:
         """Blocks until the started save is on disk; raises its error."""
@@ -266,7 +277,7 @@ class FastTier:
             return None
         own, own_other = self._listing('own', self.process)
         held, held_other = self._listing('peer', self._source())
-        row = np.full(2 * _KEEP_LISTED + 1, -1, np.int64)
+        row = np.full(2 * _KEEP_LISTED + 1, -1, np.int32)
         row[0] = int(own_other or held_other)
         row[1:1 + len(own)] = sorted(own, reverse=True)
         row[1 + _KEEP_LISTED:1 + _KEEP_LISTED + len(held)] = sorted(held, reverse=True)
@@ -292,7 +303,7 @@ class FastTier:
     def _restore_step(self, step: int, own_manifest, held_manifest, target: State, holder: list[int]):
         mine, why_own = self._load(step, 'own', own_manifest, target, self.process)
         kept, why_held = self._load(step, 'peer', held_manifest, target, self._source())
-        ok = _allgather(np.array([mine is not None, kept is not None], np.int64))
+        ok = _allgather(np.array([mine is not None, kept is not None], np.int32))
         lost = [p for p in range(self.count) if not ok[p, 0]]
         unrecoverable = [p for p in lost if not ok[holder[p], 1]]
         if unrecoverable:

@@ -296,7 +296,8 @@ def _validate_checkpoint(ck: ml_collections.ConfigDict) -> None:
     for field in ('fast_every_steps', 'fast_keep'):
         _require(isinstance(ck[field], int) and not isinstance(ck[field], bool) and ck[field] >= 1,
                  f'checkpoint.{field}', ck[field], 'must be an integer >= 1', f'set checkpoint.{field} to e.g. 2')
-    _require(ck.fast_keep <= 32, 'checkpoint.fast_keep', ck.fast_keep, 'must be at most 32 (a restore lists the newest 32)',
+    _require(ck.fast_keep <= 32, 'checkpoint.fast_keep', ck.fast_keep,
+             'must be at most 32 (a restore lists the newest 32)',
              'set checkpoint.fast_keep to e.g. 2: the persistent tier keeps the history')
     _require(not (ck.fast_dir and not ck.enabled), 'checkpoint.fast_dir', ck.fast_dir,
              'the fast tier is a checkpoint tier, and checkpoint.enabled is False',

@@ -341,8 +341,8 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 profiler.after(done, step_metrics)
                 # No save while a loss spike is open; the last step's flag is always fetched, so a
                 # roll-back it calls for is made before the run ends.
-                save, forced = guard.save_decision(step, checkpointer.due(done) or fast.due(done) or done == c.train.steps,
-                                                   lambda: step_metrics['spike/skipped'])
+                due = checkpointer.due(done) or fast.due(done) or done == c.train.steps
+                save, forced = guard.save_decision(step, due, lambda: step_metrics['spike/skipped'])
                 if guard.rollback_due():  # the step in flight is dropped with the state it came from
                     watchdog.relax()  # the interval now running holds the saves' wait and the restore
                     with ledger.span('checkpoint'):

@@ -135,8 +135,7 @@ def test_peer_shift_moves_each_block_whole_devices_ahead():
 
 @pytest.mark.parametrize('override, field', [
     (dict(fast_every_steps=0), 'checkpoint.fast_every_steps'), (dict(fast_keep=0), 'checkpoint.fast_keep'),
-    (dict(fast_keep=33), 'checkpoint.fast_keep'), (dict(enabled=False), 'checkpoint.fast_dir'),
-    (dict(fast_dir=3), 'checkpoint.fast_dir')])
+    (dict(fast_keep=33), 'checkpoint.fast_keep'), (dict(enabled=False), 'checkpoint.fast_dir')])
 def test_config_errors_are_one_line(tmp_path, override, field):
     c = config(tmp_path)
     c.checkpoint.update(**override)
