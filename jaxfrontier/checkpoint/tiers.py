@@ -192,7 +192,8 @@ class FastTier:
         written = fast_files.write_part(fast_files.part_dir(self.root, step, 'own'), {**head, 'source': self.process},
                                         own)
         if held:
-            held = [(name, shape, dtype, [(i, p, np.asarray(b)) for i, p, b in groups])
+            held = [(name, shape, dtype, [(i, p, np.asarray(b).reshape([hi - lo for lo, hi in i]))
+                                          for i, p, b in groups])  # a scalar's block arrives as [1]
                     for name, shape, dtype, groups in held]
             written += fast_files.write_part(fast_files.part_dir(self.root, step, 'peer'),
                                              {**head, 'source': self._source()}, held)
@@ -325,6 +326,8 @@ class FastTier:
         for i, (name, (_, x)) in enumerate(zip(names, flat)):
             if mine is not None:
                 arrays = [jax.device_put(mine[name][j], d) for j, d in enumerate(self.local)]
+            elif x.ndim == 0:  # a scalar's block arrives as [1] (peer.shift)
+                arrays = [jax.device_put(np.asarray(a).reshape(()), d) for a, d in zip(returned[i], self.local)]
             else:
                 arrays = returned[i]
             leaves.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, arrays))
