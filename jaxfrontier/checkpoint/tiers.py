@@ -189,12 +189,14 @@ class FastTier:
 
     def _write(self, step: int, head: dict[str, Any], own, held) -> None:
         t0 = time.perf_counter()
+        # The peer's shards first off the devices, replaced in the list itself (the work item holds it too),
+        # so the device memory they take is free before the disk writes start.
+        for k, (name, shape, dtype, groups) in enumerate(held):
+            held[k] = (name, shape, dtype, [(i, p, np.asarray(b).reshape([hi - lo for lo, hi in i]))
+                                            for i, p, b in groups])  # a scalar's block arrives as [1]
         written = fast_files.write_part(fast_files.part_dir(self.root, step, 'own'), {**head, 'source': self.process},
                                         own)
         if held:
-            held = [(name, shape, dtype, [(i, p, np.asarray(b).reshape([hi - lo for lo, hi in i]))
-                                          for i, p, b in groups])  # a scalar's block arrives as [1]
-                    for name, shape, dtype, groups in held]
             written += fast_files.write_part(fast_files.part_dir(self.root, step, 'peer'),
                                              {**head, 'source': self._source()}, held)
         fast_files.prune(self.root, self.keep)
