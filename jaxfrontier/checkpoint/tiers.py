@@ -74,6 +74,18 @@ def _allgather(row: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
 
 
+def candidates(owns: list[set[int]], helds: list[set[int]], offset: int,
+               persistent_step: int | None) -> list[tuple[int, list[int]]]:
+    """(step, the processes none of whose copies it has) of each fast step newer than `persistent_step`,
+    newest first. `owns[p]`: the steps process p holds its own shards of; `helds[p]`: those it holds
+    the peer copy of (the shards of process p - offset). A step with nobody lacking is complete."""
+    count = len(owns)
+    floor = -1 if persistent_step is None else persistent_step
+    steps = sorted({s for s in set().union(*owns, *helds) if s > floor}, reverse=True)
+    return [(s, [p for p in range(count) if s not in owns[p] and s not in helds[(p + offset) % count]])
+            for s in steps]
+
+
 class FastTier:
     """The fast tier of one run on this process (no-op when `checkpoint.fast_dir` is '').
 
@@ -291,10 +303,7 @@ class FastTier:
         owns = [set(r[1:1 + _KEEP_LISTED].tolist()) - {-1} for r in table]
         helds = [set(r[1 + _KEEP_LISTED:].tolist()) - {-1} for r in table]
         holder = [(p + self.offset) % self.count for p in range(self.count)]
-        floor = -1 if persistent_step is None else persistent_step
-        candidates = sorted({s for s in set().union(*owns) | set().union(*helds) if s > floor}, reverse=True)
-        for step in candidates:
-            lacking = [p for p in range(self.count) if step not in owns[p] and step not in helds[holder[p]]]
+        for step, lacking in candidates(owns, helds, self.offset, persistent_step):
             if lacking:
                 _log(f'fast tier: step {step} skipped: incomplete (no copy of the shards of processes {lacking[:8]})')
                 continue

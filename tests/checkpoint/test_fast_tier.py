@@ -155,3 +155,14 @@ def test_fast_dir_expands_this_process_s_variables(tmp_path):
     assert '\n' not in str(e.value)
     c.checkpoint.fast_dir = ''
     assert config_lib.resolve_fast_dir(c, {}) == ''
+
+
+def test_one_lost_node_is_covered_by_its_peer_two_adjacent_are_not():
+    """4 nodes x 2 processes (peer offset 2): the step lists after losing nodes, as restore sees them."""
+    everything = [{5, 6} for _ in range(8)]
+    lose = lambda nodes: [set() if p // 2 in nodes else {5, 6} for p in range(8)]  # noqa: E731
+    assert tiers.candidates(everything, everything, 2, persistent_step=4) == [(6, []), (5, [])]
+    assert tiers.candidates(lose({1}), lose({1}), 2, persistent_step=None) == [(6, []), (5, [])]  # from node 2
+    assert tiers.candidates(lose({1, 2}), lose({1, 2}), 2, persistent_step=None) == [(6, [2, 3]), (5, [2, 3])]
+    assert tiers.candidates(lose({1, 3}), lose({1, 3}), 2, persistent_step=None) == [(6, []), (5, [])]
+    assert tiers.candidates(everything, everything, 2, persistent_step=6) == []
