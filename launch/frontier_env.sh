@@ -12,7 +12,9 @@
 #   JF_JAX_CACHE          JAX's compilation cache, on Lustre so that every node and every requeue
 #                         reads it (default /lustre/orion/<project>/scratch/$USER/jax_cache; the
 #                         project is JF_PROJECT, default the job's account)
-#   JF_NODE_LOCAL         node-local storage for MIOpen's database (default /mnt/bb/$USER: `-C nvme`)
+#   JF_NODE_LOCAL         node-local storage (default /mnt/bb/$USER: `-C nvme`) for MIOpen's database and
+#                         the fast checkpoint tier: --config.checkpoint.fast_dir='$JF_NODE_LOCAL/fast'
+#                         (exported, so every task expands it on its own node; docs/checkpoints.md)
 #   JF_VENV               the virtualenv holding jaxfrontier (default .venv in the repository)
 # A libfabric/RCCL variable that is already set (by the plugin module or by you) is kept.
 
@@ -68,14 +70,15 @@ else
   echo "jaxfrontier: no project known (JF_PROJECT, SLURM_JOB_ACCOUNT): JAX's compilation cache is off" >&2
 fi
 
-# MIOpen's database on node-local NVMe: written by every process, so not on a shared directory.
+# MIOpen's database (and the fast checkpoint tier) on node-local NVMe: written by every process, so not on a
+# shared directory.
 if [[ -z "${JF_NODE_LOCAL:-}" && -n "${SLURM_JOB_ID:-}" && ! -d "/mnt/bb/${_jf_user}" ]]; then
   echo "error: /mnt/bb/${_jf_user} does not exist: this job has no node-local NVMe. Fix: allocate with" \
        "-C nvme (sbatch/salloc -C nvme ...), or set JF_NODE_LOCAL to a node-local directory" >&2
   unset _jf_nodes _jf_user _jf_project
   return 2
 fi
-JF_NODE_LOCAL="${JF_NODE_LOCAL:-/mnt/bb/${_jf_user}}"
+export JF_NODE_LOCAL="${JF_NODE_LOCAL:-/mnt/bb/${_jf_user}}"  # checkpoint.fast_dir='$JF_NODE_LOCAL/fast' reads it
 export MIOPEN_USER_DB_PATH="${JF_NODE_LOCAL}/miopen"
 export MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}"
 

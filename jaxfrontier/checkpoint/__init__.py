@@ -28,6 +28,9 @@ Modules, bottom to top (each imports only those above it in this list; nothing f
   reshard     how saved arrays are read onto another mesh or layer split
   restore     the checkpoint a run resumes from (roll-back, superseded steps), resume messages
   manager     Checkpointer: the Orbax manager, saves and their health, wait, close
+  fast_files  the fast tier's files: one process's shards of a step, a manifest with a checksum per shard
+  peer        the fast tier's copy to a peer process over the interconnect (one ppermute)
+  tiers       FastTier: node-local saves every few steps with a peer's copy, restore across tiers
   readers     a step directory's meta and arrays without a manager (TensorStore slices)
   safetensors the safetensors writer, export_params and load_safetensors
   hf_gpt2, hf_llama  one converter per family: HF config both ways, tensors ours <-> HF, refusals

@@ -40,6 +40,7 @@ from jaxfrontier.config.schema import (  # noqa: F401
     num_devices,
     padded_vocab,
     parse_arg,
+    resolve_fast_dir,
     resolve_scan_unroll,
     set_cpu_device_count,
 )

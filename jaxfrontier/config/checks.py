@@ -291,6 +291,17 @@ def _validate_checkpoint(ck: ml_collections.ConfigDict) -> None:
         "use e.g. ('SIGTERM', 'SIGUSR1'), or () to ignore signals")
     _require(isinstance(ck.init_params_from, str), 'checkpoint.init_params_from', ck.init_params_from,
              'must be a path string', "set it to a workdir, checkpoint directory, .safetensors file or ''")
+    _require(isinstance(ck.fast_dir, str), 'checkpoint.fast_dir', ck.fast_dir, 'must be a path string',
+             "set it to a node-local directory, e.g. '$JF_NODE_LOCAL/fast', or '' for no fast tier")
+    for field in ('fast_every_steps', 'fast_keep'):
+        _require(isinstance(ck[field], int) and not isinstance(ck[field], bool) and ck[field] >= 1,
+                 f'checkpoint.{field}', ck[field], 'must be an integer >= 1', f'set checkpoint.{field} to e.g. 2')
+    _require(ck.fast_keep <= 32, 'checkpoint.fast_keep', ck.fast_keep,
+             'must be at most 32 (a restore lists the newest 32)',
+             'set checkpoint.fast_keep to e.g. 2: the persistent tier keeps the history')
+    _require(not (ck.fast_dir and not ck.enabled), 'checkpoint.fast_dir', ck.fast_dir,
+             'the fast tier is a checkpoint tier, and checkpoint.enabled is False',
+             "set checkpoint.fast_dir='' or checkpoint.enabled=True")
 
 
 def _validate_pipeline(c: ml_collections.ConfigDict) -> None:

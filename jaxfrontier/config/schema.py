@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -291,6 +292,12 @@ def base_config() -> ml_collections.ConfigDict:
         # Resume from this step instead of the newest finite checkpoint (-1): roll back after
         # a loss spike. Newer checkpoints are moved to <workdir>/checkpoints.superseded/.
         restore_step=-1,
+        # The fast tier (jaxfrontier/checkpoint/tiers.py): each process's shards on node-local disk,
+        # and on a peer process's, every fast_every_steps. '' = off; `$VAR`s are expanded per process,
+        # e.g. '$JF_NODE_LOCAL/fast' (launch/frontier_env.sh: Frontier's NVMe).
+        fast_dir='',
+        fast_every_steps=100,  # with fast_dir: save there every N steps
+        fast_keep=2,  # with fast_dir: the newest K fast steps are kept, older ones deleted
     ))
     return c
 
@@ -336,6 +343,23 @@ def compile_cache_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> s
         return env['JAX_COMPILATION_CACHE_DIR']
     base = env.get('XDG_CACHE_HOME') or os.path.join(env.get('HOME') or os.path.expanduser('~'), '.cache')
     return os.path.join(base, 'jaxfrontier', 'xla')
+
+
+def resolve_fast_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> str:
+    """`checkpoint.fast_dir` with its `$VAR`s expanded from this process's `env` (main passes it: only
+    entry points read it), as an absolute path; '' stays ''.
+
+    Raises:
+      ConfigError: it names a variable that is not set.
+    """
+    setting = c.checkpoint.fast_dir
+    if not setting:
+        return ''
+    expanded = re.sub(r'\$(\w+)|\$\{(\w+)\}', lambda m: env.get(m.group(1) or m.group(2), m.group(0)), setting)
+    if '$' in expanded:
+        raise ConfigError('checkpoint.fast_dir', setting, f'names an environment variable that is not set ({expanded})',
+                          'export it (launch/frontier_env.sh sets JF_NODE_LOCAL), or give a path')
+    return os.path.abspath(os.path.expanduser(expanded))
 
 
 def set_cpu_device_count(n: int) -> None:

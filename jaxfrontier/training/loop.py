@@ -20,6 +20,7 @@ import ml_collections
 from jaxfrontier.checkpoint import init_from
 from jaxfrontier.checkpoint import manager as checkpoint_lib
 from jaxfrontier.checkpoint import target as target_lib
+from jaxfrontier.checkpoint import tiers
 from jaxfrontier.training import preemption as preemption_lib
 from jaxfrontier.training import disk
 from jaxfrontier.training import evaluation
@@ -172,9 +173,10 @@ def _observe(guard: spikes.SpikeGuard, pending: tuple, seen: dict[str, float]) -
     guard.observe(pending[0] - 1, seen.get('spike/skipped', 0.0) > 0, seen)
 
 
-def _roll_back(guard: spikes.SpikeGuard, checkpointer, target, writer, reporter) -> tuple[State, int]:
+def _roll_back(guard: spikes.SpikeGuard, checkpointer, fast, target, writer, reporter) -> tuple[State, int]:
     """Back to the checkpoint before persistent spikes (guard.roll_back), logged as one metrics row."""
     state, back_to, skip = guard.roll_back(checkpointer, target)
+    fast.discard_after(back_to)  # the fast tier's newer steps hold the data the roll-back skips
     writer.write(skip.spike_steps[-1], {'spike/rollback': len(guard.record.skips), 'spike/rollback_to': back_to,
                                         'data/skip_from': skip.data_from, 'data/skip_to': skip.data_to})
     writer.rewound(back_to)
@@ -264,12 +266,18 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
              f'M={sched.num_micro} micro-batches, {sched.num_ticks} ticks, bubble {sched.bubble:.1%}, '
              f'at most {sched.act_slots} stashed micro-batches per stage')
     checkpointer = checkpoint_lib.Checkpointer(c, workdir)
+    fast = tiers.FastTier(c, mesh)  # node-local every few steps, with a peer's copy (docs/checkpoints.md)
     target = target_lib.abstract_target(layout.abstract_state, layout.state_shardings)
-    state, origin = checkpointer.restore_or_init(target, lambda: ts.init_train_state(c, layout), init_from.load_params)
+    fast_restored = fast.restore(target, checkpointer.latest_step())  # only when newer than the persistent tier's
+    state, origin = fast_restored or checkpointer.restore_or_init(
+        target, lambda: ts.init_train_state(c, layout), init_from.load_params)
+    if not fast_restored:
+        fast.discard_after(int(state['step']))  # steps of a timeline this run does not continue
     _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
     phase.done('restore' if origin.startswith('restored') else 'init')
     write_resolved_config(c, workdir)  # only now: a refused resume leaves the old config.json
     if int(state['step']) >= c.train.steps:  # nothing to do: say so instead of `done: {}`
+        fast.close()
         checkpointer.close()
         message = (f'nothing ran: the checkpoint restored is at step {int(state["step"])} and train.steps = '
                    f'{c.train.steps}. To train further, raise --config.train.steps above {int(state["step"])}.')
@@ -293,7 +301,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
 
     # 6. loop: dispatch step s, then fetch step s-1's metrics while step s runs; save every N
     done = int(state['step'])
-    restored_skips = (spikes.skips_in_meta(checkpointer.read_meta(done))
+    restored_skips = (spikes.skips_in_meta(fast.restored_meta if fast_restored else checkpointer.read_meta(done))
                       if spikes.enabled(c) and origin.startswith('restored') else None)
     guard = spikes.SpikeGuard(c, workdir, restored_skips)  # loss spikes: skip, roll back (training/spikes.py)
     writer = metrics_lib.MetricsWriter(workdir, c.train.steps, enabled=jax.process_index() == 0,
@@ -333,13 +341,13 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                 profiler.after(done, step_metrics)
                 # No save while a loss spike is open; the last step's flag is always fetched, so a
                 # roll-back it calls for is made before the run ends.
-                save, forced = guard.save_decision(step, checkpointer.due(done) or done == c.train.steps,
-                                                   lambda: step_metrics['spike/skipped'])
+                due = checkpointer.due(done) or fast.due(done) or done == c.train.steps
+                save, forced = guard.save_decision(step, due, lambda: step_metrics['spike/skipped'])
                 if guard.rollback_due():  # the step in flight is dropped with the state it came from
                     watchdog.relax()  # the interval now running holds the saves' wait and the restore
                     with ledger.span('checkpoint'):
                         commits.poll(committed=True)
-                        state, step = _roll_back(guard, checkpointer, target, writer, reporter)
+                        state, step = _roll_back(guard, checkpointer, fast, target, writer, reporter)
                         commits.poll(committed=True)
                     pending = None
                     continue
@@ -351,6 +359,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
                     with ledger.span('checkpoint'):
                         saved = checkpointer.save(done, state, force=forced, metrics=step_metrics,
                                                   data_skips=guard.record and guard.record.as_json())
+                        fast.save(done, state, step_metrics, guard.record and guard.record.as_json())
                     if saved:
                         commits.started(done, state)
                 commits.poll()
@@ -391,6 +400,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
         watchdog.stop()
         profiler.close()
         writer.close()
+        fast.close()
         checkpointer.close()
     peaks = [hardware.memory_stats(d).get('peak_bytes_in_use') for d in jax.local_devices()]
     if any(p is not None for p in peaks):  # accelerators: the allocator's measured peak
