@@ -2,7 +2,8 @@
 
 Layouts: data 8; fsdp 8; tensor 8; data 2 x fsdp 2 x tensor 2; ZeRO-1 with data 4 x tensor 2,
 each with and without gradient accumulation. The comparison, its tolerances and why they are
-what they are (Adam's eps, the key bias) are in layout_check.py.
+what they are (Adam's eps, the key bias) are in layout_check.py; each layout compiles only its
+train step (layout_once.py), the one-device reference both programs.
 """
 
 import jax
@@ -13,6 +14,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.training import state as ts
 from layout_check import check_against_reference, make_config, run_layout
+from layout_once import run_layout_once
 
 
 @pytest.fixture(scope='module')
@@ -37,13 +39,13 @@ SLOW = [(name, accum) for name in LAYOUTS for accum in (1, 2) if (name, accum) n
 
 @pytest.mark.parametrize('name,accum', FAST)
 def test_layout_matches_single_device(name, accum, reference):
-    check_against_reference(run_layout(make_config(accum=accum, **LAYOUTS[name])), reference)
+    check_against_reference(run_layout_once(make_config(accum=accum, **LAYOUTS[name])), reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name,accum', SLOW)
 def test_layout_matches_single_device_slow(name, accum, reference):
-    check_against_reference(run_layout(make_config(accum=accum, **LAYOUTS[name])), reference)
+    check_against_reference(run_layout_once(make_config(accum=accum, **LAYOUTS[name])), reference)
 
 
 @pytest.mark.slow
@@ -53,7 +55,7 @@ def test_gpu_default_unrolled_remat_full_matches_single_device(reference):
     map, FSDP's gathers and the tensor split inside the recomputation."""
     c = make_config(accum=2, remat='full', **LAYOUTS['d2f2t2'])
     c.model.scan_unroll = c.model.num_layers
-    check_against_reference(run_layout(c), reference)
+    check_against_reference(run_layout_once(c), reference)
 
 
 def test_zero1_shards_optimizer_state_not_params():
@@ -71,7 +73,7 @@ def test_padded_zero1_matches_single_device():
     """ZeRO-1 over data 3: no dimension of d_model 64, 8 heads or vocabulary 256 divides by 3,
     so the optimizer state is padded (layout_lib.zero1_layout); the run is still exact."""
     reference = run_layout(make_config(global_batch=24))
-    check_against_reference(run_layout(make_config(data=3, tensor=2, zero1=True, accum=2, global_batch=24)),
+    check_against_reference(run_layout_once(make_config(data=3, tensor=2, zero1=True, accum=2, global_batch=24)),
                             reference)
 
 

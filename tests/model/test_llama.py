@@ -26,6 +26,7 @@ from jaxfrontier.model import params as params_lib
 from jaxfrontier.model import registry
 from jaxfrontier.training import state as ts
 from layout_check import LLAMA, LOSS_RTOL, assert_trees_close, check_against_reference, make_config, run_layout
+from layout_once import run_layout_once
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), '..', '..', 'configs')
 # Distinct sizes so a swapped axis fails: 3 layers, 40 wide, 4 heads of 10, 24 positions, 97 tokens, MLP 56.
@@ -256,7 +257,7 @@ def test_layout_step0_matches_single_device(reference_step0):
 @pytest.mark.slow
 @pytest.mark.parametrize('name', LAYOUTS)
 def test_layout_matches_single_device(name, reference):
-    check_against_reference(run_layout(llama_layout(**LAYOUTS[name])), reference)
+    check_against_reference(run_layout_once(llama_layout(**LAYOUTS[name])), reference)
 
 
 # (schedule, P, M, V, other axis): every schedule once, P = 2 (the executors' P = 4 cases are GPT's,
@@ -269,7 +270,7 @@ PIPELINES = [('gpipe', 2, 4, 1, dict(tensor=2)), ('1f1b', 2, 2, 1, dict(fsdp=2))
 @pytest.mark.parametrize('schedule,p,m,virtual,other', PIPELINES, ids=[f'{c[0]}_p{c[1]}' for c in PIPELINES])
 def test_pipeline_matches_single_device(schedule, p, m, virtual, other, reference):
     c = llama_layout(pipeline=p, schedule=schedule, virtual=virtual, accum=m, **other)
-    check_against_reference(run_layout(c), reference)
+    check_against_reference(run_layout_once(c), reference)
 
 
 @pytest.mark.slow

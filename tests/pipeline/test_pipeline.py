@@ -1,7 +1,8 @@
 """Pipeline schedules: exact against one device, bounded memory, no FLOPs in bubbles.
 
 Equivalence uses the single-device checks of layout_check.py (same tolerances, stated
-there). Global batch 24 so that M can be P or a non-multiple of P: M in {2, 3} for P = 2 and
+there); each pipelined layout compiles only its train step (layout_once.py reads step 0's loss
+and gradients back from it), the one-device reference both programs. Global batch 24 so that M can be P or a non-multiple of P: M in {2, 3} for P = 2 and
 {4, 6} for P = 4 (interleaved needs M to be a multiple of P).
 """
 
@@ -26,6 +27,7 @@ from jaxfrontier.model import params as params_lib
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from layout_check import LOSS_RTOL, assert_trees_close, check_against_reference, make_config, run_layout
+from layout_once import run_layout_once
 
 LAYERS, BATCH = 8, 24
 
@@ -53,19 +55,19 @@ SLOW = [case for case in SLOW if case[:2] != ('1f1b', 2)] + [
 
 @pytest.mark.parametrize('schedule,p,m,virtual,other', FAST)
 def test_pipeline_matches_single_device(schedule, p, m, virtual, other, reference):
-    check_against_reference(run_layout(pipeline_config(schedule, p, m, other, virtual)), reference)
+    check_against_reference(run_layout_once(pipeline_config(schedule, p, m, other, virtual)), reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('schedule,p,m,virtual,other', SLOW)
 def test_pipeline_matches_single_device_slow(schedule, p, m, virtual, other, reference):
-    check_against_reference(run_layout(pipeline_config(schedule, p, m, other, virtual)), reference)
+    check_against_reference(run_layout_once(pipeline_config(schedule, p, m, other, virtual)), reference)
 
 
 @pytest.mark.slow
 def test_pipeline_composes_with_zero1_and_data(reference):
     c = make_config(layers=LAYERS, global_batch=BATCH, pipeline=2, data=2, tensor=2, accum=3, zero1=True)
-    check_against_reference(run_layout(c), reference)
+    check_against_reference(run_layout_once(c), reference)
 
 
 # ----------------------------------------------------------------------------- schedules

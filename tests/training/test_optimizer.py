@@ -26,6 +26,7 @@ from jaxfrontier.training import memory_check
 from jaxfrontier.training import optimizer as optimizer_lib
 from jaxfrontier.training import state as ts
 from layout_check import check_against_reference, make_config, run_layout
+from layout_once import run_layout_once
 
 LR, MIN_LR, WARMUP, STEPS = 3e-3, 3e-4, 10, 100
 CHOSEN_STEPS = (0, 4, 10, 11, 32, 55, 79, 80, 81, 90, 99, 100, 130)
@@ -222,7 +223,7 @@ def references():
 
 @pytest.mark.slow
 def test_lion_zero1_matches_single_device(references):
-    check_against_reference(run_layout(make_config(optimizer='lion', data=2, fsdp=2, tensor=2, zero1=True)),
+    check_against_reference(run_layout_once(make_config(optimizer='lion', data=2, fsdp=2, tensor=2, zero1=True)),
                             references('lion'))
 
 
@@ -238,5 +239,5 @@ def test_lion_padded_zero1_matches_single_device():
     """ZeRO-1 over data 3 pads Lion's moment (no dimension divides by 3, test_parallel's padded case):
     the padding stays zero (sign(0) = 0) and the run is still exact."""
     reference = run_layout(make_config(optimizer='lion', global_batch=24))
-    check_against_reference(run_layout(make_config(optimizer='lion', data=3, tensor=2, zero1=True, accum=2,
+    check_against_reference(run_layout_once(make_config(optimizer='lion', data=3, tensor=2, zero1=True, accum=2,
                                                    global_batch=24)), reference)
