@@ -5,6 +5,7 @@ sizes the simulated CPU devices per process from config.mesh.cpu_devices (the jo
 """
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -49,7 +50,18 @@ def read_metrics(workdir: str) -> list[dict]:
 
 @functools.cache
 def single_process_losses(*overrides: str) -> dict[int, float]:
-    """{step: loss} of steps 1..4 of TINY + overrides in one process on 8 devices (once per session)."""
+    """{step: loss} of steps 1..4 of TINY + overrides in one process on 8 devices (once per session).
+
+    The losses are kept in the session's directory (conftest), which both xdist workers share:
+    test_multiprocess and test_slurm compare with the same run and usually run on different
+    workers. A float survives JSON exactly (repr), so a loaded reference is the computed one.
+    """
+    session = os.environ.get('JAXFRONTIER_TEST_SESSION_CACHE')
+    key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
+    kept = os.path.join(session, f'reference_losses_{key}.json') if session else None
+    if kept and os.path.exists(kept):
+        with open(kept) as f:
+            return {int(step): loss for step, loss in json.load(f).items()}
     workdir = tempfile.mkdtemp(prefix='jaxfrontier_reference_')
     cmd = [sys.executable, '-m', 'jaxfrontier.main', *TINY, *overrides, '--config.train.steps=4',
            f'--workdir={workdir}']
@@ -58,4 +70,8 @@ def single_process_losses(*overrides: str) -> dict[int, float]:
     losses = {row['step']: row['train/loss'] for row in read_metrics(workdir)}
     shutil.rmtree(workdir, ignore_errors=True)
     assert sorted(losses) == [1, 2, 3, 4], losses
+    if kept:
+        with open(f'{kept}.{os.getpid()}', 'w') as f:
+            json.dump(losses, f)
+        os.replace(f'{kept}.{os.getpid()}', kept)  # whole or absent for the other worker
     return losses

@@ -1,10 +1,12 @@
 """Throughput sweeps (jaxfrontier.sweep): the search space, trial records, launchers, reports, the CLI.
 
-The end-to-end test runs a real grid sweep of 8 points over tensor x pipeline x micro-batch on 8
-simulated CPU devices: two points have no valid layout (recorded `invalid` without a process),
-one trial is made to crash (its interpreter is a wrapper that kills itself with SIGSEGV, as a
-crashing XLA would), five train for real. Then the report, CSV and PNGs are read back, and a
-rerun must not repeat a finished trial.
+The end-to-end test runs a real grid sweep of 4 points over tensor x micro-batch on 8 simulated
+CPU devices: one point has no valid layout (recorded `invalid` without a process), one trial is
+made to crash (its interpreter is a wrapper that kills itself with SIGSEGV, as a crashing XLA
+would), two train for real (each a process and a compile: the test's cost). Then the report,
+CSV and PNGs are read back, and a rerun must not repeat a finished trial. Each invalid reason
+(no whole accumulation, a pipeline without 2 micro-batches, a mesh that does not divide the
+devices) is held without a process by test_point_config_derives_data_and_accumulation.
 """
 
 import csv
@@ -263,8 +265,7 @@ def test_slurm_launcher_outside_an_allocation_says_how_to_submit(tmp_path):
 
 # Stands in for `python` in one trial: the process dies of SIGSEGV as a crashing XLA would.
 _CRASHING_PYTHON = '''#!/bin/bash
-if [[ " $* " == *" --config.mesh.tensor=2 "* && " $* " == *" --config.mesh.pipeline=2 "* \\
-      && " $* " == *" --config.train.micro_batch=1 "* ]]; then
+if [[ " $* " == *" --config.mesh.tensor=2 "* && " $* " == *" --config.train.micro_batch=1 "* ]]; then
   echo "Fatal Python error: Segmentation fault (made on purpose by the test)" >&2
   kill -SEGV $$
 fi
@@ -278,21 +279,19 @@ def test_grid_sweep_end_to_end_records_failures_reports_and_resumes(tmp_path):
     python.write_text(_CRASHING_PYTHON.format(python=sys.executable))
     python.chmod(0o755)
     workdir = tmp_path / 'sweep'
-    args = ('--space=tensor=1,2', '--space=pipeline=1,2', '--space=micro_batch=1,4', '--warmup=2', '--steps=3',
-            f'--python={python}')
+    args = ('--space=tensor=1,2', '--space=micro_batch=1,4', '--warmup=2', '--steps=3', f'--python={python}')
     proc = sweep(workdir, *args)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     records = [json.loads(line) for line in (workdir / 'results.jsonl').read_text().splitlines()]
-    by_point = {(r['point']['tensor'], r['point']['pipeline'], r['point']['micro_batch']): r for r in records}
-    assert len(records) == 8 == len(by_point)
+    by_point = {(r['point']['tensor'], r['point']['micro_batch']): r for r in records}
+    assert len(records) == 4 == len(by_point)
     statuses = {k: r['status'] for k, r in by_point.items()}
-    # micro-batch 4: 16 / (4 x 8 replicas) is no whole accumulation; a 2-stage pipeline needs >= 2 micro-batches
-    assert statuses == {(1, 1, 1): 'ok', (1, 1, 4): 'invalid', (1, 2, 1): 'ok', (1, 2, 4): 'invalid',
-                        (2, 1, 1): 'ok', (2, 1, 4): 'ok', (2, 2, 1): 'crashed', (2, 2, 4): 'ok'}, statuses
-    crashed = by_point[2, 2, 1]
+    # tensor 1 (data 4 x fsdp 2), micro-batch 4: 16 / (4 x 8 replicas) is no whole accumulation
+    assert statuses == {(1, 1): 'ok', (1, 4): 'invalid', (2, 1): 'crashed', (2, 4): 'ok'}, statuses
+    crashed = by_point[2, 1]
     assert 'killed by SIGSEGV' in crashed['error'] and 'made on purpose' in crashed['error']
-    assert 'no whole number of accumulation steps' in by_point[1, 1, 4]['error']
-    assert 'needs at least 2 micro-batches' in by_point[1, 2, 4]['error']
+    assert 'no whole number of accumulation steps' in by_point[1, 4]['error']
+    assert {r['pipeline'] for r in records if r['status'] == 'ok'} == {1} and by_point[2, 4]['accum_steps'] == 1
     for r in (r for r in records if r['status'] == 'ok'):
         assert r['data'] * r['fsdp'] * r['tensor'] * r['pipeline'] == 8 and r['global_batch'] == 16
         assert r['tokens_per_s'] == pytest.approx(16 * 32 / r['step_time_s'], rel=1e-6)
@@ -305,15 +304,14 @@ def test_grid_sweep_end_to_end_records_failures_reports_and_resumes(tmp_path):
         assert [row['step'] for row in rows] == list(range(1, 2 + 3 + 2 + 1))  # warm-up, measured, 2 more
 
     report = (workdir / 'report.md').read_text()
-    assert '8 trials: 5 ok, 2 invalid, 1 crashed' in report
+    assert '4 trials: 2 ok, 1 invalid, 1 crashed' in report
     assert all(f'| {r["trial_id"]} |' in report for r in records)
     with open(workdir / 'results.csv') as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 8 and rows[0]['status'] == 'ok'
+    assert len(rows) == 4 and rows[0]['status'] == 'ok'
     assert float(rows[0]['tokens_per_s']) == max(r['tokens_per_s'] for r in records if r['status'] == 'ok')
     plots = sorted(os.listdir(workdir / 'plots'))
-    assert plots == ['best_per_model.png', 'tokens_per_s_vs_micro_batch.png', 'tokens_per_s_vs_pipeline.png',
-                     'tokens_per_s_vs_tensor.png']
+    assert plots == ['best_per_model.png', 'tokens_per_s_vs_micro_batch.png', 'tokens_per_s_vs_tensor.png']
     for name in plots:
         for ax in png_axes(workdir / 'plots' / name):
             assert ax['x'] and ax['y'] and ax['title'], (name, ax)
@@ -325,7 +323,7 @@ def test_grid_sweep_end_to_end_records_failures_reports_and_resumes(tmp_path):
     again = sweep(workdir, *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert '0 trials to run' in again.stdout and 'started' not in again.stdout, again.stdout
-    assert len((workdir / 'results.jsonl').read_text().splitlines()) == 8
+    assert len((workdir / 'results.jsonl').read_text().splitlines()) == 4
     assert logs == {tid: os.path.getmtime(workdir / 'trials' / tid / 'log.txt') for tid in logs}
 
 
@@ -386,18 +384,25 @@ def test_verifier_runs_main_verify_once_per_shrunk_layout(tmp_path):
     from jaxfrontier.sweep import launch as sweep_launch
     from jaxfrontier.sweep import run as sweep_run
     from jaxfrontier.sweep import verify as sweep_verify
+    from jaxfrontier.plan import verify as verify_lib
     logged = []
     check = sweep_verify.verifier([sys.executable], subprocess_env(), str(tmp_path), 'configs/tiny.py', 600,
                                   logged.append)
     study = sweep_run.Study(workdir=str(tmp_path), config_spec='configs/tiny.py', base=tiny_base(), user_args=(),
                             warmup=1, steps=1, launcher=sweep_launch.LocalLauncher([sys.executable]),
                             trial_env={}, verify=check)
-    first = study.prepare({'micro_batch': 1}, 8, ['micro_batch'])
-    again = study.prepare({'micro_batch': 1}, 8, ['micro_batch'])  # the same layout: checked once
+    # data 4 x fsdp 2 with ZeRO-1: also the check that a ZeRO-1 layout's certificate passes and says so
+    # (tests/plan/test_verify.py certifies tensor and pipeline layouts in process).
+    point = {'micro_batch': 1, 'zero1': True}
+    first = study.prepare(point, 8, list(point))
+    again = study.prepare(point, 8, list(point))  # the same layout: checked once
     assert isinstance(first, sweep_trials.Trial) and isinstance(again, sweep_trials.Trial)
     runs = [line for line in logged if 'checking' in line]
     verdicts = [line for line in logged if 'verify: PASS' in line]
     assert len(verdicts) == len(runs) >= 1, logged
     certificate = sweep_verify.certificate(check(first, sweep_run.ml_collections.ConfigDict(first.config))['certificate'])
-    assert certificate['passed'] and certificate['devices'] == 8
+    assert certificate['passed'] and certificate['devices'] == 8 and certificate['kept']['sharding.zero1']
+    line = verify_lib.summary(certificate)
+    assert line.startswith('verify: PASS ') and ': data 4 x fsdp 2 (8 cpu devices' in line, line
+    assert 'ZeRO-1' in line, line
     assert len([line for line in logged if 'checking' in line]) == len(runs)  # the same layout: not checked again
