@@ -25,7 +25,7 @@ import ml_collections
 from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
 
-MAX_DEVICES = 2048  # simulated CPU devices a program still compiles with (the brief's machine limit)
+MAX_DEVICES = 512  # --verify_max_devices by default: configs/1t.py at data 1, in 2 processes (plan/fanout.py)
 SEQ_LEN = 32
 HEAD_DIM = 8
 VOCAB = 251  # a prime, so the padded vocabulary always pads
