@@ -18,6 +18,7 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
+from jaxfrontier.plan import fanout
 from jaxfrontier.plan import shrink as shrink_lib
 from jaxfrontier.plan import verify
 from jaxfrontier.training import reduction
@@ -184,6 +185,17 @@ def test_certificate_passes_for_a_llama_layout():
     assert cert['passed'], verify.summary(cert)
     assert cert['kept']['model.family'] == 'llama' and not cert['kept']['key/value heads split over tensor']
     assert cert['kept']['model.rope_scaling'] == 'llama3' and cert['devices'] == 8
+
+
+@pytest.mark.parametrize('devices, per_process, count', [
+    (128, 256, 1),  # configs/175b.py: one process, as before
+    (256, 256, 1), (512, 256, 2),  # configs/1t.py at data 1
+    (1536, 256, 6), (8, 4, 2),  # the tests below
+    (14, 4, 7),  # 4 processes cannot split 14 evenly: the next count that does
+])
+def test_process_count_splits_the_devices_evenly(devices, per_process, count):
+    assert fanout.process_count(devices, per_process) == count
+    assert devices % count == 0 and devices // count <= per_process
 
 
 # configs/tiny.py (data 2 x fsdp 2 x tensor 2) with 2 micro-batches, so that the gradients cross
