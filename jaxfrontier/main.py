@@ -120,12 +120,13 @@ def main(argv: list[str]) -> int:
             data_lib.resolve_vocab(config)
             data_lib.resolve_eot(config)
             to_verify = shrink.shrink(config, _VERIFY_MAX_DEVICES.value)  # once: its mesh sizes the devices
-            count = fanout.process_count(to_verify.num_devices,
-                                         int(os.environ.get(_PER_PROCESS_MAX_ENV, fanout.PER_PROCESS_MAX)))
             if fanout.WORKER_ENV in os.environ:  # one of the processes started just below, by the parent
                 processes = fanout.Worker.decode(os.environ[fanout.WORKER_ENV]).settings()
-            elif count > 1:  # the parent: no JAX here, it waits for the workers (plan/fanout.py)
-                return fanout.run_workers(sys.argv, count, os.environ)
+            else:
+                count = fanout.workers_needed(to_verify.num_devices, int(os.environ.get(
+                    _PER_PROCESS_MAX_ENV, fanout.PER_PROCESS_MAX)))
+                if count > 1:  # the parent: no JAX here, it waits for the workers (plan/fanout.py)
+                    return fanout.run_workers(sys.argv, count, os.environ)
             os.environ['JAX_PLATFORMS'] = 'cpu'
             # Hundreds of simulated devices share this machine's cores: a collective may wait minutes for
             # its last participant, past XLA:CPU's 40 s abort.

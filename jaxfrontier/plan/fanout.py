@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -28,11 +29,16 @@ import time
 from collections.abc import Mapping, Sequence
 
 from jaxfrontier import distributed
-from jaxfrontier.errors import ConfigError
+from jaxfrontier.errors import ConfigError, UserError
 
 PER_PROCESS_MAX = 256  # simulated CPU devices one process can run collectives on (kMaxIntraOpThreads, above)
 WORKER_ENV = 'JF_VERIFY_WORKER'  # set by the parent for each worker: 'process_id/num_processes@port'
 POLL_S = 0.5
+# Each process compiles the whole program (about 2 GB resident for configs/1t.py's shrunk one):
+# more processes than this multiply memory and compile time past what a workstation has.
+MAX_PROCESSES = 8
+# Smaller collectives (a tensor or pipeline group) and the process's own files need sockets too.
+FILES_SHARE = 0.8
 AFTER_FIRST_S = 300  # once process 0 is done, the others get this long to leave jax.distributed
 
 
@@ -62,12 +68,57 @@ class Worker:
         return distributed.ProcessSettings('explicit', self.num_processes, self.process_id, f'127.0.0.1:{self.port}')
 
 
-def process_count(num_devices: int, per_process_max: int = PER_PROCESS_MAX) -> int:
-    """The fewest processes of at most `per_process_max` devices each that split `num_devices` evenly."""
+def process_count(num_devices: int, per_process_max: int = PER_PROCESS_MAX, open_files: int | None = None) -> int:
+    """The fewest processes of at most `per_process_max` devices each that split `num_devices` evenly,
+    and, with several, whose sockets fit `open_files` (see `sockets_per_process`).
+    """
     count = -(-num_devices // per_process_max)
-    while num_devices % count:
+    while num_devices % count or (count > 1 and open_files is not None
+                                  and sockets_per_process(num_devices, count) > FILES_SHARE * open_files):
         count += 1
     return count
+
+
+def workers_needed(num_devices: int, per_process_max: int = PER_PROCESS_MAX) -> int:
+    """`process_count` under this process's open-files limit (raised to its hard limit here).
+
+    Raises:
+      UserError: more than MAX_PROCESSES would be needed; names the limit that set the count.
+    """
+    files = open_files()
+    count = process_count(num_devices, per_process_max, files)
+    if count > MAX_PROCESSES:
+        by_devices = process_count(num_devices, per_process_max)
+        raise UserError(
+            f'--mode=verify: {num_devices} simulated devices would need {count} local processes here'
+            + (f' (the open-files limit {files}, ulimit -Hn, allows {num_devices // count} devices a process: gloo '
+               f'opens one socket per pair of devices of a collective, {num_devices - 1} for each device of a '
+               f'collective over all)' if count > by_devices else '')
+            + f', more than {MAX_PROCESSES} (each compiles the whole program). Fix: '
+            + ('raise the hard limit of open files (/etc/security/limits.conf nofile, docker run --ulimit '
+               f'nofile={2 * sockets_per_process(num_devices, by_devices)}), or ' if count > by_devices else '')
+            + 'verify with fewer devices (--verify_max_devices) or on a larger machine')
+    return count
+
+
+def sockets_per_process(num_devices: int, num_processes: int) -> int:
+    """Sockets one process opens for a collective over every device, in gloo (an estimate).
+
+    Across processes every collective of XLA:CPU goes through gloo, even between two devices of
+    one process, and gloo connects each pair of a collective's devices with its own TCP socket:
+    a process holds (its devices) x (all devices - 1) of them for one collective over every
+    device (the loss, the gradient norm). configs/1t.py at data 1 in 2 processes: 256 x 511 =
+    130,816, past a 20,000 limit ("accept: Too many open files", then an abort).
+    """
+    return num_devices // num_processes * (num_devices - 1)
+
+
+def open_files() -> int:
+    """This process's hard limit of open files, made its soft limit too (the workers inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard if hard != resource.RLIM_INFINITY else 1 << 30
 
 
 def _free_port() -> int:
@@ -77,9 +128,11 @@ def _free_port() -> int:
 
 
 def _last_line(path: str) -> str:
+    """A failed worker's last line of stderr, or the line that says why it aborted."""
     with open(path, errors='replace') as f:
         lines = [line.strip() for line in f if line.strip()]
-    return lines[-1] if lines else '(no output)'
+    cause = [line for line in lines if line.startswith(('what():', 'error:', 'F0', 'E0'))]
+    return (cause or lines or ['(no output)'])[-1]
 
 
 def _end_with_parent() -> None:
@@ -139,11 +192,12 @@ def _wait(procs: list[subprocess.Popen], logs: list[str | None]) -> int:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-            if i == 0:  # process 0 wrote its own error to this process's stderr
-                return statuses[0]
-            print(f'error: verify process {i} of {len(procs)} ended with status {statuses[i]}: '
-                  f'{_last_line(logs[i])}', file=sys.stderr)
-            return statuses[i] if statuses[i] > 0 else 1
+            status = statuses[i] if statuses[i] > 0 else 128 - statuses[i]  # killed by signal n: 128 + n
+            if i == 0 and status in (2, 3, 4):  # process 0 wrote its one-line error to this process's stderr
+                return status
+            why = 'its output above' if i == 0 else _last_line(logs[i])
+            print(f'error: verify process {i} of {len(procs)} ended with status {status}: {why}', file=sys.stderr)
+            return status
         if all(s is not None for s in statuses):
             return statuses[0]
         if statuses[0] is not None:

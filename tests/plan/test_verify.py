@@ -187,15 +187,17 @@ def test_certificate_passes_for_a_llama_layout():
     assert cert['kept']['model.rope_scaling'] == 'llama3' and cert['devices'] == 8
 
 
-@pytest.mark.parametrize('devices, per_process, count', [
-    (128, 256, 1),  # configs/175b.py: one process, as before
-    (256, 256, 1), (512, 256, 2),  # configs/1t.py at data 1
-    (1536, 256, 6), (8, 4, 2),  # the tests below
-    (14, 4, 7),  # 4 processes cannot split 14 evenly: the next count that does
+@pytest.mark.parametrize('devices, per_process, files, count', [
+    (128, 256, 1024, 1),  # configs/175b.py: one process, as before (no gloo, no sockets)
+    (256, 256, 1 << 20, 1), (512, 256, 1 << 20, 2),  # configs/1t.py at data 1
+    (512, 256, 20_000, 32),  # ... where 20,000 files are allowed: 16 x 511 sockets fit, 32 x 511 do not
+    (1536, 256, 1 << 20, 6), (8, 4, 20_000, 2),  # the tests below
+    (14, 4, 1 << 20, 7),  # 4 processes cannot split 14 evenly: the next count that does
 ])
-def test_process_count_splits_the_devices_evenly(devices, per_process, count):
-    assert fanout.process_count(devices, per_process) == count
+def test_process_count_splits_the_devices_evenly_within_the_open_files(devices, per_process, files, count):
+    assert fanout.process_count(devices, per_process, files) == count
     assert devices % count == 0 and devices // count <= per_process
+    assert count == 1 or fanout.sockets_per_process(devices, count) <= fanout.FILES_SHARE * files
 
 
 # configs/tiny.py (data 2 x fsdp 2 x tensor 2) with 2 micro-batches, so that the gradients cross
@@ -256,3 +258,17 @@ def test_a_dead_worker_ends_the_check_with_one_line(tmp_path):
     assert proc.returncode == 7, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == 'error: verify process 1 of 2 ended with status 7: worker 1 dies'
     assert 'verify: PASS' not in proc.stdout
+
+
+def test_verify_refuses_in_one_line_when_the_open_files_need_too_many_processes(tmp_path):
+    """configs/1t.py at data 1 under a limit of 4,096 open files: 511 gloo sockets per device allow 4
+    devices a process, 128 processes; refused before any process starts (no JAX import, a second)."""
+    cmd = (f'ulimit -n 4096 && exec {sys.executable} -m jaxfrontier.main --config=configs/1t.py --mode=verify '
+           f'--verify_max_devices=512 --workdir={tmp_path}')
+    proc = subprocess.run(['bash', '-c', cmd], cwd=processes.REPO, env=processes.subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith('error: --mode=verify: 512 simulated devices would need 128 local processes here '
+                           '(the open-files limit 4096'), line
+    assert 'nofile=261632' in line
