@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from jaxfrontier import distributed
-from jaxfrontier.errors import ConfigError, UserError
+from jaxfrontier.errors import UserError
 
 PER_PROCESS_MAX = 256  # simulated CPU devices one process can run collectives on (kMaxIntraOpThreads, above)
 WORKER_ENV = 'JF_VERIFY_WORKER'  # set by the parent for each worker: 'process_id/num_processes@port'
@@ -60,8 +60,8 @@ class Worker:
             process_id, count = ids.split('/')
             return cls(int(process_id), int(count), int(port))
         except ValueError:
-            raise ConfigError(WORKER_ENV, text, 'is not process_id/num_processes@port',
-                              'leave it unset: --mode=verify sets it for the processes it starts') from None
+            raise UserError(f'{WORKER_ENV}={text!r} is not process_id/num_processes@port. Fix: leave it unset: '
+                            '--mode=verify sets it for the processes it starts') from None
 
     def settings(self) -> distributed.ProcessSettings:
         """How this worker joins the others (`distributed.initialize`'s explicit mode, on localhost)."""
