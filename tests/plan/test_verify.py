@@ -39,7 +39,7 @@ def _paper(name):
 @pytest.mark.parametrize('name, devices, data, layers, accum', [
     ('22b', 32, 1, 8, 16),  # TP 4 x PP 8: nothing but the size shrinks
     ('175b', 128, 2, 16, 32),
-    ('1t', 512, 1, 64, 128),  # TP 8 x PP 64 x DP 6 = 3,072 devices: data 6 -> 1 to fit 512 (2 processes)
+    ('1t', 1536, 3, 64, 128),  # TP 8 x PP 64 x DP 6 = 3,072 devices: data 6 -> 3 to fit 2,048 (6 processes)
 ])
 def test_shrink_keeps_the_layout_of_the_paper_configs(name, devices, data, layers, accum):
     c = _paper(name)
@@ -55,7 +55,7 @@ def test_shrink_keeps_the_layout_of_the_paper_configs(name, devices, data, layer
     assert s.shrunk['model.num_layers'] == (c.model.num_layers, layers)
     assert s.config.model.num_heads % c.mesh.tensor == 0
     config_lib.validate(shrink_lib.reference_config(s.config), 1)
-    assert 'data 6 -> 1' in shrink_lib.describe(s) if name == '1t' else 'data' not in shrink_lib.describe(s)
+    assert 'data 6 -> 3' in shrink_lib.describe(s) if name == '1t' else 'data' not in shrink_lib.describe(s)
 
 
 @pytest.mark.parametrize('tensor,kv,split', [(4, 8, True), (4, 2, False), (8, 2, False), (2, 8, True)])
@@ -191,7 +191,8 @@ def test_certificate_passes_for_a_llama_layout():
     (128, 256, 1024, 1),  # configs/175b.py: one process, as before (no gloo, no sockets)
     (256, 256, 1 << 20, 1), (512, 256, 1 << 20, 2),  # configs/1t.py at data 1
     (512, 256, 20_000, 32),  # ... where 20,000 files are allowed: 16 x 511 sockets fit, 32 x 511 do not
-    (1536, 256, 1 << 20, 6), (8, 4, 20_000, 2),  # the tests below
+    (1536, 256, 1 << 20, 6),  # configs/1t.py at the default --verify_max_devices (data 3)
+    (8, 4, 20_000, 2),  # the tests below
     (14, 4, 1 << 20, 7),  # 4 processes cannot split 14 evenly: the next count that does
 ])
 def test_process_count_splits_the_devices_evenly_within_the_open_files(devices, per_process, files, count):
