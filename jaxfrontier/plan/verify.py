@@ -12,6 +12,10 @@ at `FLOOR` times the root-mean-square tensor norm, so a tensor whose true gradie
 against rounding noise. A layout is right when the worst tensor of each quantity is within
 its dtype's tolerance; a wrong shard, a missing or doubled reduction or a mis-ordered
 micro-batch is off by tens of percent (tests/plan/test_verify.py injects one).
+
+Past 256 simulated devices the check runs in several processes (plan/fanout.py): each runs the
+layout on the global mesh and the reference on a device of its own, compares the shards it
+holds, and the squared differences are summed over the processes; no array is gathered.
 """
 
 from __future__ import annotations
