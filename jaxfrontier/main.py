@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 _STARTED = time.perf_counter()  # start-up phases are timed from here (the interpreter's own start is not)
@@ -24,6 +25,7 @@ from jaxfrontier import logs  # no JAX import either
 from jaxfrontier.checkpoint import run_files  # no JAX import
 from jaxfrontier.data import loader as data_lib  # no JAX import at module level
 from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError, UserError
+from jaxfrontier.plan import fanout  # no JAX import either
 from jaxfrontier.plan import shrink  # no JAX import either
 from jaxfrontier.training import validation  # no JAX import: config and data checks only
 
@@ -86,8 +88,13 @@ _PLAN_CHECK = flags.DEFINE_enum('plan_check', 'lower', ['none', 'lower', 'compil
                                 'mode=plan: lower the train step on an AbstractMesh (lower), and also compile an '
                                 'fp32 copy on <= 2048 simulated CPU devices (compile).')
 _PLAN_JSON = flags.DEFINE_string('plan_json', '', 'mode=plan: also write the plan (or search) as JSON here.')
-_VERIFY_MAX_DEVICES = flags.DEFINE_integer('verify_max_devices', 2048, 'mode=verify: simulated CPU devices at most; '
-                                           'a larger mesh is checked with a smaller data extent (said so).')
+_VERIFY_MAX_DEVICES = flags.DEFINE_integer('verify_max_devices', shrink.MAX_DEVICES, 'mode=verify: simulated CPU '
+                                           'devices at most; a larger mesh is checked with a smaller data extent '
+                                           f'(said so). Past {fanout.PER_PROCESS_MAX} the check runs as several local '
+                                           'processes joined by jax.distributed (one XLA:CPU process deadlocks '
+                                           'beyond that: docs/preflight.md).')
+# Tests only: a lower per-process device limit, so that a small layout takes the multi-process path.
+_PER_PROCESS_MAX_ENV = 'JF_VERIFY_PER_PROCESS_MAX'
 _VERIFY_JSON = flags.DEFINE_string('verify_json', '', 'mode=verify: also write the certificate as JSON here.')
 
 
@@ -113,13 +120,20 @@ def main(argv: list[str]) -> int:
             data_lib.resolve_vocab(config)
             data_lib.resolve_eot(config)
             to_verify = shrink.shrink(config, _VERIFY_MAX_DEVICES.value)  # once: its mesh sizes the devices
+            if fanout.WORKER_ENV in os.environ:  # one of the processes started just below, by the parent
+                processes = fanout.Worker.decode(os.environ[fanout.WORKER_ENV]).settings()
+            else:
+                count = fanout.workers_needed(to_verify.num_devices, int(os.environ.get(
+                    _PER_PROCESS_MAX_ENV, fanout.PER_PROCESS_MAX)))
+                if count > 1:  # the parent: no JAX here, it waits for the workers (plan/fanout.py)
+                    return fanout.run_workers(sys.argv, count, os.environ)
             os.environ['JAX_PLATFORMS'] = 'cpu'
             # Hundreds of simulated devices share this machine's cores: a collective may wait minutes for
             # its last participant, past XLA:CPU's 40 s abort.
             os.environ['XLA_FLAGS'] = ' '.join(
                 [f for f in os.environ.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
                 + [f'--{flag}=3600' for flag in VERIFY_XLA_TIMEOUTS])
-            config_lib.set_cpu_device_count(to_verify.num_devices)
+            config_lib.set_cpu_device_count(to_verify.num_devices // processes.num_processes)
         else:
             per_process = distributed.cpu_devices_per_process(config.mesh.cpu_devices, processes.num_processes)
             config_lib.set_cpu_device_count(per_process)
@@ -135,8 +149,11 @@ def main(argv: list[str]) -> int:
                                      search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
                                      json_path=_PLAN_JSON.value))
         elif _MODE.value == 'verify':
+            distributed.initialize(processes, config.distributed)  # the workers of a multi-process check
             from jaxfrontier.plan import verify  # pylint: disable=g-import-not-at-top
             text, passed = verify.report(_config_name(), to_verify)
+            if processes.process_id != 0:  # every process computes the certificate; process 0 tells it
+                return 0
             if _VERIFY_JSON.value:
                 with open(_VERIFY_JSON.value, 'w') as f:
                     f.write(text.rsplit('\n', 1)[0] + '\n')

@@ -25,7 +25,9 @@ import ml_collections
 from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
 
-MAX_DEVICES = 2048  # simulated CPU devices a program still compiles with (the brief's machine limit)
+# --verify_max_devices by default: 8 processes of 256 devices, the most plan/fanout.py starts (one XLA:CPU
+# process deadlocks past 256; the open-files limit may allow fewer: it says so).
+MAX_DEVICES = 2048
 SEQ_LEN = 32
 HEAD_DIM = 8
 VOCAB = 251  # a prime, so the padded vocabulary always pads

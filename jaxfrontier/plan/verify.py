@@ -12,6 +12,10 @@ at `FLOOR` times the root-mean-square tensor norm, so a tensor whose true gradie
 against rounding noise. A layout is right when the worst tensor of each quantity is within
 its dtype's tolerance; a wrong shard, a missing or doubled reduction or a mis-ordered
 micro-batch is off by tens of percent (tests/plan/test_verify.py injects one).
+
+Past 256 simulated devices the check runs in several processes (plan/fanout.py): each runs the
+layout on the global mesh and the reference on a device of its own, compares the shards it
+holds, and the squared differences are summed over the processes; no array is gathered.
 """
 
 from __future__ import annotations
@@ -23,13 +27,13 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import attention
-from jaxfrontier.model import params as params_lib
 from jaxfrontier.plan import shrink as shrink_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
@@ -59,47 +63,113 @@ class Quantity:
 
 
 def _batches(c: ml_collections.ConfigDict, n: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(c.seed)
+    rng = np.random.default_rng(c.seed)  # the same in every process of a multi-process check
     return [rng.integers(0, c.model.vocab_size, (c.train.global_batch, c.model.seq_len + 1), dtype=np.int32)
             for _ in range(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """This process's part of one global array: its shape and the shards it holds that no other
+    process or device also counts (replica 0), by index. In one process on one device: the whole array.
+    """
+
+    shape: tuple[int, ...]
+    shards: tuple[tuple[tuple[slice, ...], np.ndarray], ...]
+
+
+def _local(tree) -> Any:
+    """Each leaf's `Local` part, as float64 NumPy: a layout's arrays need not be addressable here."""
+    def part(a: jax.Array) -> Local:
+        return Local(tuple(a.shape), tuple((s.index, np.asarray(s.data, np.float64))
+                                           for s in a.addressable_shards if s.replica_id == 0))
+    return jax.tree.map(part, tree)
+
+
+def _key(index: tuple[slice, ...]) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
 
 
 def run(c: ml_collections.ConfigDict, devices) -> tuple[float, Any, Any]:
     """(first step's loss, its gradients, each parameter's change after `train.steps` steps) of `c` on `devices`.
 
-    Gradients and updates come back in model order ([L, ...] blocks) as NumPy.
+    Gradients and updates come back in the layout's order (interleaved blocks [V, L / V, ...]) as a
+    tree of `Local` parts: with several processes no process can gather the arrays, and the
+    comparison needs only each process's own shards (`compare_trees`).
     """
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), devices)
     layout = ts.make_placement(c, mesh)
     state = ts.init_train_state(c, layout)
-    initial = params_lib.merge_virtual(jax.device_get(state['params']))
+    initial = jax.tree.map(lambda p: {_key(i): x for i, x in p.shards}, _local(state['params']),
+                           is_leaf=lambda x: isinstance(x, Local))
     sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
-    batches = [jax.device_put(b, sharding) for b in _batches(c, c.train.steps)]
+    batches = [jax.make_array_from_callback(b.shape, sharding, b.__getitem__) for b in _batches(c, c.train.steps)]
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-        loss, grads = jax.device_get(jax.jit(step_lib.make_loss_and_grads(c, layout))(state['params'], batches[0], 0))
+        loss, grads = jax.jit(step_lib.make_loss_and_grads(c, layout))(state['params'], batches[0], 0)
+        loss, grads = float(loss.addressable_data(0)), _local(grads)  # the loss is replicated
         train_step = jax.jit(step_lib.make_train_step(c, layout), donate_argnums=0)
         for batch in batches:
             state, _ = train_step(state, batch)
-    final = params_lib.merge_virtual(jax.device_get(state['params']))
-    updates = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), final, initial)
-    return float(loss), params_lib.merge_virtual(grads), updates
+    updates = jax.tree.map(lambda p, start: Local(p.shape, tuple((i, x - start[_key(i)]) for i, x in p.shards)),
+                           _local(state['params']), initial, is_leaf=lambda x: isinstance(x, Local))
+    return loss, grads, updates
+
+
+def _whole(tree) -> Any:
+    """The full arrays of a one-device run's `Local` tree."""
+    def whole(p: Local) -> np.ndarray:
+        (index, x), = p.shards
+        assert x.shape == p.shape, index  # one device holds everything
+        return x
+    return jax.tree.map(whole, tree, is_leaf=lambda x: isinstance(x, Local))
+
+
+def _whole_part(a) -> Local:
+    """A full array (a test's own, gathered to one host) as a `Local` part."""
+    a = np.asarray(a, np.float64)
+    return Local(a.shape, (((slice(None),) * a.ndim, a),))
+
+
+def _sum_over_processes(x: np.ndarray) -> np.ndarray:
+    if jax.process_count() == 1:
+        return x
+    return np.sum(multihost_utils.process_allgather(x), axis=0, dtype=np.float64)
 
 
 def compare_trees(actual, expected, tolerance: float) -> Quantity:
-    """The worst per-tensor relative difference of two trees (see the module docstring)."""
-    pairs = [(jax.tree_util.keystr(path), np.asarray(a, np.float64), np.asarray(e, np.float64))
-             for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected))]
-    rms = np.sqrt(np.mean([np.sum(e ** 2) for _, _, e in pairs])) or 1.0
+    """The worst per-tensor relative difference (see the module docstring) of a layout's `Local` tree
+    (or full arrays) and the one-device run's full arrays (model order: interleaved blocks are a
+    reshape of them).
+
+    Each process sums |a - e|^2 over its own shards; the sums are added over the processes, so
+    every process reaches the same verdict without gathering a layout's arrays.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(actual, is_leaf=lambda x: isinstance(x, Local))
+    names = [jax.tree_util.keystr(path) for path, _ in leaves]
+    parts = [p if isinstance(p, Local) else _whole_part(p) for _, p in leaves]
+    wanted = [np.asarray(e, np.float64) for e in jax.tree.leaves(expected)]
+    merged = [p.shape if len(p.shape) == e.ndim else (p.shape[0] * p.shape[1], *p.shape[2:]) if p.shape else ()
+              for p, e in zip(parts, wanted)]
+    for name, shape, e in zip(names, merged, wanted):
+        if tuple(shape) != e.shape:
+            return Quantity(float('inf'), f'{_short(name)}: shape {tuple(shape)} vs {e.shape}', tolerance)
+    wanted = [e.reshape(p.shape) for p, e in zip(parts, wanted)]
+    squares = _sum_over_processes(np.array([sum(float(np.sum((x - e[i]) ** 2)) for i, x in p.shards)
+                                            for p, e in zip(parts, wanted)], np.float64))
+    norms = [float(np.linalg.norm(e)) for e in wanted]
+    rms = np.sqrt(np.mean(np.square(norms))) or 1.0
     worst, where = 0.0, ''
-    for name, a, e in pairs:
-        if a.shape != e.shape:
-            return Quantity(float('inf'), f'{name}: shape {a.shape} vs {e.shape}', tolerance)
-        diff = np.linalg.norm(a - e) / max(np.linalg.norm(e), FLOOR * rms)
+    for name, square, norm in zip(names, squares, norms):
+        diff = np.sqrt(square) / max(norm, FLOOR * rms)
         if not np.isfinite(diff) or diff > worst:
             worst, where = float(diff), name
             if not np.isfinite(diff):
                 break
-    return Quantity(worst, where.lstrip("['").replace("']['", '/').rstrip("']"), tolerance)
+    return Quantity(worst, _short(where), tolerance)
+
+
+def _short(name: str) -> str:
+    return name.lstrip("['").replace("']['", '/').rstrip("']")
 
 
 def certificate(name: str, shrunk: shrink_lib.Shrunk) -> dict[str, Any]:
@@ -111,7 +181,9 @@ def certificate(name: str, shrunk: shrink_lib.Shrunk) -> dict[str, Any]:
                                      f'devices but {len(devices)} are present',
                                      'run it through python -m jaxfrontier.main --mode=verify, which sets them')
     loss, grads, updates = run(c, devices[:shrunk.num_devices])
-    ref_loss, ref_grads, ref_updates = run(shrink_lib.reference_config(c), devices[:1])
+    # In every process, on a device of its own: deterministic, so each holds the same reference.
+    ref_loss, ref_grads, ref_updates = run(shrink_lib.reference_config(c), jax.local_devices()[:1])
+    ref_grads, ref_updates = _whole(ref_grads), _whole(ref_updates)  # one chunk per stage: model order
     tol = TOLERANCES[c.model.dtype]
     loss_diff = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
     quantities = {'loss': Quantity(loss_diff if np.isfinite(loss) else float('inf'), 'step 0', tol['loss']),
@@ -121,6 +193,7 @@ def certificate(name: str, shrunk: shrink_lib.Shrunk) -> dict[str, Any]:
         'config': name,
         'passed': all(q.passed for q in quantities.values()),
         'devices': shrunk.num_devices,
+        'processes': jax.process_count(),
         'platform': devices[0].platform,
         'attention': attention.resolve_impl(c.model.attention, c.model.dtype, devices[0].platform),
         'kept': shrunk.kept,
@@ -141,7 +214,8 @@ def summary(cert: dict[str, Any]) -> str:
     parts = [f'{k} {q["worst_relative_difference"]:.1e}{"" if q["passed"] else " FAIL"} (tol {q["tolerance"]:g}'
              + (f', {q["where"]})' if k != 'loss' else ')') for k, q in cert['quantities'].items()]
     verdict = 'PASS' if cert['passed'] else 'FAIL'
-    return (f'verify: {verdict} {cert["config"]}: {mesh} ({cert["devices"]} {cert["platform"]} devices, '
+    processes = f' in {cert["processes"]} processes' if cert.get('processes', 1) > 1 else ''
+    return (f'verify: {verdict} {cert["config"]}: {mesh} ({cert["devices"]} {cert["platform"]} devices{processes}, '
             f'{cert["kept"]["pipeline.schedule"] if cert["kept"]["mesh.pipeline"] > 1 else "no pipeline"}, '
             f'remat {cert["kept"]["model.remat"]}, {cert["attention"]} attention, {cert["kept"]["model.dtype"]}'
             f'{", ZeRO-1" if cert["kept"]["sharding.zero1"] else ""}) vs one device over {cert["steps"]} steps: '

@@ -1,13 +1,17 @@
-"""`--mode=verify`: the shrunk layout against one device (jaxfrontier/plan/shrink.py, verify.py).
+"""`--mode=verify`: the shrunk layout against one device (jaxfrontier/plan/shrink.py, verify.py, fanout.py).
 
 The shrink is checked without devices on the paper's configs; the certificate runs in this
 process on the 8 simulated devices (slow tier), passing for right layouts (an interleaved
 pipeline with data and tensor; a Llama on tensor x fsdp) and failing, with the quantity named,
 when the test breaks the data-parallel reduction. A ZeRO-1 layout's certificate, through
 `python -m jaxfrontier.main --mode=verify` itself, is tests/sweep/test_sweep.py's verifier test.
+The multi-process path (more devices than one XLA:CPU process runs: plan/fanout.py) runs through
+the CLI with the per-process limit lowered to 4, so the 8 devices are 2 processes joined by
+jax.distributed.
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +21,7 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
+from jaxfrontier.plan import fanout
 from jaxfrontier.plan import shrink as shrink_lib
 from jaxfrontier.plan import verify
 from jaxfrontier.training import reduction
@@ -37,7 +42,7 @@ def _paper(name):
 @pytest.mark.parametrize('name, devices, data, layers, accum', [
     ('22b', 32, 1, 8, 16),  # TP 4 x PP 8: nothing but the size shrinks
     ('175b', 128, 2, 16, 32),
-    ('1t', 1536, 3, 64, 128),  # TP 8 x PP 64 x DP 6 = 3,072 devices: data 6 -> 3 to fit 2,048
+    ('1t', 1536, 3, 64, 128),  # TP 8 x PP 64 x DP 6 = 3,072 devices: data 6 -> 3 to fit 2,048 (6 processes)
 ])
 def test_shrink_keeps_the_layout_of_the_paper_configs(name, devices, data, layers, accum):
     c = _paper(name)
@@ -177,3 +182,91 @@ def test_certificate_passes_for_a_llama_layout():
     assert cert['passed'], verify.summary(cert)
     assert cert['kept']['model.family'] == 'llama' and not cert['kept']['key/value heads split over tensor']
     assert cert['kept']['model.rope_scaling'] == 'llama3' and cert['devices'] == 8
+
+
+@pytest.mark.parametrize('devices, per_process, files, count', [
+    (128, 256, 1024, 1),  # configs/175b.py: one process, as before (no gloo, no sockets)
+    (256, 256, 1 << 20, 1), (512, 256, 1 << 20, 2),  # configs/1t.py at data 1
+    (512, 256, 20_000, 32),  # ... where 20,000 files are allowed: 16 x 511 sockets fit, 32 x 511 do not
+    (1536, 256, 1 << 20, 6),  # configs/1t.py at the default --verify_max_devices (data 3)
+    (8, 4, 20_000, 2),  # the tests below
+    (14, 4, 1 << 20, 7),  # 4 processes cannot split 14 evenly: the next count that does
+])
+def test_process_count_splits_the_devices_evenly_within_the_open_files(devices, per_process, files, count):
+    assert fanout.process_count(devices, per_process, files) == count
+    assert devices % count == 0 and devices // count <= per_process
+    assert count == 1 or fanout.sockets_per_process(devices, count) <= fanout.FILES_SHARE * files
+
+
+# configs/tiny.py (data 2 x fsdp 2 x tensor 2) with 2 micro-batches, so that the gradients cross
+# `data` in one pmean (training/reduction.py), and ZeRO-1, so that the optimizer state is split
+# over both processes too.
+TWO_PROCESSES = ('--config=configs/tiny.py', '--config.train.accum_steps=2', '--config.train.micro_batch=2',
+                 '--config.sharding.zero1=True')
+# The wrong reduction of the test above, in each process of the check (Python runs sitecustomize
+# at start-up): a sum where the mean belongs.
+SUM_NOT_MEAN = 'import jax\njax.lax.pmean = lambda x, axis, **kw: jax.lax.psum(x, axis)\n'
+
+
+def _verify_in_processes(tmp_path, inject=''):
+    """`--mode=verify` through the CLI with at most 4 devices a process: 2 processes for tiny's 8."""
+    env = processes.subprocess_env(JF_VERIFY_PER_PROCESS_MAX='4')
+    if inject:
+        (tmp_path / 'sitecustomize.py').write_text(inject)
+        env['PYTHONPATH'] = f'{tmp_path}{os.pathsep}{env["PYTHONPATH"]}'
+    out = tmp_path / 'certificate.json'
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--mode=verify', *TWO_PROCESSES,
+                           f'--verify_json={out}', f'--workdir={tmp_path}'], cwd=processes.REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stderr[-4000:]
+    cert = json.loads(out.read_text())
+    assert cert['processes'] == 2 and cert['devices'] == 8, cert
+    assert 'mode=verify: 2 local processes' in proc.stderr
+    return proc, cert
+
+
+@pytest.mark.slow
+def test_certificate_passes_in_two_processes(tmp_path):
+    proc, cert = _verify_in_processes(tmp_path)
+    assert proc.returncode == 0 and cert['passed'], proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith('verify: PASS') and '(8 cpu devices in 2 processes,' in line and 'ZeRO-1' in line
+
+
+@pytest.mark.slow
+def test_certificate_fails_in_two_processes_when_the_reduction_is_doubled(tmp_path):
+    proc, cert = _verify_in_processes(tmp_path, inject=SUM_NOT_MEAN)
+    assert proc.returncode == 1 and not cert['passed'], proc.stderr[-3000:]
+    q = cert['quantities']
+    assert not q['grads']['passed'] and q['grads']['worst_relative_difference'] > 0.5, q
+    assert 'FAIL' in proc.stdout.strip().splitlines()[-1].split(':')[1]
+
+
+@pytest.mark.slow
+def test_a_dead_worker_ends_the_check_with_one_line(tmp_path):
+    """Process 1 dies at start-up (injected); the parent ends process 0, which would wait for it, and says so."""
+    env = processes.subprocess_env(JF_VERIFY_PER_PROCESS_MAX='4')
+    (tmp_path / 'sitecustomize.py').write_text("import os, sys\nif os.environ.get('JF_VERIFY_WORKER', '')"
+                                               ".startswith('1/'):\n    print('worker 1 dies', file=sys.stderr)\n"
+                                               "    os._exit(7)\n")
+    env['PYTHONPATH'] = f'{tmp_path}{os.pathsep}{env["PYTHONPATH"]}'
+    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--mode=verify', *TWO_PROCESSES,
+                           f'--workdir={tmp_path}'], cwd=processes.REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == 'error: verify process 1 of 2 ended with status 7: worker 1 dies'
+    assert 'verify: PASS' not in proc.stdout
+
+
+def test_verify_refuses_in_one_line_when_the_open_files_need_too_many_processes(tmp_path):
+    """configs/1t.py at data 1 under a limit of 4,096 open files: 511 gloo sockets per device allow 4
+    devices a process, 128 processes; refused before any process starts (no JAX import, a second)."""
+    cmd = (f'ulimit -n 4096 && exec {sys.executable} -m jaxfrontier.main --config=configs/1t.py --mode=verify '
+           f'--verify_max_devices=512 --workdir={tmp_path}')
+    proc = subprocess.run(['bash', '-c', cmd], cwd=processes.REPO, env=processes.subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith('error: --mode=verify: 512 simulated devices would need 128 local processes here '
+                           '(the open-files limit 4096'), line
+    assert 'nofile=261632' in line
