@@ -80,7 +80,7 @@ def run(tmp_path, *args):
                           timeout=300)
 
 
-@pytest.mark.parametrize('mode', ['sample', 'eval', 'train'])
+@pytest.mark.parametrize('mode', ['sample', 'eval', pytest.param('train', marks=pytest.mark.slow)])  # train: a run first
 def test_cli_refuses_nan_parameters_with_one_line(tmp_path, mode):
     """Was: sample exit 0 with tokens [0, 0, 0]; train: a NaN loss blaming the learning rate."""
     path = write_params(tmp_path / 'nan.safetensors', tiny_config(), lambda name, a: np.full_like(a, np.nan))

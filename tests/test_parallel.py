@@ -85,6 +85,7 @@ def _data_reduction_bytes(accum, pipeline=1):
                if 'data' in x.axes and x.kind in ('all-reduce', 'reduce-scatter'))
 
 
+@pytest.mark.slow  # two compiles; a property of the program's bytes, not of its numbers
 def test_gradients_cross_data_once_per_step():
     """Accumulation sums each replica's gradients locally: the bytes reduced over `data` per step
     do not grow with the number of micro-batches (jaxfrontier/training/reduction.py)."""

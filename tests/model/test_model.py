@@ -122,6 +122,7 @@ def test_reference_and_xla_attention_agree():
     np.testing.assert_allclose(ref_out[:, 0], v[:, 0], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow  # the fast tier: test_reference_and_xla_attention_agree, and test_attention's kernels vs reference forward and backward
 def test_gpt_loss_and_grads_same_with_reference_and_xla_attention():
     ref_loss, ref_grads = gpt_loss_and_grads(attention='reference')
     xla_loss, xla_grads = gpt_loss_and_grads(attention='xla')

@@ -38,7 +38,7 @@ def test_segments_keep_documents_apart():
     np.testing.assert_allclose(got[:1, :5], first, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize('family', ['gpt', 'llama'])
+@pytest.mark.parametrize('family', ['gpt', pytest.param('llama', marks=pytest.mark.slow)])  # fast tier: one family
 def test_loss_with_explicit_plain_seq_equals_plain(family):
     from jaxfrontier.model import registry
     c = config_lib.base_config()

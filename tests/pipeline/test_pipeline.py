@@ -315,7 +315,7 @@ def _eval(c, tokens, params):
     return loss, flops
 
 
-@pytest.mark.parametrize('schedule,p,m,virtual', [('1f1b', 2, 3, 1),
+@pytest.mark.parametrize('schedule,p,m,virtual', [pytest.param('1f1b', 2, 3, 1, marks=pytest.mark.slow),
                                                   pytest.param('interleaved', 2, 4, 2, marks=pytest.mark.slow)])
 def test_pipeline_eval_is_forward_only(schedule, p, m, virtual):
     """Evaluation of a pipelined model runs forward units only: the loss of the unpipelined

@@ -212,6 +212,7 @@ def test_cli_bad_input_is_one_line(tmp_path):
         assert 'Traceback' not in proc.stderr
 
 
+@pytest.mark.slow  # the fast tier: test_fresh_fit_of_the_checked_in_cpu_sweep and the CLI's one-line errors
 def test_cli_calibrates_and_plan_uses_the_description(tmp_path):
     out = tmp_path / 'paper.json'
     proc = _calibrate(f'--results={PAPER}', '--hardware=mi250x', '--across_models', f'--out={out}')
