@@ -44,6 +44,7 @@ def dead_pid():
     return proc.pid
 
 
+@pytest.mark.slow  # needs run_dir: a training run through the CLI
 def test_cli_hf_export_into_the_training_workdir_is_refused(run_dir):
     before = (run_dir / 'config.json').read_bytes()
     line = one_error(main('--mode=export', '--export_format=hf', f'--workdir={run_dir}', f'--export_path={run_dir}'))
@@ -52,6 +53,7 @@ def test_cli_hf_export_into_the_training_workdir_is_refused(run_dir):
     assert not (run_dir / 'model.safetensors').exists()
 
 
+@pytest.mark.slow  # needs run_dir: a training run through the CLI
 def test_hf_export_onto_an_existing_file_is_one_line(run_dir, tmp_path):
     target = tmp_path / 'taken'
     target.write_text('mine')
@@ -60,6 +62,7 @@ def test_hf_export_onto_an_existing_file_is_one_line(run_dir, tmp_path):
     assert target.read_text() == 'mine'
 
 
+@pytest.mark.slow  # needs run_dir: a training run through the CLI
 def test_training_into_a_hugging_face_export_is_refused(run_dir, tmp_path):
     out = tmp_path / 'hf'
     hf.export_hf(str(run_dir), str(out))
@@ -69,6 +72,7 @@ def test_training_into_a_hugging_face_export_is_refused(run_dir, tmp_path):
     assert (out / 'config.json').read_bytes() == before
 
 
+@pytest.mark.slow  # needs run_dir
 @pytest.mark.parametrize('kind', ['safetensors', 'hf'])
 def test_stale_temporaries_of_a_killed_export_are_removed(run_dir, tmp_path, kind):
     out = tmp_path / ('params.safetensors' if kind == 'safetensors' else 'hf')

@@ -148,6 +148,7 @@ def test_prompt_file_that_is_not_utf8(tmp_path):
         sample.read_prompts([], str(path))
 
 
+@pytest.mark.slow  # loads a model before the path is read; the fast tier keeps the CLI's other one-line errors
 def test_cli_eval_path_errors_name_the_flag(tmp_path):
     params = write_params(tmp_path / 'p.safetensors', tiny_config())
     line = one_error(*run('main', *processes.TINY, '--config.model.num_heads=2', '--mode=eval',

@@ -96,6 +96,7 @@ def test_stop_strings_are_matched_in_the_text_whatever_the_tokens():
         stops.check_stops(['ok', ''])
 
 
+@pytest.mark.slow  # a decode compile; the fast tier decodes in test_inference's kv-cache check and matches stops here
 def test_end_of_text_ends_a_row_and_the_loop():
     c = small_config()
     model_def, params = ModelDef.create(config_lib.model_shape(c)), sharp_params(c)
