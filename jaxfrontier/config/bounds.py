@@ -43,9 +43,16 @@ def problems(c: Any, defaults: Any) -> Iterator[tuple[str, Any, str, str]]:
         if section not in c or not hasattr(c[section], 'items'):
             continue
         for field, default in sub.items():
-            if default is not None and field in c[section] and c[section][field] is None:
+            value = c[section][field] if field in c[section] else None
+            if default is not None and field in c[section] and value is None:
                 yield (f'{section}.{field}', None, 'must not be None',
                        f'set it to a value like its default {default!r}, or leave it out')
+            # Every float field is a finite number (a lease, a timeout, a factor, a rate): inf and NaN are
+            # never a setting, whatever range a field's own check then asks for.
+            if (isinstance(default, float) and isinstance(value, float) and not math.isfinite(value)
+                    and f'{section}.{field}' not in FLOAT_RANGES):
+                yield (f'{section}.{field}', value, 'must be a finite number',
+                       f'set {section}.{field} to a number like its default {default!r}')
     for field, limit in MAX_SIZES.items():
         value = _get(c, field)
         if isinstance(value, int) and value > limit:
