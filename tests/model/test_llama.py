@@ -247,8 +247,9 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow  # the fast tier's layout checks are GPT's (test_parallel, test_pipeline); Llama's are all here
 def test_layout_step0_matches_single_device(reference_step0):
-    """The fast tier: step 0's loss and gradients on data 2 x tensor 4 (the optimizer steps: slow tier)."""
+    """Step 0's loss and gradients on data 2 x tensor 4 (the optimizer steps: test_layout_matches_single_device)."""
     loss, grads, _ = run_layout(llama_layout(**LAYOUTS['d2t4']), steps=False)
     np.testing.assert_allclose(loss, reference_step0[0], rtol=LOSS_RTOL)
     assert_trees_close(grads, reference_step0[1], 'd2t4 grad')

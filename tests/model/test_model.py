@@ -161,6 +161,7 @@ def check_remat_policy(remat):
         np.testing.assert_array_equal(g, g_ref, err_msg=f'grad {jax.tree_util.keystr(path)}')
 
 
+@pytest.mark.slow  # the fast tier: test_attention's blockwise kernel under remat=full equals the reference
 def test_full_remat_does_not_change_loss_or_grads():
     check_remat_policy('full')
 

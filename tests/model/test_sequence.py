@@ -38,7 +38,8 @@ def test_segments_keep_documents_apart():
     np.testing.assert_allclose(got[:1, :5], first, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize('family', ['gpt', pytest.param('llama', marks=pytest.mark.slow)])  # fast tier: one family
+@pytest.mark.slow  # the fast tier: test_explicit_plain_positions_and_one_segment_equal_causal (the kernel level)
+@pytest.mark.parametrize('family', ['gpt', 'llama'])
 def test_loss_with_explicit_plain_seq_equals_plain(family):
     from jaxfrontier.model import registry
     c = config_lib.base_config()

@@ -329,6 +329,7 @@ def test_pipeline_eval_is_forward_only(schedule, p, m, virtual):
     assert flops == pytest.approx(flat_flops, rel=1e-9)
 
 
+@pytest.mark.slow  # the fast tier checks the pipelined train step against one device
 def test_pipeline_eval_with_data_and_fsdp_matches_flat():
     """Pipeline 2 x data 2 x fsdp 2: the wave runs manual over `data` too, each replica on its
     rows (jax 0.11.2 aborts compiling it with `data` and `fsdp` both automatic inside)."""
