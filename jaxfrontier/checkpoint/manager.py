@@ -61,6 +61,26 @@ class _QuietOrbax(pylogging.Filter):
         return errors.disk_full(exception) is None and not any(t in message for t in errors.DISK_FULL_TEXTS)
 
 
+class _QuietOrphanedWrites(pylogging.Filter):
+    """Drops asyncio's `Task exception was never retrieved` for an Orbax write that failed for lack
+    of space.
+
+    When a full disk fails several of a save's TensorStore writes (`write_fragment` tasks in
+    serialization.py), the first failure is raised to the training loop and the others are left
+    unawaited; when those tasks are collected, asyncio logs each with its traceback. The run
+    already ends with one `error: no space left ...` line, so these repeat it. Only records whose
+    task is Orbax's (its coroutine's file is under orbax/) and whose exception `errors.disk_full`
+    recognises are dropped; every other asyncio record passes.
+    """
+
+    def filter(self, record) -> bool:
+        exception = record.exc_info[1] if record.exc_info else None
+        if exception is None or errors.disk_full(exception) is None:
+            return True
+        frames = traceback.extract_tb(exception.__traceback__)
+        return not any(f'{os.sep}orbax{os.sep}' in f.filename for f in frames)
+
+
 def _closed_loop_wakeup(unraisable) -> bool:
     """Whether an unraisable exception is a TensorStore callback waking an event loop Orbax closed.
 
@@ -89,11 +109,14 @@ def _unraisable_hook(previous):
 
 
 def quiet_orbax_logs() -> None:
-    """Installs _QuietOrbax on the absl logger, and the closed-loop filter on sys.unraisablehook
-    (_closed_loop_wakeup), once per process."""
+    """Installs _QuietOrbax on the absl logger, _QuietOrphanedWrites on asyncio's, and the
+    closed-loop filter on sys.unraisablehook (_closed_loop_wakeup), once per process."""
     logger = logging.get_absl_logger()
     if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
         logger.addFilter(_QuietOrbax())
+    asyncio_logger = pylogging.getLogger('asyncio')
+    if not any(isinstance(f, _QuietOrphanedWrites) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_QuietOrphanedWrites())
     if not getattr(sys.unraisablehook, 'drops_closed_loop_wakeups', False):
         sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
 
