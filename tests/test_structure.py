@@ -17,7 +17,7 @@ MAX_LINES = 500
 # Bottom to top. A module may import its own layer or lower ones (and no cycle: test below).
 LAYERS = (
     ('errors',),
-    ('config', 'hardware', 'cli', 'logs'),  # no JAX at import: read before JAX starts
+    ('config', 'hardware', 'cli', 'logs', 'files'),  # no JAX at import: read before JAX starts
     ('flops', 'mesh', 'distributed', 'layout'),
     ('model', 'data'),
     ('checkpoint',),  # Orbax manager, restore, integrity, readers, safetensors, Hugging Face: no training

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxfrontier import files as files_lib
 from jaxfrontier.errors import CheckpointError
 
 FORMAT = 'jaxfrontier-fast'
@@ -44,22 +45,6 @@ def process_root(fast_dir: str, process: int) -> str:
 
 def part_dir(root: str, step: int, part: str) -> str:
     return os.path.join(root, str(step), part)
-
-
-def _write_durable(path: str, data: bytes) -> None:
-    """Writes `path` so that a crash leaves the old file or the whole new one: temporary file, fsync, rename,
-    fsync of the directory (a commit marker must not outlive the data it names after a power loss)."""
-    tmp = f'{path}.tmp{os.getpid()}'
-    with open(tmp, 'wb') as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or '.', os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_part(directory: str, head: dict[str, Any], leaves: list[Leaf]) -> int:
@@ -88,7 +73,7 @@ def write_part(directory: str, head: dict[str, Any], leaves: list[Leaf]) -> int:
             total += int(payload.size)
         entries.append({'name': name, 'shape': list(shape), 'dtype': dtype, 'shards': files})
     manifest = {'format': FORMAT, 'version': VERSION, **head, 'leaves': entries}
-    _write_durable(os.path.join(directory, MANIFEST), json.dumps(manifest).encode())
+    files_lib.write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest).encode(), durable=True)
     return total
 
 

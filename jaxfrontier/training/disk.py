@@ -36,13 +36,3 @@ def disk_full_error(e: OSError, workdir: str) -> UserError:
         f'before are intact. Fix: free space there (older runs, {os.path.join(workdir, "checkpoints")} steps '
         'you do not need) or use a --workdir on a file system with room, then rerun the same command to '
         'resume; checkpoint.keep bounds how many checkpoints stay')
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Writes `text` to `path` so that a reader, or a kill at any moment, sees the old file or the new
-    one, never a part: a temporary file of this process beside it, then one rename. The run's small
-    records (config.json, spikes.json, goodput.json, the W&B run id) are written this way."""
-    tmp = f'{path}.tmp{os.getpid()}'
-    with open(tmp, 'w', encoding='utf-8') as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from jaxfrontier import logs
-from jaxfrontier.training import disk
+from jaxfrontier import files
 
 PARTS = ('startup', 'compile', 'checkpoint', 'eval', 'productive', 'replayed')
 FILE = 'goodput.json'
@@ -162,7 +162,7 @@ class Ledger:
 
     def _save(self, current: dict[str, Any], total: dict[str, float]) -> None:
         record = {'attempts': [*self.earlier, current], 'total': total}
-        disk.write_atomic(self.path, json.dumps(record, indent=1))
+        files.write_atomic(self.path, json.dumps(record, indent=1))
 
     def summary(self) -> str:
         """The closing line: this attempt, then every attempt's total where there were several."""

@@ -28,6 +28,7 @@ from jaxfrontier.training import goodput
 from jaxfrontier.training import interrupt
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
+from jaxfrontier import files
 from jaxfrontier import logs
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import NonFiniteLossError
@@ -193,7 +194,7 @@ def _wandb_sink(c: ml_collections.ConfigDict, workdir: str, handlers: contextlib
 
 def write_resolved_config(c: ml_collections.ConfigDict, workdir: str) -> None:
     if jax.process_index() == 0:
-        disk.write_atomic(os.path.join(workdir, 'config.json'), c.to_json_best_effort(indent=2, sort_keys=True))
+        files.write_atomic(os.path.join(workdir, 'config.json'), c.to_json_best_effort(indent=2, sort_keys=True))
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated: bool = False,

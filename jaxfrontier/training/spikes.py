@@ -41,7 +41,7 @@ import ml_collections
 
 from jaxfrontier import errors
 from jaxfrontier import logs
-from jaxfrontier.training import disk
+from jaxfrontier import files
 
 SpikeState = dict[str, jax.Array]
 RECORD_FILE = 'spikes.json'
@@ -175,7 +175,7 @@ class SkipRecord:
         self.skips.append(skip)
         self.skips.sort(key=lambda s: (s.at_step, s.data_from))
         if jax.process_index() == 0:
-            disk.write_atomic(self.path, json.dumps({'skips': self.as_json()}, indent=1))
+            files.write_atomic(self.path, json.dumps({'skips': self.as_json()}, indent=1))
 
     def as_json(self) -> list[dict[str, Any]]:
         return [s.as_json() for s in self.skips]

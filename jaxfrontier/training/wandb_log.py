@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from jaxfrontier.errors import ConfigError
-from jaxfrontier.training import disk
+from jaxfrontier import files
 
 ID_FILE = 'wandb_run_id'
 
@@ -55,7 +55,7 @@ def run_id(workdir: str) -> str:
     except FileNotFoundError:
         pass
     new = ''.join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id shape
-    disk.write_atomic(path, new + '\n')
+    files.write_atomic(path, new + '\n')
     return new
 
 

@@ -1,0 +1,37 @@
+"""Small files written whole or not at all: a run's records and a fast-tier checkpoint's manifest.
+
+No JAX, no other jaxfrontier import: the training loop (config.json, spikes.json, goodput.json,
+the W&B run id) and the checkpoint fast tier (its commit marker) both write through here.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def write_atomic(path: str, data: str | bytes, *, durable: bool = False) -> None:
+    """Writes `data` to `path` so that a reader, or a kill at any moment, sees the old file or the new
+    one, never a part: a temporary file of this process beside it, then one rename.
+
+    durable: also survive a power loss or a lost node's page cache: the file is fsynced before the
+    rename and its directory after, so a commit marker never outlives the data it names.
+    """
+    tmp = f'{path}.tmp{os.getpid()}'
+    text = {} if isinstance(data, bytes) else {'encoding': 'utf-8'}
+    try:
+        with open(tmp, 'wb' if isinstance(data, bytes) else 'w', **text) as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a full disk or a refused rename: the old file stays, no half-written one beside it
+            os.remove(tmp)
+        raise
+    if durable:
+        fd = os.open(os.path.dirname(path) or '.', os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
