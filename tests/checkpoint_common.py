@@ -50,10 +50,10 @@ def get_config(arg=None):
 '''
 
 
-def make_config(data=2, fsdp=2, tensor=2, pipeline=1, virtual=1, steps=6, every=1, keep=10, **model):
+def make_config(data=2, fsdp=2, tensor=2, pipeline=1, virtual=1, context=1, steps=6, every=1, keep=10, **model):
     c = config_lib.base_config()
     c.model.update(**{**MODEL, **model})
-    c.mesh.update(pipeline=pipeline, data=data, fsdp=fsdp, tensor=tensor)
+    c.mesh.update(pipeline=pipeline, data=data, fsdp=fsdp, context=context, tensor=tensor)
     accum = pipeline if pipeline > 1 else 1  # pipelines need micro-batches
     c.train.update(steps=steps, global_batch=8, micro_batch=8 // (data * fsdp * accum), accum_steps=accum,
                    log_every=1, eval_every=0, eval_batches=1, progress=False)

@@ -58,6 +58,7 @@ TARGETS = {
     'tensor4': dict(data=1, fsdp=1, tensor=4),
     'one_device': dict(data=1, fsdp=1, tensor=1),
     'pipeline2_fsdp2_tensor2': dict(pipeline=2, data=1, fsdp=2, tensor=2),
+    'context2_fsdp2_tensor2': dict(data=1, fsdp=2, context=2, tensor=2),  # parameters replicated over context
 }
 
 
