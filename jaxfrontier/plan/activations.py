@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
+import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import files
 from jaxfrontier.model.params import ModelDef
 
 # Proxy sizes: pairwise distinct (and distinct from every product a residual could carry), so
@@ -114,9 +119,62 @@ def _symbols(gqa: bool) -> dict[int, str]:
 
 
 @functools.cache
+def _code_digest() -> str:
+    """What a traced signature depends on besides its arguments: the model code, this module, JAX and Flax."""
+    import flax  # pylint: disable=g-import-not-at-top
+    digest = hashlib.sha256(f'{jax.__version__} {flax.__version__}'.encode())
+    here = pathlib.Path(__file__)
+    for path in sorted((here.parents[1] / 'model').rglob('*.py')) + [here]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cache_root() -> str | None:
+    """JAX's persistent compilation cache directory of this process, if one is set."""
+    return jax.config.jax_compilation_cache_dir
+
+
+def _disk_path(args: tuple) -> str | None:
+    """Where a traced signature is kept beside JAX's persistent compilation cache (None: no cache)."""
+    directory = _cache_root()
+    if not directory:
+        return None
+    key = hashlib.sha256(json.dumps([list(args), _code_digest()]).encode()).hexdigest()[:32]
+    return os.path.join(directory, 'jaxfrontier-residuals', f'{key}.json')
+
+
+def _load(path: str | None) -> Signature | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding='utf-8') as f:
+            raw = json.load(f)
+        return Signature(*(tuple(Residual(tuple(r['dims']), int(r['itemsize']), str(r['source'])) for r in part)
+                           for part in (raw['block'], raw['head'])))
+    except (TypeError, OSError, ValueError, KeyError):  # none yet, or unreadable: traced again
+        return None
+
+
+def _store(path: str | None, sig: Signature) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        files.write_atomic(path, json.dumps({'block': [dataclasses.asdict(r) for r in sig.block],
+                                             'head': [dataclasses.asdict(r) for r in sig.head]}))
+    except OSError:
+        pass  # a read-only or full cache: the next run traces again
+
+
+@functools.cache
 def signature(remat: str, dtype: str, dropout: bool = False, tied_embeddings: bool = True, attention: str = 'xla',
               family: str = 'gpt', gqa: bool = False) -> Signature:
     """Residuals the model saves for the backward pass under one policy (traced, cached).
+
+    Cached in this process, and on disk beside JAX's persistent compilation cache when one is
+    set (main: train.compile_cache), keyed by the arguments, JAX's and Flax's versions and the
+    model code: the trace is most of the pre-flight's second of start-up, and a warm start
+    reads it back instead.
 
     Args:
       remat: the remat policy ('none', 'full', 'save_dots', 'save_dots_no_batch').
@@ -139,6 +197,18 @@ def signature(remat: str, dtype: str, dropout: bool = False, tied_embeddings: bo
         fused = lambda rs: tuple(r for r in rs if r.dims.count('t') < 2)
         stats = (Residual(('b', 'h', 't'), 4, f'{attention} softmax statistics'),) if remat in ('none', 'save_dots') else ()
         return Signature(fused(xla.block) + stats, fused(xla.head))
+    path = _disk_path((remat, dtype, dropout, tied_embeddings, attention, family, gqa))
+    kept = _load(path)
+    if kept is not None:
+        return kept
+    sig = _trace(remat, dtype, dropout, tied_embeddings, attention, family, gqa)
+    _store(path, sig)
+    return sig
+
+
+def _trace(remat: str, dtype: str, dropout: bool, tied_embeddings: bool, attention: str, family: str,
+           gqa: bool) -> Signature:
+    """`signature`, traced: the proxy model's saved residuals in symbols."""
     shape = config_lib.ModelShape(
         num_layers=_L, d_model=_D, num_heads=_H, seq_len=_T, vocab_size=_V, real_vocab_size=_V,
         mlp_dim=_F, tied_embeddings=tied_embeddings, dropout_rate=0.1 if dropout else 0.0,
