@@ -3,7 +3,14 @@
 Inputs [batch 4, sequence 48, heads 6, head dim 8] (distinct sizes; heads divide tensor 2),
 packed documents whose positions restart per document, in the natural or the balanced
 (zigzag) token order; blocks 5 x 4, which divide neither a rank's 24 or 12 rows nor the
-balanced order's chunks of 12 or 6. Tolerances as test_attention (fp32, reduction order only).
+balanced order's chunks of 12 or 6. Tolerances as test_attention (fp32, reduction order only),
+with the absolute part scaled by the tensor's largest value: |ring - reference| <= RTOL * |reference|
++ ATOL * max |reference|. Measured on context 2 x data 4: the ring's worst difference is 1.13e-6 in
+dq (whose values reach 2.55), 0.95e-6 in dk and dv, 0.7e-6 in the output, the same with LLVM's
+optimised and unoptimised CPU code (tests/conftest.py). That is fp32 rounding of O(1) values, and
+it falls anywhere: where the exact value is 0 (the first token of a document sees one key, so its
+dq vanishes) an unscaled atol 1e-6 held the rounding only by luck (-6.1e-7 there with optimised
+code, -1.21e-6 without). A wrong mask, block or rotation is off by O(1).
 Every multi-device layout compiles a sharded forward and backward: slow.
 """
 
@@ -58,9 +65,9 @@ def ring_attend(q, k, v, pos, seg):
 
 def assert_matches_reference(got, arrays, ids):
     want = out_and_grads(reference, *arrays, *ids)
-    np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg='output')
-    for name, g, g_ref in zip('qkv', got[1], want[1]):
-        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
+    for name, g, g_ref in zip(('output', 'dq', 'dk', 'dv'), (got[0], *got[1]), (want[0], *want[1])):
+        g_ref = np.asarray(g_ref)
+        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL * np.abs(g_ref).max(), err_msg=name)
 
 
 def mesh_of(**axes):
