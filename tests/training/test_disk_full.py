@@ -169,9 +169,9 @@ def test_an_orbax_write_task_left_unawaited_after_a_full_disk_is_not_logged_and_
     def orphaned(writer: str, message: str) -> list[logging.LogRecord]:
         async def save():
             write = writers[writer]['write_fragment']
-            first, second = asyncio.ensure_future(write(ValueError(message))), asyncio.ensure_future(write(ValueError(message)))
+            first, _second = asyncio.ensure_future(write(ValueError(message))), asyncio.ensure_future(write(ValueError(message)))
             await asyncio.sleep(0)
-            await first  # raises; `second` is never awaited
+            await first  # raises; `_second` is never awaited
         caplog.clear()
         loop = asyncio.new_event_loop()
         try:
