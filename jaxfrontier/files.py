@@ -17,9 +17,9 @@ def write_atomic(path: str, data: str | bytes, *, durable: bool = False) -> None
     rename and its directory after, so a commit marker never outlives the data it names.
     """
     tmp = f'{path}.tmp{os.getpid()}'
-    text = {} if isinstance(data, bytes) else {'encoding': 'utf-8'}
+    mode, encoding = ('wb', None) if isinstance(data, bytes) else ('w', 'utf-8')
     try:
-        with open(tmp, 'wb' if isinstance(data, bytes) else 'w', **text) as f:
+        with open(tmp, mode, encoding=encoding) as f:
             f.write(data)
             if durable:
                 f.flush()

@@ -36,49 +36,39 @@ State = dict[str, Any]
 log = logs.process0(__name__).info  # process 0 only
 
 
+_ORBAX = f'{os.sep}orbax{os.sep}'
+
+
 class _QuietOrbax(pylogging.Filter):
-    """Drops Orbax's INFO chatter (about 20 lines per save), and its error records of a write that
-    failed for lack of space; its other warnings and errors pass.
+    """Drops Orbax's INFO chatter (about 20 lines per save), and its records of a write that failed
+    for lack of space; its other warnings and errors pass, and so does every record not Orbax's.
 
     A save that fills the disk is logged by Orbax with a traceback from each thread it passes
     through (`_SignalingThread.run()` in futures/future.py, the background commit in
     async_checkpointer.py, `wait_until_finished` in checkpoint_manager.py), then raised to the
     training loop, which ends the run with one `error: no space left ...` line (training/disk.py).
-    Only records whose exception or text `errors.disk_full` recognises are dropped (an OSError
-    ENOSPC / EDQUOT in the chain, or errors.DISK_FULL_TEXTS), so any other failure still shows.
+    When the disk fails several of a save's TensorStore writes (`write_fragment` tasks in
+    serialization.py), the first failure is raised and the others are left unawaited; asyncio
+    logs each, when collected, as `Task exception was never retrieved` with its traceback. So a
+    record is Orbax's when Orbax logged it (the absl logger) or its exception was raised in Orbax's
+    code (the asyncio logger). Of those, only records whose exception or text `errors.disk_full`
+    recognises are dropped (an OSError ENOSPC / EDQUOT in the chain, or errors.DISK_FULL_TEXTS),
+    so any other failure still shows.
     """
 
     def filter(self, record) -> bool:
-        if f'{os.sep}orbax{os.sep}' not in record.pathname:
-            return True
-        if record.levelno < pylogging.WARNING:
-            return False
         exception = record.exc_info[1] if record.exc_info else None
+        logged_by_orbax = _ORBAX in record.pathname
+        if not (logged_by_orbax or (exception is not None and any(
+                _ORBAX in f.filename for f in traceback.extract_tb(exception.__traceback__)))):
+            return True
+        if logged_by_orbax and record.levelno < pylogging.WARNING:
+            return False
         try:
             message = record.getMessage()
         except (TypeError, ValueError):  # arguments that do not fit: the handler reports that itself
             message = str(record.msg)
         return errors.disk_full(exception) is None and not any(t in message for t in errors.DISK_FULL_TEXTS)
-
-
-class _QuietOrphanedWrites(pylogging.Filter):
-    """Drops asyncio's `Task exception was never retrieved` for an Orbax write that failed for lack
-    of space.
-
-    When a full disk fails several of a save's TensorStore writes (`write_fragment` tasks in
-    serialization.py), the first failure is raised to the training loop and the others are left
-    unawaited; when those tasks are collected, asyncio logs each with its traceback. The run
-    already ends with one `error: no space left ...` line, so these repeat it. Only records whose
-    task is Orbax's (its coroutine's file is under orbax/) and whose exception `errors.disk_full`
-    recognises are dropped; every other asyncio record passes.
-    """
-
-    def filter(self, record) -> bool:
-        exception = record.exc_info[1] if record.exc_info else None
-        if exception is None or errors.disk_full(exception) is None:
-            return True
-        frames = traceback.extract_tb(exception.__traceback__)
-        return not any(f'{os.sep}orbax{os.sep}' in f.filename for f in frames)
 
 
 def _closed_loop_wakeup(unraisable) -> bool:
@@ -109,14 +99,11 @@ def _unraisable_hook(previous):
 
 
 def quiet_orbax_logs() -> None:
-    """Installs _QuietOrbax on the absl logger, _QuietOrphanedWrites on asyncio's, and the
-    closed-loop filter on sys.unraisablehook (_closed_loop_wakeup), once per process."""
-    logger = logging.get_absl_logger()
-    if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
-        logger.addFilter(_QuietOrbax())
-    asyncio_logger = pylogging.getLogger('asyncio')
-    if not any(isinstance(f, _QuietOrphanedWrites) for f in asyncio_logger.filters):
-        asyncio_logger.addFilter(_QuietOrphanedWrites())
+    """Installs _QuietOrbax on the absl logger and on asyncio's, and the closed-loop filter on
+    sys.unraisablehook (_closed_loop_wakeup), once per process."""
+    for logger in (logging.get_absl_logger(), pylogging.getLogger('asyncio')):
+        if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
+            logger.addFilter(_QuietOrbax())
     if not getattr(sys.unraisablehook, 'drops_closed_loop_wakeups', False):
         sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
 

@@ -197,4 +197,4 @@ def test_quiet_orbax_logs_installs_each_filter_once(monkeypatch):
     absl_filters = manager.logging.get_absl_logger().filters
     assert sum(isinstance(f, manager._QuietOrbax) for f in absl_filters) == 1
     asyncio_filters = logging.getLogger('asyncio').filters
-    assert sum(isinstance(f, manager._QuietOrphanedWrites) for f in asyncio_filters) == 1
+    assert sum(isinstance(f, manager._QuietOrbax) for f in asyncio_filters) == 1
