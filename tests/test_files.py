@@ -28,3 +28,18 @@ def test_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         files.write_atomic(str(path), 'new', durable=True)
     assert path.read_text() == 'old' and os.listdir(tmp_path) == ['record']
+
+
+def test_chunks_are_written_as_they_come_and_a_failing_source_leaves_the_old_file(tmp_path):
+    path = tmp_path / 'model.safetensors'
+    files.write_atomic(str(path), (bytes([i]) * 3 for i in range(4)))
+    assert path.read_bytes() == b'\x00\x00\x00\x01\x01\x01\x02\x02\x02\x03\x03\x03'
+
+    def chunks():
+        yield b'new header'
+        raise ValueError('a tensor is not finite')  # the export stops half-way
+
+    with pytest.raises(ValueError):
+        files.write_atomic(str(path), chunks())
+    assert path.read_bytes() == b'\x00\x00\x00\x01\x01\x01\x02\x02\x02\x03\x03\x03'
+    assert os.listdir(tmp_path) == ['model.safetensors']

@@ -16,6 +16,7 @@ Export runs in one process: `python -m jaxfrontier.main --mode=export --workdir=
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -27,6 +28,7 @@ import orbax.checkpoint as ocp
 
 from jaxfrontier.errors import CheckpointError, UserError
 from jaxfrontier import config as config_lib
+from jaxfrontier import files
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import reshard
@@ -59,17 +61,11 @@ def write_safetensors(path: str, shapes: dict[str, tuple[tuple[int, ...], np.dty
     `arrays` yields one array per entry of `shapes` ({name: (shape, dtype)}), in the same order;
     each is written as soon as it comes, so the host holds one tensor at a time.
     """
-    tmp = f'{path}.tmp{os.getpid()}'
     run_files.remove_stale_temporaries(path)
-    try:
-        with open(tmp, 'wb') as f:
-            f.write(_safetensors_header(shapes, metadata))
-            for (shape, dtype), value in zip(shapes.values(), arrays):
-                f.write(np.ascontiguousarray(value.reshape(shape), dtype=dtype.newbyteorder('<')).tobytes())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    files.write_atomic(path, itertools.chain(
+        [_safetensors_header(shapes, metadata)],
+        (np.ascontiguousarray(value.reshape(shape), dtype=dtype.newbyteorder('<')).tobytes()
+         for (shape, dtype), value in zip(shapes.values(), arrays))))
 
 
 # --------------------------------------------------------------------------- export
