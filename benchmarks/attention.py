@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxfrontier.model import attention as attention_lib  # noqa: E402
-from jaxfrontier.model import blockwise  # noqa: E402
+from jaxfrontier.model.attention import blockwise  # noqa: E402
 
 BATCH, HEADS, HEAD_DIM = 8, 6, 64
 

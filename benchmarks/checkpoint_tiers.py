@@ -12,7 +12,7 @@ cache would absorb a few hundred MB) and --dir (the persistent tier; on Frontier
 Measured, after one warm-up save of each tier, median of 3 (JSON lines, then a table):
 
   blocked_s   how long `save()` holds the training loop. Persistent (manager.Checkpointer, async):
-              Orbax's device-to-host copy and bookkeeping. Fast (checkpoint/tiers.py): this
+              Orbax's device-to-host copy and bookkeeping. Fast (checkpoint/fast/tiers.py): this
               process's shards copied to host memory (and, with several processes, the peer
               exchange dispatched: one process here, so no peer copy is sent or written)
   total_s     until the step is committed (Orbax's rename; the fast tier's manifest, fsynced)
@@ -48,7 +48,7 @@ import checkpoint as bench  # noqa: E402  (sets the 8 simulated CPU devices befo
 import harness  # noqa: E402
 import jax  # noqa: E402
 from jaxfrontier.checkpoint import manager as ckpt_lib  # noqa: E402
-from jaxfrontier.checkpoint import tiers  # noqa: E402
+from jaxfrontier.checkpoint.fast import tiers  # noqa: E402
 from jaxfrontier.training import state as ts  # noqa: E402
 
 

@@ -26,7 +26,9 @@ import json, os, sys
 os.environ['JAX_PLATFORMS'] = 'cpu'
 import jax
 from jaxfrontier import config as config_lib, mesh as mesh_lib
-from jaxfrontier.checkpoint import hf, safetensors, target
+from jaxfrontier.checkpoint import target
+from jaxfrontier.checkpoint.interop import hf
+from jaxfrontier.checkpoint.interop import safetensors
 def status_mib(key):  # VmHWM is this process's own peak (ru_maxrss would carry the parent's over exec)
     with open('/proc/self/status') as f:
         return next(int(l.split()[1]) for l in f if l.startswith(key)) / 1024

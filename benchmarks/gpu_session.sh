@@ -41,7 +41,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [[ -d "$WHEELS" ]]; then
   pip install -q --no-index --find-links "$WHEELS" "${PACKAGES[@]}" >> "$OUT/env.txt" 2>&1
 fi
-python -c 'import jaxfrontier.training.loop, ml_collections, jmp' >> "$OUT/env.txt" 2>&1 ||
+python -c 'import jaxfrontier.run.loop, ml_collections, jmp' >> "$OUT/env.txt" 2>&1 ||
   { echo "the project does not import: see $OUT/env.txt"; tail -5 "$OUT/env.txt"; exit 1; }
 
 timeout 120 python benchmarks/repro_nested_shard_map.py > "$OUT/repro.txt" 2>&1

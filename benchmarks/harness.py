@@ -21,7 +21,7 @@ from jaxfrontier.data import loader, sources
 from jaxfrontier.model import registry as model_registry
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import metrics as metrics_lib
+from jaxfrontier.run.observe import metrics as metrics_lib
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 

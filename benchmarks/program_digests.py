@@ -33,7 +33,7 @@ try:
     from jaxfrontier.training import step as step_lib  # noqa: E402
     make = ts.make_placement
 except ImportError:  # a tree from before the split
-    from jaxfrontier.training import loop as step_lib  # noqa: E402
+    from jaxfrontier.run import loop as step_lib  # noqa: E402
     make = ts.make_layout
 
 

@@ -39,7 +39,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxfrontier.model import blockwise, ring  # noqa: E402
+from jaxfrontier.model.attention import blockwise
+from jaxfrontier.model.attention import ring  # noqa: E402
 from jaxfrontier.model.sequence import balanced_order  # noqa: E402
 from jaxfrontier.plan import hlo_collectives  # noqa: E402
 

@@ -7,7 +7,7 @@
 
 Each trial warms up (--warmup steps), then measures (--steps); records, report and plots go to
 --workdir (docs/sweeps.md). FLOP convention: Megatron's formula, model FLOPs f = 3 for MFU, the
-paper's hardware counter f = 4 with recomputation (jaxfrontier/training/metrics.py).
+paper's hardware counter f = 4 with recomputation (jaxfrontier/run/observe/metrics.py).
 """
 
 from jaxfrontier.sweep import cli as sweep

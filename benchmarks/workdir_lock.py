@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from jaxfrontier.training import workdir_lock
+from jaxfrontier.run.control import workdir_lock
 
 
 def measure(directory: str, renewals: int = 200) -> dict:

@@ -7,7 +7,7 @@ The directory (GPT-2, Llama, Mistral or Qwen2: config.json + model.safetensors, 
 transformers' save_pretrained writes it) gives model.*: the family, layers, width, heads and
 kv heads, MLP width, vocabulary, tied head, and for Llama the RMSNorm epsilon, RoPE theta and
 Llama 3.1 scaling, q/k/v biases (Qwen2). `checkpoint.init_params_from` is the same directory,
-so step 0 starts from its weights (checkpoint/hf.py; a config the family cannot express is
+so step 0 starts from its weights (checkpoint/interop/hf.py; a config the family cannot express is
 refused with one line). Tokenise your data with the directory's tokenizer
 (`python -m jaxfrontier.prepare --tokenizer=/models/Llama-3.2-1B`) so the token ids mean the
 same. `seq_len` (default the model's max_position_embeddings / n_positions) is the training
@@ -16,7 +16,7 @@ unless given). Everything else is the base config's, overridable on the command 
 """
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.checkpoint import hf_files
+from jaxfrontier.checkpoint.interop import hf_files
 from jaxfrontier.errors import ConfigError
 
 

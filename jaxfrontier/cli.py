@@ -6,7 +6,7 @@ a `--config.*` override is one line `error: ...` and exit 2, never a traceback; 
 prints the flags without needing any other flag. No JAX import here.
 
 Exit codes: 0 done, 2 a mistake the user can fix (`errors.UserError`), 3 a non-finite loss,
-4 the process group could not be formed, 5 a hang (the watchdog's own exit, training/watchdog.py).
+4 the process group could not be formed, 5 a hang (the watchdog's own exit, run/control/watchdog.py).
 """
 
 from __future__ import annotations

@@ -315,7 +315,7 @@ def _take_back_sigterm(action: Any) -> None:
 
     JAX's preemption notifier takes SIGTERM over there (a C++ handler that logs "SIGTERM caught"
     and nothing else we use), and swallowed the signal until the training loop installed its own
-    (training/preemption.py): a job told to stop before that trained on to its last step. With the
+    (run/control/preemption.py): a job told to stop before that trained on to its last step. With the
     previous action back, SIGTERM in between (the planner's preflight, imports) ends the process
     as it does with one process: nothing has been trained yet that a checkpoint would keep.
     """

@@ -15,13 +15,13 @@ traceback, exit 1. A malformed flag or `--config.*` override is `cli.fail`: one 
 | ConfigError        | UserError, ValueError |    2 | a config value breaks a rule (`config.validate`, data checks): names field, value, fix |
 | FlagError          | UserError             |    2 | a command-line value breaks a rule (prepare: data/corpus.py, data/encode.py) |
 | SpaceError         | UserError             |    2 | a sweep's search space cannot be run (sweep/space.py)               |
-| DiskFullError      | UserError             |    2 | a write failed for lack of space; the process ends without joining Orbax's writer threads (`abandon_threads`, training/disk.py) |
+| DiskFullError      | UserError             |    2 | a write failed for lack of space; the process ends without joining Orbax's writer threads (`abandon_threads`, run/control/disk.py) |
 | CheckpointError    | UserError             |    2 | a checkpoint cannot be used: corrupted, incomplete or from another model (checkpoint/) |
 | NonFiniteParamsError | UserError           |    2 | parameters read from a file hold NaN or Inf; names the tensor (checkpoint/finite.py) |
-| NonFiniteLossError | RuntimeError          |    3 | the training loss became NaN or Inf (training/metrics.py, checkpoint/restore.py) |
+| NonFiniteLossError | RuntimeError          |    3 | the training loss became NaN or Inf (run/observe/metrics.py, checkpoint/restore.py) |
 | LossSpikeError     | NonFiniteLossError    |    3 | loss spikes outlasted every roll-back allowed, or there was no checkpoint to roll back to (training/spikes.py) |
 | DistributedError   | RuntimeError          |    4 | the processes of a job could not start together, or lost one another (distributed.py) |
-| HangError          | RuntimeError          |    5 | no step finished within the hang limit: stacks written, restart from the newest checkpoint (training/watchdog.py) |
+| HangError          | RuntimeError          |    5 | no step finished within the hang limit: stacks written, restart from the newest checkpoint (run/control/watchdog.py) |
 
 Exit codes 4 and 5, and a task killed by a signal, are what launch/restarts.sh restarts inside the
 allocation; 2 and 3 would fail again and are not restarted.
@@ -125,7 +125,7 @@ class DistributedError(RuntimeError):
 
 
 class HangError(RuntimeError):
-    """No step finished within the hang limit (training/watchdog.py). Never raised: the stuck main
+    """No step finished within the hang limit (run/control/watchdog.py). Never raised: the stuck main
     thread cannot catch it, so the watchdog thread prints `describe(...)` and exits with this code."""
 
     exit_code = 5

@@ -27,12 +27,14 @@ the same entries, matched to a JAX device by `match_kind`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -236,6 +238,39 @@ def memory_stats(device: Any) -> dict[str, Any]:
         return device.memory_stats() or {}
     except Exception:  # pylint: disable=broad-except
         return {}
+
+
+def host_memory_bytes() -> int:
+    """RAM available to this process now: MemAvailable, or the cgroup's remaining limit if lower.
+
+    Not the total: on a shared node the other processes' memory is not ours (a step that fit
+    the total but not the available RAM was killed by the kernel in testing).
+    """
+    available = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES')
+    with contextlib.suppress(OSError, KeyError, ValueError), open('/proc/meminfo') as f:
+        available = int(dict(line.split(':', 1) for line in f)['MemAvailable'].split()[0]) * 1024
+    for limit_path, usage_path in (('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory.current'),
+                                   ('/sys/fs/cgroup/memory/memory.limit_in_bytes',
+                                    '/sys/fs/cgroup/memory/memory.usage_in_bytes')):
+        try:
+            with open(limit_path) as f, open(usage_path) as g:
+                limit, usage = f.read().strip(), g.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit():
+            available = min(available, int(limit) - int(usage))
+    return available
+
+
+def device_capacity(devices: Sequence[Any]) -> tuple[int, str]:
+    """(bytes one device may use, where the figure comes from) for this process's devices."""
+    limits = [memory_stats(d).get('bytes_limit') for d in devices]
+    if devices and all(limits):
+        return min(limits), f'the {devices[0].platform} allocator limit (memory_stats bytes_limit)'
+    host = host_memory_bytes()
+    n = max(len(devices), 1)
+    return host // n, (f'{host / GIB:.1f} GiB of available host RAM shared by {n} simulated '
+                       f'{devices[0].platform} devices')
 
 
 def axis_level(mesh_shape: dict[str, int], axes: tuple[str, ...], hw: Hardware) -> str:

@@ -27,7 +27,7 @@ from jaxfrontier.data import loader as data_lib  # no JAX import at module level
 from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError, UserError
 from jaxfrontier.plan import fanout  # no JAX import either
 from jaxfrontier.plan import shrink  # no JAX import either
-from jaxfrontier.training import validation  # no JAX import: config and data checks only
+from jaxfrontier.run import validation  # no JAX import: config and data checks only
 
 VERIFY_XLA_TIMEOUTS = ('xla_cpu_collective_call_terminate_timeout_seconds', 'xla_cpu_collective_timeout_seconds')
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
         elif _MODE.value in ('sample', 'eval', 'lm_eval') or (_MODE.value == 'export' and _EXPORT_FORMAT.value == 'hf'):
             print(_run_inference(config))
         elif _MODE.value == 'export':
-            from jaxfrontier.checkpoint import safetensors as safetensors_lib  # pylint: disable=g-import-not-at-top
+            from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib  # pylint: disable=g-import-not-at-top
             out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
             names = safetensors_lib.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
             run_files.check_not_hf_export(_WORKDIR.value)  # training would overwrite the export's config.json
             from jaxfrontier.plan import preflight  # pylint: disable=g-import-not-at-top
             preflight.check(config)  # the planner's bytes per device vs. a device's, before any allocation
-            from jaxfrontier.training import loop  # pylint: disable=g-import-not-at-top
+            from jaxfrontier.run import loop  # pylint: disable=g-import-not-at-top
             startup['preflight'] = time.perf_counter() - t0
             loop.train_and_evaluate(config, _WORKDIR.value, validated=True, startup=startup, started=_STARTED)
     except (UserError, NonFiniteLossError, DistributedError) as e:
@@ -208,10 +208,10 @@ def _config_name() -> str:
 
 
 def _run_inference(config) -> str:
-    """mode=sample, mode=eval and the Hugging Face export (jaxfrontier/inference/, checkpoint/hf.py)."""
+    """mode=sample, mode=eval and the Hugging Face export (jaxfrontier/inference/, checkpoint/interop/hf.py)."""
     # pylint: disable=g-import-not-at-top
     if _MODE.value == 'export':
-        from jaxfrontier.checkpoint import hf
+        from jaxfrontier.checkpoint.interop import hf
         out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'hf')
         summary = hf.export_hf(_WORKDIR.value, out)
         return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face {summary["architecture"]} ' \

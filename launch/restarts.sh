@@ -8,7 +8,7 @@
 # again in the same allocation, where the trainer resumes from the newest checkpoint in WORKDIR:
 #   a task killed by a signal (a process died: OOM killer, a crash, a node's failure) or exiting 4
 #   (DistributedError: it lost a peer) or 5 (HangError: the watchdog found a hang,
-#   jaxfrontier/training/watchdog.py), or srun reporting a node failure.
+#   jaxfrontier/run/control/watchdog.py), or srun reporting a node failure.
 # Not restarted: 0 (done), 2 (a user error: the same command fails again), 3 (a NaN loss or loss spikes:
 # the same data would do it again), 1 (a bug: a traceback), anything else.
 # srun itself exits 143 whenever it ended the other tasks (--kill-on-bad-exit), so the failure is read

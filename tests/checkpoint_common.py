@@ -24,7 +24,7 @@ from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 from jaxfrontier.training import state as ts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,7 +20,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import loader, token_files
 from jaxfrontier.errors import ConfigError, UserError
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 

@@ -14,8 +14,8 @@ import pytest
 
 from jaxfrontier.checkpoint import run_files
 from jaxfrontier.errors import UserError
-from jaxfrontier.checkpoint import hf
-from jaxfrontier.checkpoint import safetensors as export
+from jaxfrontier.checkpoint.interop import hf
+from jaxfrontier.checkpoint.interop import safetensors as export
 from tests import processes
 
 

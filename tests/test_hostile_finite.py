@@ -19,7 +19,7 @@ from jaxfrontier import errors
 from jaxfrontier.checkpoint import finite
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.params import init_params
-from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import state as ts

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxfrontier.checkpoint import hf_files as hf_dir
+from jaxfrontier.checkpoint.interop import hf_files as hf_dir
 from jaxfrontier.data import corpus
 from jaxfrontier.data.corpus import FlagError
 from jaxfrontier.errors import UserError

@@ -2,7 +2,7 @@
 
 `python -m jaxfrontier.main --config=configs/gpt.py:size=1.3b --config.train.steps=2` on a 24 GiB
 machine built the parameters and Adam state (15.8 GB) and was compiling at 18.2 GB when it was
-killed by hand: the refusal in training/memory_check.py came after the state and the compile.
+killed by hand: the refusal in run/observe/memory_check.py came after the state and the compile.
 `plan/preflight.py` now refuses from the planner's figures, before the state exists.
 """
 
@@ -16,7 +16,8 @@ import pytest
 
 from jaxfrontier.plan import planner
 from jaxfrontier.plan import preflight
-from jaxfrontier.training import memory_check
+from jaxfrontier import hardware
+from jaxfrontier.run.observe import memory_check
 from tests import processes
 
 GIB = 2**30
@@ -33,7 +34,7 @@ def test_tiny_config_passes_and_ignore_skips(monkeypatch):
     c = gpt_config('size=125m,data=8')
     c.model.update(num_layers=1, d_model=64, num_heads=2, seq_len=32, vocab_size=256)
     preflight.check(c)  # fits: no error
-    monkeypatch.setattr(memory_check, 'host_memory_bytes', lambda: 1)
+    monkeypatch.setattr(hardware, 'host_memory_bytes', lambda: 1)
     with pytest.raises(preflight.UserError):
         preflight.check(c)
     c.train.ignore_memory_check = True
@@ -43,7 +44,7 @@ def test_tiny_config_passes_and_ignore_skips(monkeypatch):
 def test_refusal_names_bytes_and_a_layout_that_fits(monkeypatch):
     """125M on 8 data-parallel devices of 2 GiB each: the replicated Adam state does not fit, a sharded layout does."""
     c = gpt_config('size=125m,data=8,micro_batch=1')
-    monkeypatch.setattr(memory_check, 'host_memory_bytes', lambda: 8 * 2 * GIB)
+    monkeypatch.setattr(hardware, 'host_memory_bytes', lambda: 8 * 2 * GIB)
     with pytest.raises(preflight.UserError) as e:
         preflight.check(c, jax.local_devices())
     line = str(e.value)
@@ -63,8 +64,8 @@ def test_refusal_names_bytes_and_a_layout_that_fits(monkeypatch):
 def test_cli_refuses_1_3b_before_allocating(tmp_path):
     """The issue's command: exit 2 with one line, in seconds, well under 2 GiB resident, nothing written."""
     need = planner.plan(gpt_config('size=1.3b'), preflight.local_hardware(jax.local_devices()[:1], 1)).memory.total_bytes
-    if memory_check.host_memory_bytes() >= need:
-        pytest.skip(f'this host has {memory_check.host_memory_bytes() / GIB:.0f} GiB available: 1.3b would fit')
+    if hardware.host_memory_bytes() >= need:
+        pytest.skip(f'this host has {hardware.host_memory_bytes() / GIB:.0f} GiB available: 1.3b would fit')
     workdir = tmp_path / 'run'
     measure = ('import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); '
                'print("maxrss_kib", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(p.returncode)')
@@ -86,5 +87,5 @@ def test_a_config_the_planner_cannot_model_is_left_to_the_compiled_check(monkeyp
         raise ValueError('no model of this layout')
 
     monkeypatch.setattr(planner, 'plan', cannot)
-    monkeypatch.setattr(memory_check, 'host_memory_bytes', lambda: 1)
+    monkeypatch.setattr(hardware, 'host_memory_bytes', lambda: 1)
     preflight.check(gpt_config('size=125m,data=8'))  # no error: training goes on to the compiled step's check

@@ -17,7 +17,7 @@ import sys
 import pytest
 from ml_collections import config_flags
 
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 from tests import processes
 
 

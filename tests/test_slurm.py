@@ -128,7 +128,7 @@ def test_slurm_time_limit_signal_reaches_tasks_then_job_requeues(slurm, tmp_path
 
 @pytest.mark.slow
 def test_slurm_job_restarts_inside_its_allocation_after_a_kill_and_a_hang(slurm, tmp_path):
-    """Faults through the job's environment (training/watchdog.py, JAXFRONTIER_TEST_HANG), each fired once.
+    """Faults through the job's environment (run/control/watchdog.py, JAXFRONTIER_TEST_HANG), each fired once.
 
     Attempt 1: process 1 stalls when it sees step 2's result; the test kills it (SIGKILL, by the pid
     it left). Attempt 2 resumes from the newest checkpoint; process 1 stops itself (SIGSTOP) at step

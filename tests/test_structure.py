@@ -22,9 +22,10 @@ LAYERS = (
     ('model', 'data'),
     ('checkpoint',),  # Orbax manager, restore, integrity, readers, safetensors, Hugging Face: no training
     ('pipeline',),
-    ('training',),
+    ('training',),  # the step math: state, optimizer, step, loss scaling, reduction, evaluation
     ('inference',),  # sample, eval: runs what training wrote, through checkpoint/
     ('plan',),
+    ('run',),  # the training run: the loop, run control (lock, preemption, watchdog), observation (metrics, ...)
     ('sweep',),
     ('main', 'scaling', 'prepare', 'calibrate'),  # entry points
 )
@@ -95,8 +96,8 @@ def test_inference_needs_no_training(module):
 
 
 # What the planner must never pull in: the training loop and a run's workdir, signal and Ctrl-C handling.
-RUN_CONTROL = ('jaxfrontier.training.loop', 'jaxfrontier.training.workdir_lock', 'jaxfrontier.training.preemption',
-               'jaxfrontier.training.interrupt')
+RUN_CONTROL = ('jaxfrontier.run.loop', 'jaxfrontier.run.control.workdir_lock', 'jaxfrontier.run.control.preemption',
+               'jaxfrontier.run.control.interrupt')
 
 
 @pytest.mark.parametrize('module', sorted(m for m in GRAPH if m.startswith('jaxfrontier.plan')))

@@ -46,7 +46,7 @@ class _QuietOrbax(pylogging.Filter):
     A save that fills the disk is logged by Orbax with a traceback from each thread it passes
     through (`_SignalingThread.run()` in futures/future.py, the background commit in
     async_checkpointer.py, `wait_until_finished` in checkpoint_manager.py), then raised to the
-    training loop, which ends the run with one `error: no space left ...` line (training/disk.py).
+    training loop, which ends the run with one `error: no space left ...` line (run/control/disk.py).
     When the disk fails several of a save's TensorStore writes (`write_fragment` tasks in
     serialization.py), the first failure is raised and the others are left unawaited; asyncio
     logs each, when collected, as `Task exception was never retrieved` with its traceback. So a
@@ -214,7 +214,7 @@ class Checkpointer(restore.Restoring):
 
 def layer_chunks(state: State, layer_dims: int) -> Any:
     """SaveArgs storing each block array in one-layer chunks (its `layer_dims` leading dimensions split
-    to 1), so one layer reads alone: the Hugging Face export streams layer by layer (checkpoint/hf.py)."""
+    to 1), so one layer reads alone: the Hugging Face export streams layer by layer (checkpoint/interop/hf.py)."""
     def one(path, x):
         blocks = 'blocks' in format_lib.path_name(path).split('/') and getattr(x, 'ndim', 0) > layer_dims
         return ocp.SaveArgs(shard_axes=tuple(range(layer_dims)) if blocks else ())

@@ -51,7 +51,7 @@ def _validate_optimizer(c: ml_collections.ConfigDict) -> None:
 
 
 def _check_observers(c: ml_collections.ConfigDict) -> None:
-    """train.wandb_* and train.straggler_factor (training/wandb_log.py, training/stragglers.py)."""
+    """train.wandb_* and train.straggler_factor (run/observe/wandb_log.py, run/observe/stragglers.py)."""
     t = c.train
     _require(t.wandb_mode in WANDB_MODES, 'train.wandb_mode', t.wandb_mode, 'unknown W&B mode',
              f'use one of {WANDB_MODES}')
@@ -366,7 +366,7 @@ def _check_spikes(c: ml_collections.ConfigDict) -> None:
 
 
 def _check_hang(c: ml_collections.ConfigDict) -> None:
-    """train.hang_* (training/watchdog.py): the floor no larger than the timeout (bounds.py: each >= 0)."""
+    """train.hang_* (run/control/watchdog.py): the floor no larger than the timeout (bounds.py: each >= 0)."""
     t = c.train
     _require(isinstance(t.hang_native_stacks, bool), 'train.hang_native_stacks', t.hang_native_stacks,
              'must be True or False', 'set train.hang_native_stacks=False to write only the Python stacks')

@@ -40,7 +40,7 @@ DEFAULT_RULES = (
 )
 
 MODEL_FAMILIES = ('gpt', 'llama')  # model/registry.py declares each (a test holds the two equal)
-ROPE_SCALINGS = ('none', 'llama3')  # llama: model.rope_scaling (model/rope.py)
+ROPE_SCALINGS = ('none', 'llama3')  # llama: model.rope_scaling (model/layers/rope.py)
 ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn', 'blockwise')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
 # Staggered 1F1B (pipeline/staggered.py): model.remat -> what the recomputation keeps for the
@@ -56,7 +56,7 @@ LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'inverse_sqrt')
 DATA_KINDS = ('builtin', 'tokens', 'synthetic')
 PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
-WANDB_MODES = ('disabled', 'online', 'offline')  # train.wandb_mode (training/wandb_log.py)
+WANDB_MODES = ('disabled', 'online', 'offline')  # train.wandb_mode (run/observe/wandb_log.py)
 # Outermost to innermost: tensor on the nearest devices, context next (its ring passes key/value
 # blocks between neighbours every attention block; docs/long_context.md).
 MESH_AXES = ('pipeline', 'data', 'fsdp', 'context', 'tensor')
@@ -110,7 +110,7 @@ def base_config() -> ml_collections.ConfigDict:
         init_std=0.02,
         dtype='bfloat16',  # compute dtype; parameters and the loss are always fp32
         attention='auto',  # auto | reference | xla | cudnn | blockwise
-        # Query / key-value rows per block of the blockwise kernel (model/blockwise.py);
+        # Query / key-value rows per block of the blockwise kernel (model/attention/blockwise.py);
         # 64 measured fastest on the CPU at sequence 256 and 2048 (docs/PERFORMANCE.md).
         attention_block_q=64,
         attention_block_kv=64,
@@ -189,7 +189,7 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=50,  # 0: evaluate only at the end
         eval_batches=4,
         progress=True,
-        # The workdir lock's lease (training/workdir_lock.py): a lock not renewed for this
+        # The workdir lock's lease (run/control/workdir_lock.py): a lock not renewed for this
         # long belongs to a dead run and is taken over. Renewed every lease / 10.
         workdir_lease_s=600.0,
         # Start even when the compiled step needs more memory than the device has.
@@ -218,7 +218,7 @@ def base_config() -> ml_collections.ConfigDict:
         spike_window=100,
         spike_skip_batches=0,
         spike_max_rollbacks=3,
-        # Hang detection (training/watchdog.py, docs/checkpoints.md): no step result for
+        # Hang detection (run/control/watchdog.py, docs/checkpoints.md): no step result for
         # max(hang_min_s, hang_factor x the median step time) after 3 steps, or for hang_timeout_s
         # (the first step, evaluations, the final save; and the cap), writes every thread's stack
         # to <workdir>/hang/ and exits 5. hang_timeout_s=0: off; hang_factor=0: the timeout only.
@@ -226,7 +226,7 @@ def base_config() -> ml_collections.ConfigDict:
         hang_min_s=120.0,
         hang_timeout_s=1800.0,
         hang_native_stacks=True,  # also the native stacks (py-spy or gdb: a minute for a large process)
-        # Weights & Biases (training/wandb_log.py, docs/training.md; pip install 'jaxfrontier[wandb]'):
+        # Weights & Biases (run/observe/wandb_log.py, docs/training.md; pip install 'jaxfrontier[wandb]'):
         # process 0 logs every metrics row and the resolved config; a restart resumes the same W&B
         # run (its id is kept in <workdir>/wandb_run_id). wandb_dir '': the workdir; tags: 'a,b'.
         wandb_mode='disabled',  # disabled | online | offline
@@ -238,7 +238,7 @@ def base_config() -> ml_collections.ConfigDict:
         wandb_notes='',
         wandb_dir='',
         # With several processes, a process whose own step time exceeds this x the median is named in
-        # a warning every train.log_every steps (training/stragglers.py); 0: off.
+        # a warning every train.log_every steps (run/observe/stragglers.py); 0: off.
         straggler_factor=1.5,
     ))
 
@@ -292,7 +292,7 @@ def base_config() -> ml_collections.ConfigDict:
         # Resume from this step instead of the newest finite checkpoint (-1): roll back after
         # a loss spike. Newer checkpoints are moved to <workdir>/checkpoints.superseded/.
         restore_step=-1,
-        # The fast tier (jaxfrontier/checkpoint/tiers.py): each process's shards on node-local disk,
+        # The fast tier (jaxfrontier/checkpoint/fast/tiers.py): each process's shards on node-local disk,
         # and on a peer process's, every fast_every_steps. '' = off; `$VAR`s are expanded per process,
         # e.g. '$JF_NODE_LOCAL/fast' (launch/frontier_env.sh: Frontier's NVMe).
         fast_dir='',

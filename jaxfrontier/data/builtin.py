@@ -56,7 +56,7 @@ def builtin_corpus(cache_dir: str | os.PathLike) -> str:
         try:
             return write_token_file(bin_path, np.frombuffer(corpus_bytes, np.uint8), BYTE_VOCAB,
                                     metadata={'source': stdlib, 'num_files': len(files)})
-        except OSError as e:  # a full disk: name the file (the loop turns it into one line, training/disk.py)
+        except OSError as e:  # a full disk: name the file (the loop turns it into one line, run/control/disk.py)
             if e.filename is None and e.errno is not None:
                 raise OSError(e.errno, f'{e.strerror} (writing the built-in corpus, '
                               f'{len(corpus_bytes) / 2**20:.0f} MiB)', bin_path) from e

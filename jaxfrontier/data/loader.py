@@ -246,7 +246,7 @@ def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, S
     the files of `c.data.blend` mixed with their weights (each split per file);
     synthetic: random tokens, no file. Token files split into train (first part) and
     validation (the last `c.data.val_fraction`); no window crosses the boundary. `c` has passed
-    `check_data` (training/validation.py runs it once per run, before anything is written).
+    `check_data` (run/validation.py runs it once per run, before anything is written).
     """
     m, seed = c.model, c.seed
     if c.data.kind == 'synthetic':

@@ -20,9 +20,9 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.checkpoint import format as format_lib
-from jaxfrontier.checkpoint import hf
-from jaxfrontier.checkpoint import hf_files
-from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint.interop import hf
+from jaxfrontier.checkpoint.interop import hf_files
+from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.checkpoint import manager
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib

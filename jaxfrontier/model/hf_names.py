@@ -2,16 +2,16 @@
 
 The family modules declare them (`gpt.FAMILY.hf`, `llama.FAMILY.hf`); they are written here,
 apart from the JAX modules, because configs/hf.py and the directory checks
-(checkpoint/hf_files.py) read them while the config is being built, before JAX may be
+(checkpoint/interop/hf_files.py) read them while the config is being built, before JAX may be
 imported (main.py sets XLA_FLAGS and the compilation cache after reading the config). The
-conversions themselves (reshapes, transposes) are checkpoint/hf_gpt2.py's and hf_llama.py's.
+conversions themselves (reshapes, transposes) are checkpoint/interop/hf_gpt2.py's and hf_llama.py's.
 """
 
 from __future__ import annotations
 
 from jaxfrontier.model.family import HFNames
 
-# GPT-2 in `transformers` (GPT2LMHeadModel): every parameter maps exactly (checkpoint/hf_gpt2.py).
+# GPT-2 in `transformers` (GPT2LMHeadModel): every parameter maps exactly (checkpoint/interop/hf_gpt2.py).
 # HF Conv1D weights are [in, out], our layout after a reshape; wte, wpe and an untied head
 # are named by the converter, which also trims the padded vocabulary.
 GPT2 = HFNames(
@@ -30,7 +30,7 @@ GPT2 = HFNames(
 
 # Llama in `transformers` (LlamaForCausalLM; Qwen2ForCausalLM and MistralForCausalLM use the same
 # names): torch Linear weights [out, in], our layout transposed with the heads flattened
-# (checkpoint/hf_llama.py). A parameter that stacks several HF tensors lists them in the order
+# (checkpoint/interop/hf_llama.py). A parameter that stacks several HF tensors lists them in the order
 # of its stacked axis (w_kv [d, 2, G, K]: k then v); the biases exist with model.qkv_bias.
 LLAMA = HFNames(
     architecture='LlamaForCausalLM',

@@ -2,7 +2,7 @@
 
 Llama 2/3, Mistral-style dense and Qwen2 (q/k/v biases) decoders: grouped-query attention
 (`num_kv_heads` key/value heads shared by groups of query heads; 1 = multi-query), rotary
-position embeddings in Hugging Face's half-split convention (model/rope.py; theta and Llama
+position embeddings in Hugging Face's half-split convention (model/layers/rope.py; theta and Llama
 3.1's frequency scaling configurable), a SwiGLU MLP, no biases by default, an untied head
 by default. The blocks, the head and the loss run as GPT's do (model/decoder.py, stack.py);
 one block serves training and KV-cached decoding. The module ends with the family's
@@ -23,7 +23,8 @@ from flax import nnx
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import ModelShape
-from jaxfrontier.model import hf_names, rope, sequence, stack
+from jaxfrontier.model import hf_names, sequence, stack
+from jaxfrontier.model.layers import rope
 from jaxfrontier.model.attention import KVCache, attend
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder

@@ -17,7 +17,7 @@ comparison with the compiled HLO is in tests/plan/test_planner.py; docs/planner.
             updated parameters all-gathered once per step.
             With `sharding.sequence_parallel` each of those all-reduces is a reduce-scatter
             plus an all-gather of the same payload (the same bytes on the wire).
-  context   ring attention (`ring_traffic`, model/ring.py): per layer the positions all-gathered
+  context   ring attention (`ring_traffic`, model/attention/ring.py): per layer the positions all-gathered
             and c - 1 collective-permutes of a k/v chunk forward (again when recomputed), c - 1
             of k/v and c of fp32 dk/dv backward; every other activation term above carries this
             device's T/c tokens.
@@ -121,7 +121,7 @@ def input_projections(specs, rules) -> tuple[int, int]:
 
 
 def ring_traffic(t: _Traffic, shape, layout, dtype_bytes: int) -> None:
-    """Context parallelism's ring attention (model/ring.py): k/v chunks passed around the `context` ring.
+    """Context parallelism's ring attention (model/attention/ring.py): k/v chunks passed around the `context` ring.
 
     Per layer and micro-batch, as `ring.ring_send_bytes` counts one call (held against the
     compiled program by tests/model/test_ring.py): the forward all-gathers the int32 positions

@@ -17,7 +17,7 @@ from jaxfrontier.plan import activations
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.model import blockwise
+from jaxfrontier.model.attention import blockwise
 from jaxfrontier.model import registry
 from jaxfrontier.model.family import ParamSpec
 from jaxfrontier import layout as layout_lib

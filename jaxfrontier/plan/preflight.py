@@ -1,11 +1,11 @@
 """Refuse a training run that cannot fit, before anything is allocated (issue 28).
 
-`training/memory_check.py` compares the compiled step's memory analysis with the device's,
+`run/observe/memory_check.py` compares the compiled step's memory analysis with the device's,
 which comes after the state is built and the step compiled: a model far too big for the host
 (configs/gpt.py:size=1.3b on a 24 GiB machine) had filled most of the memory by then. The
 planner knows the bytes per device of the parameters, gradients, optimizer state, activations
 and working set of a layout by arithmetic (plan/estimate.py), in about a second and without a
-device array. `check(config)` compares its total with what one device has (memory_check's
+device array. `check(config)` compares its total with what one device has (hardware.device_capacity's
 figure: the allocator's `bytes_limit` on an accelerator, the host's available RAM shared by
 the simulated devices on the CPU) and refuses with one line: the bytes needed, the bytes
 available, the largest parts, and a layout of the same devices that fits (the planner's search),
@@ -28,7 +28,6 @@ from jaxfrontier import layout as layout_lib
 from jaxfrontier.errors import UserError
 from jaxfrontier.plan import planner
 from jaxfrontier.plan import search as search_lib
-from jaxfrontier.training import memory_check
 
 GIB = hw_lib.GIB
 
@@ -88,14 +87,14 @@ def check(c: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) ->
     if devices is None and config_lib.num_devices(c) != jax.device_count():
         return  # the trainer's mesh reports a device-count mismatch, the more basic mistake
     devices = list(jax.local_devices() if devices is None else devices)
-    capacity, source = memory_check.device_capacity(devices)
+    capacity, source = hw_lib.device_capacity(devices)
     hw = local_hardware(devices, capacity)
     try:
         p = planner.plan(c, hw)
     except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
         if isinstance(e, UserError):
             raise
-        # The planner models no such layout: the compiled step's check (training/memory_check.py) still runs.
+        # The planner models no such layout: the compiled step's check (run/observe/memory_check.py) still runs.
         logging.warning('memory preflight skipped: the planner cannot estimate this config (%s: %s)',
                         type(e).__name__, e)
         return

@@ -9,7 +9,7 @@ import pytest
 from jaxfrontier import errors
 from jaxfrontier.checkpoint import manager as ckpt_lib
 from jaxfrontier import config as config_lib
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
     REPO, make_config, layout_for, target_of, no_init, _largest_file, vocab300, main, error_line)

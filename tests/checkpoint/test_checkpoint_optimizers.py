@@ -11,7 +11,7 @@ import pytest
 
 from jaxfrontier.checkpoint import manager as ckpt_lib
 from jaxfrontier.errors import ConfigError
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 
 from checkpoint_common import (
     make_config, layout_for, target_of, random_state, save_state, losses, read_numpy, flat_numpy,

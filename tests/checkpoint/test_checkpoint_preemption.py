@@ -15,8 +15,8 @@ import time
 import pytest
 
 from jaxfrontier.checkpoint import manager as ckpt_lib
-from jaxfrontier.training import loop
-from jaxfrontier.training import preemption
+from jaxfrontier.run import loop
+from jaxfrontier.run.control import preemption
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
     REPO, make_config, losses, read_numpy, assert_trees_equal, cli, _wait_for, _steps, _saving)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from jaxfrontier import errors
-from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.checkpoint import manager as ckpt_lib
-from jaxfrontier.checkpoint import safetensors as safetensors_lib
+from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 from jaxfrontier.training import step as step_lib
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)

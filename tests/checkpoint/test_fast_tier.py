@@ -1,4 +1,4 @@
-"""The fast checkpoint tier in one process on 8 simulated devices (jaxfrontier/checkpoint/tiers.py).
+"""The fast checkpoint tier in one process on 8 simulated devices (jaxfrontier/checkpoint/fast/tiers.py).
 
 A sharded state of distinct leaf shapes (fsdp- and tensor-split, replicated, a bfloat16 leaf, a
 scalar step) is saved and restored bit for bit onto its shardings; a flipped byte is caught by
@@ -19,9 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.checkpoint import fast_files
-from jaxfrontier.checkpoint import peer
-from jaxfrontier.checkpoint import tiers
+from jaxfrontier.checkpoint.fast import files as fast_files
+from jaxfrontier.checkpoint.fast import peer
+from jaxfrontier.checkpoint.fast import tiers
 from jaxfrontier.errors import ConfigError
 
 MESH = {'data': 2, 'fsdp': 2, 'tensor': 2}

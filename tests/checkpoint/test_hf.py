@@ -26,7 +26,7 @@ from jaxfrontier import errors
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier.data import token_files  # noqa: E402
 from jaxfrontier.inference import load as load_lib  # noqa: E402
-from jaxfrontier.checkpoint import hf  # noqa: E402
+from jaxfrontier.checkpoint.interop import hf  # noqa: E402
 from jaxfrontier.checkpoint import readers  # noqa: E402
 from tests import processes  # noqa: E402
 

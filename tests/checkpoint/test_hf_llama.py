@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Qwen2 / Mistral interop (checkpoint/hf_llama.py through the driver checkpoint/hf.py).
+"""Hugging Face Llama / Qwen2 / Mistral interop (checkpoint/interop/hf_llama.py through the driver checkpoint/interop/hf.py).
 
 `transformers` (CPU, fp32) builds tiny random models and saves them: a Llama with grouped-query
 attention (4 heads, 2 kv heads), an untied head and Llama 3.1 RoPE scaling, a Qwen2 with q/k/v
@@ -29,11 +29,11 @@ safetensors_numpy = pytest.importorskip('safetensors.numpy')
 from configs import tiny  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
 from jaxfrontier import mesh as mesh_lib  # noqa: E402
-from jaxfrontier.checkpoint import hf  # noqa: E402
+from jaxfrontier.checkpoint.interop import hf  # noqa: E402
 from jaxfrontier.checkpoint import manager as ckpt_lib  # noqa: E402
-from jaxfrontier.checkpoint import hf_files  # noqa: E402
-from jaxfrontier.checkpoint import hf_llama  # noqa: E402
-from jaxfrontier.checkpoint import init_from  # noqa: E402
+from jaxfrontier.checkpoint.interop import hf_files  # noqa: E402
+from jaxfrontier.checkpoint.interop import hf_llama  # noqa: E402
+from jaxfrontier.checkpoint.interop import init_from  # noqa: E402
 from jaxfrontier.checkpoint import readers  # noqa: E402
 from jaxfrontier.checkpoint import target as target_lib  # noqa: E402
 from jaxfrontier.errors import UserError  # noqa: E402

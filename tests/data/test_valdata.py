@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader, token_files
 from jaxfrontier.errors import ConfigError
-from jaxfrontier.training import evaluation, validation
+from jaxfrontier.training import evaluation
+from jaxfrontier.run import validation
 from tests import processes
 
 REPO = processes.REPO

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from fuzzing import fuzz, json_values, mutated_bytes, mutated_dict, snapshot, tiers, user_error_or
-from jaxfrontier.checkpoint import hf_files as hf_dir
-from jaxfrontier.checkpoint import hf
+from jaxfrontier.checkpoint.interop import hf_files as hf_dir
+from jaxfrontier.checkpoint.interop import hf
 from test_hostile_inputs import hf_directory
 
 LLAMA = {'model_type': 'llama', 'architectures': ['LlamaForCausalLM'], 'hidden_size': 16, 'intermediate_size': 24,

@@ -11,9 +11,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from fuzzing import fuzz, json_values, mutated_bytes, mutated_dict, snapshot, tiers, user_error_or
-from jaxfrontier.checkpoint import hf_files as hf_dir
+from jaxfrontier.checkpoint.interop import hf_files as hf_dir
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import state as ts

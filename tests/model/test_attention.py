@@ -22,7 +22,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.model import attention as attention_lib
-from jaxfrontier.model import blockwise
+from jaxfrontier.model.attention import blockwise
 from layout_check import check_against_reference, make_config, run_layout
 from layout_once import run_layout_once
 from test_model import ATOL, RTOL, assert_trees_close, numpy_causal_attention, params_and_tokens, tiny_config

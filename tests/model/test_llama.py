@@ -21,7 +21,8 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import attention as attention_lib
-from jaxfrontier.model import layers, rope
+from jaxfrontier.model import layers
+from jaxfrontier.model.layers import rope
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.model import registry
 from jaxfrontier.training import state as ts

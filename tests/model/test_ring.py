@@ -1,4 +1,4 @@
-"""Ring attention (model/ring.py) against the reference kernel on one device; the balanced order's work.
+"""Ring attention (model/attention/ring.py) against the reference kernel on one device; the balanced order's work.
 
 Inputs [batch 4, sequence 48, heads 6, head dim 8] (distinct sizes; heads divide tensor 2),
 packed documents whose positions restart per document, in the natural or the balanced
@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxfrontier.model import attention as attention_lib
-from jaxfrontier.model import ring
+from jaxfrontier.model.attention import ring
 from jaxfrontier.model.sequence import balanced_order
 from jaxfrontier.plan import hlo_collectives
 from test_model import ATOL, RTOL

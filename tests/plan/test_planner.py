@@ -37,7 +37,7 @@ from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import pipeline
-from jaxfrontier.model import blockwise
+from jaxfrontier.model.attention import blockwise
 from jaxfrontier.plan import estimate
 from jaxfrontier.plan import search as plan_search
 from jaxfrontier.plan import planner

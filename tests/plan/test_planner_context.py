@@ -64,7 +64,7 @@ def test_ring_traffic_is_c_minus_1_chunks_per_layer(remat, forward_passes):
 def test_ring_traffic_is_what_ring_attention_sends(context, tensor, dtype):
     """The planner's count per call equals model/ring.ring_send_bytes, which tests/model/test_ring.py
     holds against the collective-permutes of the compiled ring (the HLO check, one step removed)."""
-    ring = pytest.importorskip('jaxfrontier.model.ring')
+    ring = pytest.importorskip('jaxfrontier.model.attention.ring')
     shape = dataclasses.replace(_llama_shape(seq=64, layers=1), dtype=dtype)
     layout = layout_lib.Layout(context=context, tensor=tensor, micro_batch=2, remat='none')
     planned = sum(t.payload_bytes for (what, _), t in _traffic(shape, layout).items() if what.startswith('ring'))

@@ -30,7 +30,6 @@ from jaxfrontier.plan import estimate
 from jaxfrontier.plan import flop_count
 from jaxfrontier.plan import planner
 from jaxfrontier.plan import preflight
-from jaxfrontier.training import memory_check
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
 
@@ -186,7 +185,7 @@ def test_memory_preflight_refuses_a_llama_that_cannot_fit(monkeypatch):
     state (23 GiB a device) is refused with a layout of the same devices that fits."""
     c = llama_configs.get_config('size=1b,data=8')
     c.model.seq_len = 1024
-    monkeypatch.setattr(memory_check, 'host_memory_bytes', lambda: 8 * 8 * hw_lib.GIB)
+    monkeypatch.setattr(hw_lib, 'host_memory_bytes', lambda: 8 * 8 * hw_lib.GIB)
     with pytest.raises(preflight.UserError, match='a layout of these 8 devices that fits') as e:
         preflight.check(c, jax.local_devices())
     assert '\n' not in str(e.value)

@@ -1,4 +1,4 @@
-"""A full disk is one line naming the path, the free space and the fix; exit 2 (training/disk.py).
+"""A full disk is one line naming the path, the free space and the fix; exit 2 (run/control/disk.py).
 
 Black-box on a small tmpfs (needs root to mount; skipped elsewhere): the built-in corpus that
 does not fit, and a checkpoint save that does not fit after a committed one, which stays, with

@@ -15,10 +15,10 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
-from jaxfrontier.training import goodput
-from jaxfrontier.training import metrics
-from jaxfrontier.training import stragglers
-from jaxfrontier.training import wandb_log
+from jaxfrontier.run.observe import goodput
+from jaxfrontier.run.observe import metrics
+from jaxfrontier.run.observe import stragglers
+from jaxfrontier.run.observe import wandb_log
 from tests import processes
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 from jaxfrontier.training import step as step_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.checkpoint import target as target_lib

@@ -1,4 +1,4 @@
-"""A run that cannot fit is refused before its first step (training/memory_check.py).
+"""A run that cannot fit is refused before its first step (run/observe/memory_check.py).
 
 The compiled step's memory (XLA's analysis) is compared with what a device has; more is one
 line, exit 2, with the figure, the largest parts and the fixes. An allocation failure of the
@@ -13,8 +13,9 @@ import jax
 import pytest
 
 from jaxfrontier.errors import UserError
-from jaxfrontier.training import loop
-from jaxfrontier.training import memory_check
+from jaxfrontier.run import loop
+from jaxfrontier import hardware
+from jaxfrontier.run.observe import memory_check
 from jaxfrontier.training import state as ts
 from jaxfrontier import mesh as mesh_lib
 from tests import processes
@@ -68,8 +69,8 @@ def test_step_that_fits_and_the_override_pass(layout):
 
 
 def test_cpu_capacity_is_available_host_ram_shared_by_the_devices():
-    capacity, source = memory_check.device_capacity(jax.local_devices())
-    available = memory_check.host_memory_bytes()
+    capacity, source = hardware.device_capacity(jax.local_devices())
+    available = hardware.host_memory_bytes()
     assert abs(capacity - available // jax.local_device_count()) < 2**28  # RAM in use moves a little meanwhile
     with open('/proc/meminfo') as f:
         total = int(next(line for line in f if line.startswith('MemTotal')).split()[1]) * 1024
@@ -95,7 +96,7 @@ def test_allocation_failure_is_one_line(tmp_path, monkeypatch):
 def test_cli_refuses_a_step_larger_than_the_machine(tmp_path):
     """A one-layer, 32-wide model whose batch needs 19.6 GiB per device (XLA's figure): more than RAM / 8."""
     need_gib = 19.6
-    if memory_check.host_memory_bytes() / 8 / GIB > need_gib / 1.2:
+    if hardware.host_memory_bytes() / 8 / GIB > need_gib / 1.2:
         pytest.skip('this machine has enough RAM for the config')
     cmd = [sys.executable, '-m', 'jaxfrontier.main', *processes.TINY, '--config.model.seq_len=1024',
            '--config.train.micro_batch=1024', '--config.train.global_batch=4096', '--config.data.kind=synthetic',

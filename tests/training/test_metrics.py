@@ -1,4 +1,4 @@
-"""Tests of jaxfrontier.training.metrics: FLOP formula, device peaks, perf arithmetic, writer, NaN guard."""
+"""Tests of jaxfrontier.run.observe.metrics: FLOP formula, device peaks, perf arithmetic, writer, NaN guard."""
 
 import dataclasses
 import glob
@@ -14,7 +14,7 @@ from jaxfrontier import errors
 from jaxfrontier import flops as flops_lib
 from jaxfrontier.model import registry as model_registry
 from jaxfrontier import hardware
-from jaxfrontier.training import metrics
+from jaxfrontier.run.observe import metrics
 
 # GPT-3 175B as trained by Megatron-LM: B = 1536 sequences, s = 2048, l = 96, h = 12288,
 # V = 51200 (GPT-2's 50257 padded).

@@ -22,7 +22,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.plan import planner
 from jaxfrontier.plan import shrink as shrink_lib
-from jaxfrontier.training import memory_check
+from jaxfrontier.run.observe import memory_check
 from jaxfrontier.training import optimizer as optimizer_lib
 from jaxfrontier.training import state as ts
 from layout_check import check_against_reference, make_config, run_layout

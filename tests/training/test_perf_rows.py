@@ -13,7 +13,7 @@ import os
 import pytest
 from ml_collections import config_flags
 
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 from tests import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -75,7 +75,7 @@ def test_first_sigint_commits_and_exits(tmp_path):
 
 SECOND_SIGINT = """
 import os, signal, sys, time, types
-from jaxfrontier.training import interrupt
+from jaxfrontier.run.control import interrupt
 watcher = types.SimpleNamespace(received=None)
 with interrupt.first_interrupt_stops(watcher):
     os.kill(os.getpid(), signal.SIGINT)

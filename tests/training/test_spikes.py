@@ -20,7 +20,7 @@ from jaxfrontier import errors
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.data import sources
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 from jaxfrontier.training import spikes
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib

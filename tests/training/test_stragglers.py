@@ -3,7 +3,7 @@
 Process 1 sleeps 1 s in every batch's assembly (JF_TEST_STEP_DELAY_PROCESS=1:1.0, a delay
 the test injects, not a clock reading). Both processes train configs/tiny.py's small layer over
 data 2 x fsdp 2 x tensor 2; every 2 steps after the second they exchange their host and wait
-seconds per step (training/stragglers.py) and process 0 judges the previous round.
+seconds per step (run/observe/stragglers.py) and process 0 judges the previous round.
 """
 
 import json

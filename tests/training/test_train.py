@@ -8,7 +8,7 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
-from jaxfrontier.training import loop
+from jaxfrontier.run import loop
 from ml_collections import config_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,7 +34,7 @@ def test_tiny_config_learns_below_unigram_entropy(tmp_path, caplog):
         if r.name.startswith('jaxfrontier'):
             by_module.setdefault(r.getMessage().split(':')[0], set()).add(r.name)
     for stage in ('mesh', 'data', 'state', 'compile', 'start-up', 'checkpoint', 'done'):
-        assert by_module.get(stage) == {'jaxfrontier.training.loop'}, (stage, by_module)
+        assert by_module.get(stage) == {'jaxfrontier.run.loop'}, (stage, by_module)
     assert record['eval/loss'] < EVAL_LOSS_BOUND < UNIGRAM_ENTROPY_NATS, record
     lines = [json.loads(x) for x in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
     assert [r['step'] for r in lines] == [20, 40, 60, 80]
@@ -81,7 +81,7 @@ def test_pipelined_training_runs_end_to_end(tmp_path):
 def test_the_last_step_is_always_reported(tmp_path):
     """A run stopped between logged steps (SIGTERM) still writes its last step: the `done:` line and
     metrics.jsonl end at the step its final checkpoint holds (issue 28: `done:` said 150, 160 committed)."""
-    from jaxfrontier.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.run.observe import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
     c = tiny(10)
     c.train.log_every = 4
     writer = metrics_lib.MetricsWriter(str(tmp_path), c.train.steps, enabled=True, progress=False, initial_step=0)

@@ -1,4 +1,4 @@
-"""Hang detection (training/watchdog.py): the limit rule, the stacks it writes, the test fault, exit 5.
+"""Hang detection (run/control/watchdog.py): the limit rule, the stacks it writes, the test fault, exit 5.
 
 The rule is driven by `StepClock` with times given as numbers, never the clock. The thread test
 uses a fake exit and tiny limits and only waits for the thread to report (no timing asserted).
@@ -19,7 +19,7 @@ import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
-from jaxfrontier.training import watchdog
+from jaxfrontier.run.control import watchdog
 
 from processes import REPO, TINY, subprocess_env
 
@@ -149,7 +149,7 @@ def test_native_stacks_of_a_process(tmp_path):
 
 def test_injected_fault_fires_once(tmp_path):
     (tmp_path / 'hang-1-3').write_text('kill')
-    code = f'from jaxfrontier.training import watchdog; watchdog.maybe_inject({str(tmp_path)!r}, 1, 3)'
+    code = f'from jaxfrontier.run.control import watchdog; watchdog.maybe_inject({str(tmp_path)!r}, 1, 3)'
     first = subprocess.run([sys.executable, '-c', code], cwd=REPO, env=subprocess_env(), capture_output=True)
     assert first.returncode == -9, first.stderr[-2000:]
     assert not (tmp_path / 'hang-1-3').exists() and (tmp_path / 'hung-1-3').read_text().strip().isdigit()

@@ -1,4 +1,4 @@
-"""One run per workdir (training/workdir_lock.py, docs/checkpoints.md "The workdir lock").
+"""One run per workdir (run/control/workdir_lock.py, docs/checkpoints.md "The workdir lock").
 
 A second `python -m jaxfrontier.main` on a live workdir refuses at start (exit 2) naming the
 holder; a holder killed with SIGKILL, a requeued Slurm job's own lock and an expired lease are
@@ -16,8 +16,8 @@ import time
 import pytest
 
 from jaxfrontier.errors import UserError
-from jaxfrontier.training import loop
-from jaxfrontier.training import workdir_lock
+from jaxfrontier.run import loop
+from jaxfrontier.run.control import workdir_lock
 from tests import processes
 from tests.test_bad_input import good_config
 

@@ -27,8 +27,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxfrontier.errors import CheckpointError
-from jaxfrontier.checkpoint import hf_gpt2
-from jaxfrontier.checkpoint import hf_llama
+from jaxfrontier.checkpoint.interop import hf_gpt2
+from jaxfrontier.checkpoint.interop import hf_llama
 
 ITEMSIZE = {'F64': 8, 'F32': 4, 'F16': 2, 'BF16': 2, 'I64': 8, 'I32': 4, 'I16': 2, 'I8': 1, 'U8': 1, 'BOOL': 1,
             'U16': 2, 'U32': 4, 'U64': 8, 'F8_E4M3': 1, 'F8_E5M2': 1}

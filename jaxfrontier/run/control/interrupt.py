@@ -1,7 +1,7 @@
 """Ctrl-C during training: the first SIGINT stops like a preemption, a second stops at once.
 
 The first SIGINT asks the loop to stop after the current step, exactly like SIGTERM
-(training/preemption.py PreemptionWatcher: the step finishes, a checkpoint is committed, the
+(run/control/preemption.py PreemptionWatcher: the step finishes, a checkpoint is committed, the
 run exits 0 with the resume line); a second SIGINT restores the default action and re-sends
 itself, so the process ends immediately (nothing more is saved; committed checkpoints stay).
 """

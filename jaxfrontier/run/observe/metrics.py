@@ -82,7 +82,7 @@ class MetricsWriter:
     Only an enabled writer on process 0 does anything; elsewhere every method is a no-op.
     Non-finite values are written to the JSON file as `null` so every line is strict JSON.
     `sinks` get every row too (`write(step, values, replayed)`, `summary(values)`: W&B,
-    training/wandb_log.py); their owner closes them.
+    run/observe/wandb_log.py); their owner closes them.
     """
 
     def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool, initial_step: int = 0,

@@ -39,10 +39,10 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.checkpoint import format as format_lib
-from jaxfrontier.checkpoint import hf_files
+from jaxfrontier.checkpoint.interop import hf_files
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import run_files
-from jaxfrontier.checkpoint import safetensors as safetensors_lib
+from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
 
 HEAD = 'lm_head.weight'  # every family's untied head: outside the base model's prefix
 BY_FAMILY = {c.FAMILY: c for c in hf_files.CONVERTERS}

@@ -10,7 +10,7 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader as data_lib
-from jaxfrontier.training import wandb_log
+from jaxfrontier.run.observe import wandb_log
 
 
 def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:

@@ -17,15 +17,15 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxfrontier.checkpoint import init_from
+from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.checkpoint import manager as checkpoint_lib
 from jaxfrontier.checkpoint import target as target_lib
-from jaxfrontier.checkpoint import tiers
-from jaxfrontier.training import preemption as preemption_lib
-from jaxfrontier.training import disk
+from jaxfrontier.checkpoint.fast import tiers
+from jaxfrontier.run.control import preemption as preemption_lib
+from jaxfrontier.run.control import disk
 from jaxfrontier.training import evaluation
-from jaxfrontier.training import goodput
-from jaxfrontier.training import interrupt
+from jaxfrontier.run.observe import goodput
+from jaxfrontier.run.control import interrupt
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
 from jaxfrontier import files
@@ -35,17 +35,17 @@ from jaxfrontier.errors import NonFiniteLossError
 from jaxfrontier.model import registry as model_registry
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.training import memory_check
-from jaxfrontier.training import metrics as metrics_lib
+from jaxfrontier.run.observe import memory_check
+from jaxfrontier.run.observe import metrics as metrics_lib
 from jaxfrontier.training import step as step_lib
-from jaxfrontier.training import profile as profile_lib
+from jaxfrontier.run.observe import profile as profile_lib
 from jaxfrontier.training import spikes
-from jaxfrontier.training import stragglers
+from jaxfrontier.run.observe import stragglers
 from jaxfrontier.training import state as ts
-from jaxfrontier.training import validation
-from jaxfrontier.training import watchdog as watchdog_lib
-from jaxfrontier.training import wandb_log
-from jaxfrontier.training import workdir_lock
+from jaxfrontier.run import validation
+from jaxfrontier.run.control import watchdog as watchdog_lib
+from jaxfrontier.run.observe import wandb_log
+from jaxfrontier.run.control import workdir_lock
 from jaxfrontier.model import params as params_lib
 
 State = dict[str, Any]
@@ -205,10 +205,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, validated:
     runs here. `startup`: seconds of the phases before this call (main times flags, imports,
     distributed init and the preflight), logged with the loop's own in one `start-up:` line and
     written with the first metrics row (`startup/<phase>_s`). `started`: the process's start on
-    `time.perf_counter` (main's), where goodput's wall time begins (training/goodput.py; None: this
+    `time.perf_counter` (main's), where goodput's wall time begins (run/observe/goodput.py; None: this
     call). The run holds
     `<workdir>/workdir.lock` from before its first write to the end
-    (training/workdir_lock.py): a second run on the same workdir refuses to start.
+    (run/control/workdir_lock.py): a second run on the same workdir refuses to start.
     """
     locks: list[workdir_lock.WorkdirLock] = []
     try:
@@ -314,10 +314,10 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
     profiler = profile_lib.StepProfiler(c, workdir)
     pending, stop, step_metrics, final_saved, newest = None, False, None, True, None
     commits = _CommitLog(checkpointer)
-    # A stuck step ends the process with its stacks on disk (exit 5, training/watchdog.py).
+    # A stuck step ends the process with its stacks on disk (exit 5, run/control/watchdog.py).
     watchdog = watchdog_lib.Watchdog(c, workdir, jax.process_index())
     try:
-        # Goodput (training/goodput.py): the loop is step time, but for its waits for a save or an
+        # Goodput (run/observe/goodput.py): the loop is step time, but for its waits for a save or an
         # evaluation; those wait for the step first, as step time, so their spans hold only their own.
         with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules), ledger.span('step'):
             step = done

@@ -231,7 +231,7 @@ class WorkdirLock:
 def acquire_for_job(workdir: str, lease_s: float) -> WorkdirLock:
     """Process 0 takes the lock for the whole job; every process raises the same UserError if it cannot."""
     import jax  # pylint: disable=g-import-not-at-top  (the module itself stays JAX-free for its tests)
-    from jaxfrontier.training import preemption  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.run.control import preemption  # pylint: disable=g-import-not-at-top
 
     lock = WorkdirLock(workdir, lease_s)
     refusal = None

@@ -36,7 +36,7 @@ import jax
 import ml_collections
 
 from jaxfrontier import logs
-from jaxfrontier.training import goodput
+from jaxfrontier.run.observe import goodput
 
 _PREFIX = 'jaxfrontier/stragglers'
 _GET_TIMEOUT_MS = 60_000

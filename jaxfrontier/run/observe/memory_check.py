@@ -12,10 +12,8 @@ line: the figure, the largest parts, and the fixes. `--config.train.ignore_memor
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -29,39 +27,6 @@ FIXES = ('get layouts of this model that fit with `python -m jaxfrontier.main --
          '--hardware=local` (or the --hardware you run on); or lower train.micro_batch (raising train.accum_steps), '
          "set model.remat='full', shard more (mesh.fsdp, mesh.tensor, sharding.zero1=True); or go ahead anyway "
          'with --config.train.ignore_memory_check=True')
-
-
-def host_memory_bytes() -> int:
-    """RAM available to this process now: MemAvailable, or the cgroup's remaining limit if lower.
-
-    Not the total: on a shared node the other processes' memory is not ours (a step that fit
-    the total but not the available RAM was killed by the kernel in testing).
-    """
-    available = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES')
-    with contextlib.suppress(OSError, KeyError, ValueError), open('/proc/meminfo') as f:
-        available = int(dict(line.split(':', 1) for line in f)['MemAvailable'].split()[0]) * 1024
-    for limit_path, usage_path in (('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory.current'),
-                                   ('/sys/fs/cgroup/memory/memory.limit_in_bytes',
-                                    '/sys/fs/cgroup/memory/memory.usage_in_bytes')):
-        try:
-            with open(limit_path) as f, open(usage_path) as g:
-                limit, usage = f.read().strip(), g.read().strip()
-        except OSError:
-            continue
-        if limit.isdigit() and usage.isdigit():
-            available = min(available, int(limit) - int(usage))
-    return available
-
-
-def device_capacity(devices: Sequence[Any]) -> tuple[int, str]:
-    """(bytes one device may use, where the figure comes from) for this process's devices."""
-    limits = [hardware.memory_stats(d).get('bytes_limit') for d in devices]
-    if devices and all(limits):
-        return min(limits), f'the {devices[0].platform} allocator limit (memory_stats bytes_limit)'
-    host = host_memory_bytes()
-    n = max(len(devices), 1)
-    return host // n, (f'{host / GIB:.1f} GiB of available host RAM shared by {n} simulated '
-                       f'{devices[0].platform} devices')
 
 
 def state_parts(abstract_state: Any, shardings: Any) -> dict[str, int]:
@@ -98,7 +63,7 @@ def check_fits(compiled: Any, c: ml_collections.ConfigDict, abstract_state: Any,
     if found is None:
         return
     need, parts = found
-    capacity, source = device_capacity(jax.local_devices() if devices is None else devices)
+    capacity, source = hardware.device_capacity(jax.local_devices() if devices is None else devices)
     if need > capacity:
         raise UserError(f'the compiled train step needs {need / GIB:.2f} GiB per device but a device has '
                         f'{capacity / GIB:.2f} GiB ({source}); largest parts: {_describe(parts)}. Fix: {FIXES}')
@@ -112,6 +77,6 @@ def is_out_of_memory(e: BaseException) -> bool:
 def out_of_memory_error(e: BaseException) -> UserError:
     """The one-line UserError for an allocation failure."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    capacity, source = device_capacity(jax.local_devices())
+    capacity, source = hardware.device_capacity(jax.local_devices())
     return UserError(f'out of device memory: {first[:300]} (a device has {capacity / GIB:.2f} GiB: {source}). '
                      f'Fix: {FIXES}')

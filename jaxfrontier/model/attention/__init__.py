@@ -15,7 +15,7 @@ Kernels (config.model.attention):
   xla        jax.nn.dot_product_attention(implementation='xla').
   cudnn      jax.nn.dot_product_attention(implementation='cudnn'): NVIDIA GPUs, 16-bit dtypes.
   blockwise  flash-style blocks, online softmax and a recomputing custom VJP in plain JAX
-             (model/blockwise.py): O(s) memory per head on any backend; block sizes from
+             (model/attention/blockwise.py): O(s) memory per head on any backend; block sizes from
              model.attention_block_q / model.attention_block_kv.
   auto       cudnn on an NVIDIA GPU with a 16-bit dtype; blockwise everywhere else: on ROCm
              (the Pallas/Triton kernels do not run on MI250X, FRONTIER.md, so the alternative
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.model import ring
-from jaxfrontier.model.blockwise import blockwise_attention
+from jaxfrontier.model.attention import ring
+from jaxfrontier.model.attention.blockwise import blockwise_attention
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.layers import ACT_ND, param
 from jaxfrontier.model.sequence import Seq, as_seq, positions
@@ -147,7 +147,7 @@ def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, b
 
 def across_context(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *, positions_bt: jax.Array,
                    segments_bt: jax.Array | None, block_q: int, block_kv: int, axis='context') -> jax.Array:
-    """Attention with the sequence split over mesh `axis`: ring attention (model/ring.py), except
+    """Attention with the sequence split over mesh `axis`: ring attention (model/attention/ring.py), except
     inside the pipeline's stages, where it gathers (`context_attention`).
 
     Ring attention's collective-permutes inside the pipeline executors' per-stage `lax.switch`
@@ -171,7 +171,7 @@ def context_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *
     All-gather context parallelism (MaxText's `all-gather` strategy): each device keeps its
     queries and gathers every key and value (and their positions) over `axis`; the mask comes
     from positions, so any token order works (model/context.py). Memory per device: the local
-    queries' scores against all T keys. `model/ring.py`'s ring attention has this signature and
+    queries' scores against all T keys. `model/attention/ring.py`'s ring attention has this signature and
     replaces it outside pipelines (`across_context`): keys and values travel around the ring
     blockwise instead of being gathered.
     """

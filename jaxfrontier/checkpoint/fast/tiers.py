@@ -44,10 +44,10 @@ import numpy as np
 
 from jaxfrontier import logs
 from jaxfrontier.errors import CheckpointError, ConfigError, UserError
-from jaxfrontier.checkpoint import fast_files
+from jaxfrontier.checkpoint.fast import files as fast_files
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import integrity
-from jaxfrontier.checkpoint import peer
+from jaxfrontier.checkpoint.fast import peer
 
 State = dict[str, Any]
 _log = logs.process0(__name__).info
@@ -89,7 +89,7 @@ def candidates(owns: list[set[int]], helds: list[set[int]], offset: int,
 class FastTier:
     """The fast tier of one run on this process (no-op when `checkpoint.fast_dir` is '').
 
-    Usage, beside manager.Checkpointer (training/loop.py):
+    Usage, beside manager.Checkpointer (run/loop.py):
 
         fast = FastTier(config, mesh)
         restored = fast.restore(target, checkpointer.latest_step())   # None: restore as before

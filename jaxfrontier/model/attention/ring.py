@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxfrontier.model import blockwise
+from jaxfrontier.model.attention import blockwise
 
 
 

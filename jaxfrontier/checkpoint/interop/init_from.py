@@ -14,10 +14,10 @@ import ml_collections
 
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.checkpoint import finite
-from jaxfrontier.checkpoint import hf
-from jaxfrontier.checkpoint import hf_files
+from jaxfrontier.checkpoint.interop import hf
+from jaxfrontier.checkpoint.interop import hf_files
 from jaxfrontier.checkpoint import readers
-from jaxfrontier.checkpoint import safetensors as safetensors_lib
+from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
 
 
 def load_params(source: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The GPT family <-> Hugging Face GPT-2 (`GPT2LMHeadModel`): configs, tensors, refusals.
 
-One converter module per family (this one, hf_llama.py); checkpoint/hf.py is the driver that
+One converter module per family (this one, hf_llama.py); checkpoint/interop/hf.py is the driver that
 streams a checkpoint through it one layer at a time. Our GPT is GPT-2's architecture
 (model/gpt.py, layers.py): pre-LN blocks, LayerNorm eps 1e-5, tanh-approximated GeLU
 (`jax.nn.gelu`, HF `gelu_new`), learned positions, biases everywhere, attention scaled by

@@ -17,7 +17,7 @@ With positions and segments (`blockwise_attention(..., positions_bt=, segments_b
 masked path replaces the block-index arithmetic: the mask per visited block pair, the pairs to
 visit decided once from per-block id ranges (`block_visits`; the masked-path section below).
 Its lower-level form, queries against a separate key/value chunk, is what ring attention
-(model/ring.py) runs at each step.
+(model/attention/ring.py) runs at each step.
 
 Everything is `lax.scan` / `lax.fori_loop` (trip counts depend on the block index), einsum
 and elementwise ops, so XLA compiles it for the CPU, ROCm and CUDA alike. Matmul inputs stay
@@ -210,7 +210,7 @@ _attention.defvjp(_attention_fwd, _backward)
 #
 # With explicit positions and segments (packed documents, context parallelism's token order)
 # query i sees key j iff pos_j <= pos_i and seg_i == seg_j (attention.visible). Queries and keys
-# may be different chunks of one sequence (ring attention, model/ring.py): each side brings its
+# may be different chunks of one sequence (ring attention, model/attention/ring.py): each side brings its
 # own positions and segments. Which block pairs hold any visible entry is decided once, before
 # the loops, from each block's min/max position and segment (over the batch and the block's
 # real rows; nothing assumes the blocks are in order), so a pair that is wholly masked is

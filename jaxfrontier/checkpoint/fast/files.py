@@ -5,7 +5,7 @@ other process reads it):
 
   <step>/own/    this process's shards of the state at <step>
   <step>/peer/   the shards of its source process (the one `peer_offset` behind), received over the
-                 interconnect (checkpoint/peer.py)
+                 interconnect (checkpoint/fast/peer.py)
 
 Each part holds one raw file per distinct shard (`<leaf>.<shard>.bin`, C order, the array's dtype)
 and `manifest.json`, written last, fsynced, then renamed into place: the part's commit marker.
