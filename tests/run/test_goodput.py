@@ -1,8 +1,8 @@
 """Goodput's ledger, the straggler rule, the W&B settings and the writer's sinks, without a training run.
 
 The ledger runs on a fake clock, so every second is placed by the test; the runs through the
-CLI (a restart, W&B offline) are tests/training/test_observe.py, the two-process straggler
-tests/training/test_stragglers.py.
+CLI (a restart, W&B offline) are tests/run/test_observe.py, the two-process straggler
+tests/run/test_stragglers.py.
 """
 
 import importlib.util
