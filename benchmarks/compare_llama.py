@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 from jaxfrontier import config as config_lib  # noqa: E402
-from jaxfrontier.model import registry  # noqa: E402
+from jaxfrontier import families  # noqa: E402
 
 LAYERS, D, HEADS, KV_HEADS, SEQ, VOCAB, BATCH = 6, 384, 6, 2, 256, 512, 8
 
@@ -46,7 +46,7 @@ def base(family: str, mlp_dim: int = 0):
 
 def count(c) -> int:
     shape = config_lib.model_shape(c)
-    return sum(p.size for p in registry.get(shape.family).param_specs(shape))
+    return sum(p.size for p in families.get(shape.family).param_specs(shape))
 
 
 def equal_parameter_llama():

@@ -18,7 +18,6 @@ import numpy as np
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader, sources
-from jaxfrontier.model import registry as model_registry
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.run.observe import metrics as metrics_lib
@@ -49,7 +48,7 @@ def time_train_step(c: ml_collections.ConfigDict, steps: int = 5, warmup: int = 
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    model_flops, hw_flops = model_registry.flops_per_step_from_config(c)
+    model_flops, hw_flops = config_lib.flops_per_step(c)
     peak, peak_source = hardware.device_peak_flops(jax.devices()[0], c.model.dtype)
     out = {
         'devices': n,

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.model import registry as model_registry
 
 
 class Block(nn.Module):
@@ -97,7 +96,7 @@ def time_step(c, steps: int = 5, warmup: int = 2, model: nn.Module | None = None
             compile_s = time.perf_counter() - t0
     step_s = statistics.median(times)
     c.train.global_batch = batch
-    model_flops, _ = model_registry.flops_per_step_from_config(c)
+    model_flops, _ = config_lib.flops_per_step(c)
     import jax  # pylint: disable=g-import-not-at-top  (the device table's peak, as for our rows)
     from jaxfrontier import hardware  # pylint: disable=g-import-not-at-top
     peak, _ = hardware.device_peak_flops(jax.devices()[0], 'bfloat16' if device == 'cuda' else 'float32')

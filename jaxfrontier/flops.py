@@ -15,8 +15,9 @@ FLOP convention (used for every number this module reports):
     paper reported as TFLOP/s per GCD and is reported here under a `megatron_hw` name.
 
 The formula is GPT's (a 4h-wide MLP). A model family counts its own FLOPs in this convention
-(`Family.megatron_flops`; GPT's calls the formula here), and
-`model.registry.flops_per_step_from_config` gives the configured family's numbers per step.
+(`Family.megatron_flops`, jaxfrontier/families/, which calls the formulas here), and
+`config.flops_per_step` gives the configured family's numbers per step. Pure arithmetic, no
+imports: the family declarations, below the config, use it.
 """
 
 from __future__ import annotations

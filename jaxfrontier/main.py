@@ -51,8 +51,8 @@ _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export',
                           'per byte over --eval_path or the validation split (docs/inference.md). lm_eval: '
                           'lm-evaluation-harness --tasks on the newest checkpoint (pip install jaxfrontier[lm_eval]).')
 _EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors', 'hf'],
-                                   'mode=export: our safetensors names, or a Hugging Face directory: GPT-2, '
-                                   'Llama or Qwen2 by the model (--export_path=DIR, loads with '
+                                   'mode=export: our safetensors names, or a Hugging Face directory in the '
+                                   "architecture of the model's family (--export_path=DIR, loads with "
                                    'transformers.AutoModelForCausalLM).')
 _PROMPT = flags.DEFINE_multi_string('prompt', [], 'mode=sample: a text to continue; repeat the flag for several '
                                     '(one batch, each printed with its own continuation).')

@@ -118,8 +118,8 @@ def test_llama_config_validates_and_shapes(name, arg):
     model_def = params_lib.ModelDef.create(shape)
     params = model_def.abstract_params()
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
-    from jaxfrontier.model import registry  # pylint: disable=g-import-not-at-top
-    assert params_lib.count_params(params) == sum(p.size for p in registry.get('llama').param_specs(shape))
+    from jaxfrontier import families  # pylint: disable=g-import-not-at-top
+    assert params_lib.count_params(params) == sum(p.size for p in families.get('llama').param_specs(shape))
     m, size = c.model, arg.removeprefix('size=')
     k = m.d_model // m.num_heads
     assert params['blocks']['attn']['w_kv'].shape == (m.num_layers, m.d_model, 2, shape.kv_heads, k)

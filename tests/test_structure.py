@@ -16,9 +16,10 @@ MAX_LINES = 500
 
 # Bottom to top. A module may import its own layer or lower ones (and no cycle: test below).
 LAYERS = (
-    ('errors',),
+    ('errors', 'flops'),  # flops: the FLOP convention, arithmetic that imports nothing
+    ('families',),  # the model families' declarations (fields, shape, tables, HF converter): no JAX, ever
     ('config', 'hardware', 'cli', 'logs', 'files'),  # no JAX at import: read before JAX starts
-    ('flops', 'mesh', 'distributed', 'layout'),
+    ('mesh', 'distributed', 'layout'),
     ('model', 'data'),
     ('checkpoint',),  # Orbax manager, restore, integrity, readers, safetensors, Hugging Face: no training
     ('pipeline',),
@@ -134,3 +135,16 @@ def test_no_prefix_named_modules_at_the_top():
     """Parts with several modules are packages, not `plan_*` / `sweep_*` / `pipeline_*` prefixes."""
     top = [p.stem for p in ROOT.glob('*.py')]
     assert not [s for s in top if s.startswith(('plan_', 'sweep_', 'pipeline_', 'train_'))]
+
+
+@pytest.mark.parametrize('module', sorted(m for m in GRAPH if m.startswith('jaxfrontier.families')))
+def test_family_declarations_import_no_jax(module):
+    """The declarations are read before JAX starts (the config's defaults, checks and HF directory checks):
+    no jax or flax import anywhere in them, not even inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(modules()[module].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split('.')[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split('.')[0])
+    assert not found & {'jax', 'jaxlib', 'flax', 'optax', 'orbax'}, f'{module} imports {sorted(found)}'

@@ -12,6 +12,7 @@ from typing import Any
 
 import ml_collections
 
+from jaxfrontier import families
 from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.checkpoint import integrity
 
@@ -19,13 +20,21 @@ FORMAT = 'jaxfrontier-checkpoint'
 VERSION = 1
 CHECKPOINT_SUBDIR = 'checkpoints'
 SUPERSEDED_SUBDIR = 'checkpoints.superseded'  # steps newer than the one a run rolled back to
-# The config fields that fix the shapes of the train state; a checkpoint restores only into
-# a config that agrees on all of them.
-MODEL_SHAPE_FIELDS = ('family', 'num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio',
-                      'tied_embeddings', 'num_kv_heads', 'qkv_bias', 'mlp_dim', 'ffn_dim_multiplier', 'multiple_of')
-# What else a llama model computes with (not shapes: a fine-tune may change them, a reader adopts them).
-MODEL_FUNCTION_FIELDS = ('norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor', 'rope_low_freq_factor',
-                         'rope_high_freq_factor', 'rope_original_max_len')
+# The config fields every family shares that fix the shapes of the train state.
+COMMON_SHAPE_FIELDS = ('family', 'num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio',
+                       'tied_embeddings', 'mlp_dim')
+
+
+def model_shape_fields() -> tuple[str, ...]:
+    """The model.* fields that fix the shapes of the train state (the shared ones, then each family's own,
+    `Family.shape_fields`): a checkpoint restores only into a config that agrees on all of them."""
+    return COMMON_SHAPE_FIELDS + tuple(f for family in families.all_families() for f in family.shape_fields)
+
+
+def model_function_fields() -> tuple[str, ...]:
+    """What else the families' models compute with (not shapes: a fine-tune may change them, a reader
+    adopts them; `Family.function_fields`)."""
+    return tuple(f for family in families.all_families() for f in family.function_fields)
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -54,7 +63,7 @@ def check_model_matches(saved: dict[str, Any], c: ml_collections.ConfigDict, whe
       where: the checkpoint, for the message.
       fix: what to do instead of changing the field, for the message.
     """
-    for field in MODEL_SHAPE_FIELDS:
+    for field in model_shape_fields():
         theirs, ours = saved.get('model', {}).get(field), c.model[field]
         if theirs is not None and theirs != ours:
             raise ConfigError(

@@ -10,15 +10,16 @@ raises the first as a ConfigError. No JAX; imports nothing of ours, so config.py
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
 
 # Sizes no model trained on any machine reaches; above them set-up loops or overflows.
 MAX_SIZES = {'model.seq_len': 2**24, 'model.d_model': 2**20, 'model.num_layers': 2**16, 'model.num_heads': 2**16,
              'model.mlp_ratio': 2**10, 'model.vocab_size': 2**32, 'model.vocab_multiple': 2**16,
              'model.attention_block_q': 2**24, 'model.attention_block_kv': 2**24, 'train.global_batch': 2**31,
              'train.micro_batch': 2**31, 'train.accum_steps': 2**31, 'pipeline.virtual_stages': 2**16,
-             'model.mlp_dim': 2**24, 'model.num_kv_heads': 2**16, 'model.multiple_of': 2**24,
-             'model.rope_original_max_len': 2**31, 'data.eot_id': 2**32}
+             'model.mlp_dim': 2**24, 'data.eot_id': 2**32}
 # Floats: the range each must lie in (all finite), and a usual value.
 FLOAT_RANGES = {'model.init_std': (0.0, math.inf, 0.02), 'optim.eps': (0.0, math.inf, 1e-8),
                 'optim.weight_decay': (0.0, math.inf, 0.1), 'optim.clip_norm': (0.0, math.inf, 1.0),
@@ -33,8 +34,10 @@ def _get(c: Any, dotted: str) -> Any:
     return c[section][field] if section in c and field in c[section] else None
 
 
-def problems(c: Any, defaults: Any) -> Iterator[tuple[str, Any, str, str]]:
-    """(field, value, problem, fix) of each rule `c` breaks; `defaults` is config.base_config()."""
+def problems(c: Any, defaults: Any, max_sizes: Mapping[str, int] = MappingProxyType({})
+             ) -> Iterator[tuple[str, Any, str, str]]:
+    """(field, value, problem, fix) of each rule `c` breaks; `defaults` is config.base_config(), `max_sizes`
+    more of MAX_SIZES (the model families' own fields, `Family.max_sizes`)."""
     for section, sub in defaults.items():  # ml_collections lets an override set any field to None
         if not hasattr(sub, 'items'):
             if sub is not None and section in c and c[section] is None:
@@ -53,7 +56,7 @@ def problems(c: Any, defaults: Any) -> Iterator[tuple[str, Any, str, str]]:
                     and f'{section}.{field}' not in FLOAT_RANGES):
                 yield (f'{section}.{field}', value, 'must be a finite number',
                        f'set {section}.{field} to a number like its default {default!r}')
-    for field, limit in MAX_SIZES.items():
+    for field, limit in (MAX_SIZES | dict(max_sizes)).items():
         value = _get(c, field)
         if isinstance(value, int) and value > limit:
             yield field, value, f'exceeds {limit:,}, beyond any model this trains', f'set {field} to a real size'

@@ -11,9 +11,10 @@ from typing import Any
 
 import ml_collections
 
+from jaxfrontier import families
 from jaxfrontier.config import bounds
 from jaxfrontier.config.rules import SEQUENCE_PARALLEL
-from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, MODEL_FAMILIES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, data_parallel_size, mesh_shape, mlp_dim, num_devices)
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, mlp_dim, num_devices)
 from jaxfrontier.errors import ConfigError
 
 
@@ -88,7 +89,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
       n_devices: devices present; None skips the device-count rule (e.g. for planning).
     """
     m, t = c.model, c.train
-    for problem in bounds.problems(c, base_config()):  # None, non-finite floats, absurd sizes (tests/fuzz)
+    max_sizes = {f'model.{k}': v for family in families.all_families() for k, v in family.max_sizes.items()}
+    for problem in bounds.problems(c, base_config(), max_sizes):  # None, non-finite floats, absurd sizes (tests/fuzz)
         raise ConfigError(*problem)
     for axis in MESH_AXES:
         _require(isinstance(c.mesh[axis], int) and c.mesh[axis] >= 1, f'mesh.{axis}', c.mesh[axis],
@@ -107,8 +109,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
                   'attention_block_q', 'attention_block_kv'):
         _require(isinstance(m[field], int) and m[field] >= 1, f'model.{field}', m[field],
                  'must be a positive integer', f'set model.{field} to a positive integer')
-    _require(m.family in MODEL_FAMILIES, 'model.family', m.family, 'unknown model family',
-             f'use one of {MODEL_FAMILIES}')
+    _require(m.family in families.names(), 'model.family', m.family, 'unknown model family',
+             f'use one of {families.names()}')
     _require(m.dtype in DTYPES, 'model.dtype', m.dtype, 'unknown dtype', f'use one of {DTYPES}')
     _require(m.attention in ATTENTION_IMPLS, 'model.attention', m.attention,
              'unknown attention implementation', f'use one of {ATTENTION_IMPLS}')
@@ -230,52 +232,20 @@ def _validate_packing(c: ml_collections.ConfigDict) -> None:
              'jaxfrontier.prepare, or data.pack_documents=false')
 
 
-# Fields only the llama family reads (model/llama.py), with the value that means "not used".
-LLAMA_ONLY = ('num_kv_heads', 'qkv_bias', 'norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor',
-              'rope_low_freq_factor', 'rope_high_freq_factor', 'rope_original_max_len', 'ffn_dim_multiplier',
-              'multiple_of')
-
-
 def _validate_family(c: ml_collections.ConfigDict) -> None:
-    """The family's own fields: GPT refuses llama's (it would silently ignore them), llama checks them."""
-    m, defaults = c.model, base_config().model
+    """The families' own fields: another family's refused away from their defaults (the configured one
+    would silently ignore them), the configured family's checked by its declaration (`Family.check`)."""
+    m = c.model
     _require(isinstance(m.mlp_dim, int) and m.mlp_dim >= 0, 'model.mlp_dim', m.mlp_dim, 'must be an integer >= 0',
              "set 0 (the family's rule) or the MLP width")
-    if m.family != 'llama':
-        for field in LLAMA_ONLY:
-            unused = m[field] == defaults[field] or (field == 'num_kv_heads' and m[field] == m.num_heads)
-            _require(unused, f'model.{field}', m[field], f'only the llama family uses it (model.family = '
-                     f'{m.family!r} would ignore it)', f"set model.family='llama', or leave model.{field} at "
-                     f'{defaults[field]!r}')
-        return
-    _require(isinstance(m.num_kv_heads, int) and m.num_kv_heads >= 0, 'model.num_kv_heads', m.num_kv_heads,
-             'must be an integer >= 0', 'set 0 (as many as model.num_heads) or the key/value heads')
-    kv = m.num_kv_heads or m.num_heads
-    _require(m.num_heads % kv == 0, 'model.num_kv_heads', m.num_kv_heads,
-             f'must divide model.num_heads = {m.num_heads} (each kv head serves a group of query heads)',
-             f'choose a divisor of {m.num_heads}, e.g. {math.gcd(m.num_heads, kv)}')
-    _require((m.d_model // m.num_heads) % 2 == 0, 'model.d_model', m.d_model,
-             f'the head dimension d_model / num_heads = {m.d_model // m.num_heads} must be even for rotary '
-             'embeddings (they rotate pairs of dimensions)', 'choose d_model and num_heads with an even quotient')
-    _require(m.rope_scaling in ROPE_SCALINGS, 'model.rope_scaling', m.rope_scaling, 'unknown RoPE scaling',
-             f'use one of {ROPE_SCALINGS}')
-    for field, low, example in (('norm_eps', 0.0, 1e-5), ('rope_theta', 1.0, 500000.0)):
-        _require(math.isfinite(m[field]) and m[field] > low, f'model.{field}', m[field],
-                 f'must be a finite number > {low}', f'set model.{field} to e.g. {example}')
-    _require(math.isfinite(m.ffn_dim_multiplier) and m.ffn_dim_multiplier >= 0, 'model.ffn_dim_multiplier',
-             m.ffn_dim_multiplier, 'must be a finite number >= 0', 'set 0 (none) or e.g. 1.3')
-    _require(isinstance(m.multiple_of, int) and m.multiple_of >= 1, 'model.multiple_of', m.multiple_of,
-             'must be a positive integer', 'set e.g. 256')
-    if m.rope_scaling == 'llama3':
-        _require(math.isfinite(m.rope_factor) and m.rope_factor >= 1, 'model.rope_factor', m.rope_factor,
-                 'must be a finite number >= 1 (how much longer the context becomes)', 'set e.g. 8.0')
-        low, high = m.rope_low_freq_factor, m.rope_high_freq_factor
-        _require(math.isfinite(low) and math.isfinite(high) and 0 < low < high, 'model.rope_high_freq_factor',
-                 high, f'must be finite and above model.rope_low_freq_factor = {low} > 0',
-                 'use e.g. rope_low_freq_factor=1.0, rope_high_freq_factor=4.0')
-        _require(isinstance(m.rope_original_max_len, int) and m.rope_original_max_len >= 1,
-                 'model.rope_original_max_len', m.rope_original_max_len, 'must be a positive integer',
-                 'set the context length the model was pre-trained at, e.g. 8192')
+    for other in families.all_families():
+        if other.name == m.family:
+            continue
+        for field, default in other.fields.items():
+            _require(other.unset(m, field), f'model.{field}', m[field], f'only the {other.name} family uses it '
+                     f'(model.family = {m.family!r} would ignore it)', f"set model.family='{other.name}', or leave "
+                     f'model.{field} at {default!r}')
+    families.get(m.family).check(m, _require)
 
 
 def _validate_checkpoint(ck: ml_collections.ConfigDict) -> None:

@@ -6,7 +6,6 @@ rules it must satisfy are in checks.py. No JAX import (the package's docstring s
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -15,7 +14,9 @@ from typing import Any
 
 import ml_collections
 
+from jaxfrontier import families
 from jaxfrontier.errors import ConfigError
+from jaxfrontier.families import ModelShape
 
 # Logical axis name -> mesh axes. Parameters and activations are annotated with the logical
 # names on the left (see jaxfrontier/model/); this table decides the layout.
@@ -29,7 +30,7 @@ DEFAULT_RULES = (
     ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
     ('mlp', 'tensor'),  # Megatron column/row split of the MLP
     ('heads', 'tensor'),  # Megatron split of attention by heads
-    # llama's key/value heads: split like the query heads where their count divides the
+    # grouped key/value heads: split like the query heads where their count divides the
     # axes, replicated where it does not (Megatron's GQA; `resolve_rules`)
     ('kv_heads', 'tensor'),
     ('vocab', 'tensor'),  # vocabulary-parallel embedding and head
@@ -39,8 +40,8 @@ DEFAULT_RULES = (
     ('act_embed', None),  # activations' model dimension stays whole
 )
 
-MODEL_FAMILIES = ('gpt', 'llama')  # model/registry.py declares each (a test holds the two equal)
-ROPE_SCALINGS = ('none', 'llama3')  # llama: model.rope_scaling (model/layers/rope.py)
+# The families registered at import (jaxfrontier/families/); families.names() lists those registered now.
+MODEL_FAMILIES = families.names()
 ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn', 'blockwise')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
 # Staggered 1F1B (pipeline/staggered.py): model.remat -> what the recomputation keeps for the
@@ -78,8 +79,8 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
 
-    c.model = ml_collections.ConfigDict(dict(
-        family='gpt',  # gpt | llama (model/registry.py: MODEL_FAMILIES; docs/models.md)
+    model = dict(
+        family=families.DEFAULT_FAMILY,  # a registered family, families.names() (docs/models.md)
         num_layers=2,
         d_model=128,
         num_heads=4,
@@ -88,23 +89,16 @@ def base_config() -> ml_collections.ConfigDict:
         # The vocabulary is padded to a multiple of vocab_multiple * mesh.tensor
         # (Megatron pads GPT-2's 50,257 to a multiple of 128 * TP).
         vocab_multiple=128,
-        mlp_ratio=4,  # gpt: the MLP is mlp_ratio * d_model wide
-        # The MLP's width; 0: the family's rule (gpt: mlp_ratio * d_model; llama: 2/3 of
-        # 4 * d_model, times ffn_dim_multiplier where set, rounded up to multiple_of).
+        mlp_ratio=4,  # the MLP is mlp_ratio * d_model wide where the family's rule says so (gpt)
+        # The MLP's width; 0: the family's rule (`Family.mlp_dim`; docs/models.md).
         mlp_dim=0,
-        ffn_dim_multiplier=0.0,  # llama: 0 = none
-        multiple_of=256,  # llama
-        # llama: key/value heads (grouped-query attention; 1 = multi-query); 0 = num_heads.
-        num_kv_heads=0,
-        qkv_bias=False,  # llama: biases on the q, k and v projections (Qwen2)
-        norm_eps=1e-5,  # llama: RMSNorm epsilon (gpt's LayerNorm keeps GPT-2's 1e-5)
-        rope_theta=10000.0,  # llama: rotary embedding base
-        # llama: 'llama3' applies Llama 3.1's frequency scaling with the four rope_* below.
-        rope_scaling='none',
-        rope_factor=8.0,
-        rope_low_freq_factor=1.0,
-        rope_high_freq_factor=4.0,
-        rope_original_max_len=8192,
+    )
+    # Each registered family's own fields, with their defaults (`Family.fields`; their comments are
+    # in the family's declaration, jaxfrontier/families/<family>.py, and docs/models.md).
+    for family in families.all_families():
+        assert not set(family.fields) & set(model), f'{family.name} declares a shared model.* field'
+        model |= family.fields
+    c.model = ml_collections.ConfigDict(model | dict(
         tied_embeddings=True,
         dropout_rate=0.0,
         init_std=0.02,
@@ -395,46 +389,6 @@ def padded_vocab(c: ml_collections.ConfigDict) -> int:
     return -(-c.model.vocab_size // m) * m
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The numbers the model needs, and nothing else (see jaxfrontier/model/gpt.py)."""
-
-    num_layers: int
-    d_model: int
-    num_heads: int
-    seq_len: int
-    vocab_size: int  # padded
-    real_vocab_size: int  # logits at or beyond this index are masked out of the loss
-    mlp_dim: int
-    tied_embeddings: bool
-    dropout_rate: float
-    init_std: float
-    dtype: str
-    attention: str
-    remat: str
-    scan_unroll: int = 1
-    attention_block_q: int = 64
-    attention_block_kv: int = 64
-    family: str = 'gpt'  # model/registry.py: the family that builds and describes the model
-    # llama (gpt has num_kv_heads 0 and ignores the rest):
-    num_kv_heads: int = 0  # key/value heads; 0: num_heads (`kv_heads`)
-    qkv_bias: bool = False
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # Llama 3.1's RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings), or None for plain RoPE.
-    rope_scaling: tuple[float, float, float, int] | None = None
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads: num_kv_heads, or num_heads where that is 0 (multi-head attention)."""
-        return self.num_kv_heads or self.num_heads
-
-
 GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
 
 
@@ -443,25 +397,10 @@ def resolve_scan_unroll(scan_unroll: int, num_layers: int, platform: str | None)
     return scan_unroll or (num_layers if platform in GPU_PLATFORMS else 1)
 
 
-def llama_mlp_dim(d_model: int, ffn_dim_multiplier: float, multiple_of: int) -> int:
-    """Meta's rule for the SwiGLU width: 2/3 of 4 d, times the multiplier, rounded up to multiple_of.
-
-    Llama 3.1 8B: d 4096, multiplier 1.3, multiple_of 1024 -> 14,336 (the published width).
-    """
-    hidden = int(2 * 4 * d_model / 3)
-    if ffn_dim_multiplier:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * -(-hidden // multiple_of)
-
-
 def model_mlp_dim(m: Mapping[str, Any]) -> int:
     """The MLP's width of `model.*` fields (a config's, or a saved config.json's): model.mlp_dim where
-    set, else the family's rule (see base_config). Fields a saved config predates take their defaults."""
-    if m.get('mlp_dim'):
-        return m['mlp_dim']
-    if m.get('family', 'gpt') == 'llama':
-        return llama_mlp_dim(m['d_model'], m.get('ffn_dim_multiplier', 0.0), m.get('multiple_of', 256))
-    return m['mlp_ratio'] * m['d_model']
+    set, else the family's rule (`Family.mlp_dim`; fields a saved config predates take their defaults)."""
+    return m.get('mlp_dim') or families.get(m.get('family', families.DEFAULT_FAMILY)).mlp_dim(m)
 
 
 def mlp_dim(c: ml_collections.ConfigDict) -> int:
@@ -470,18 +409,22 @@ def mlp_dim(c: ml_collections.ConfigDict) -> int:
 
 
 def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> ModelShape:
-    """The model's static shape; `platform` (a JAX platform name) resolves model.scan_unroll=0."""
+    """The model's static shape (the family's `ModelShape`); `platform` (a JAX platform name) resolves
+    model.scan_unroll=0."""
     m = c.model
-    same = ('family', 'num_layers', 'd_model', 'num_heads', 'seq_len', 'tied_embeddings', 'dropout_rate',
-            'init_std', 'dtype', 'attention', 'remat', 'attention_block_q',
-            'attention_block_kv')  # model.* fields taken as they are
-    llama = {}
-    if m.family == 'llama':
-        scaling = None if m.rope_scaling == 'none' else (
-            float(m.rope_factor), float(m.rope_low_freq_factor), float(m.rope_high_freq_factor),
-            int(m.rope_original_max_len))
-        llama = dict(num_kv_heads=m.num_kv_heads or m.num_heads, qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
-                     rope_theta=m.rope_theta, rope_scaling=scaling)
-    return ModelShape(**{k: m[k] for k in same}, vocab_size=padded_vocab(c), real_vocab_size=m.vocab_size,
-                      mlp_dim=mlp_dim(c), **llama,
-                      scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform))
+    same = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'tied_embeddings', 'dropout_rate', 'init_std', 'dtype',
+            'attention', 'remat', 'attention_block_q', 'attention_block_kv')  # model.* fields taken as they are
+    return families.get(m.family).shape(
+        m, **{k: m[k] for k in same}, vocab_size=padded_vocab(c), real_vocab_size=m.vocab_size, mlp_dim=mlp_dim(c),
+        scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform))
+
+
+def flops_per_step(c: ml_collections.ConfigDict) -> tuple[float, float]:
+    """Returns (model_flops, megatron_hw_flops) per optimizer step of config `c`.
+
+    The configured family's count in Megatron's convention (flops.py, `Family.megatron_flops`): the
+    padded vocabulary, and recomputation (f = 4) in the hardware figure when `model.remat != 'none'`.
+    """
+    shape = model_shape(c)
+    megatron, batch = families.get(shape.family).megatron_flops, c.train.global_batch
+    return megatron(batch, shape, False), megatron(batch, shape, shape.remat != 'none')

@@ -1,8 +1,8 @@
 """The model to sample from or evaluate: its parameters, on the config's mesh without a pipeline.
 
 Source: the newest checkpoint of --workdir, else config.checkpoint.init_params_from (a workdir,
-a checkpoint step, a .safetensors file or a Hugging Face GPT-2 / Llama / Mistral / Qwen2
-directory). The model's shape comes from the source (the checkpoint's saved config, or
+a checkpoint step, a .safetensors file or a Hugging Face directory of an architecture a family's
+converter reads, families/). The model's shape comes from the source (the checkpoint's saved config, or
 config.json), so `--config` needs only the mesh. A pipelined checkpoint is regathered: the pipeline axis folds into `data`, and block
 arrays saved [V, L / V, ...] are read back as [L, ...] (restore onto any mesh, checkpoint/reshard.py).
 """
@@ -27,9 +27,11 @@ from jaxfrontier.checkpoint import manager
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 
-# The source's model: its shape and family (format.MODEL_SHAPE_FIELDS) and what it computes with (a Llama's
-# norm and RoPE settings, MODEL_FUNCTION_FIELDS).
-ADOPTED_FIELDS = format_lib.MODEL_SHAPE_FIELDS + format_lib.MODEL_FUNCTION_FIELDS + ('vocab_multiple', 'init_std')
+
+def adopted_fields() -> tuple[str, ...]:
+    """The source's model: its shape and family (format.model_shape_fields) and what it computes with (a
+    family's norm and rotary settings, format.model_function_fields)."""
+    return format_lib.model_shape_fields() + format_lib.model_function_fields() + ('vocab_multiple', 'init_std')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,7 @@ def resolve_source(c: ml_collections.ConfigDict, workdir: str) -> str:
 def decode_config(c: ml_collections.ConfigDict, model: dict[str, Any]) -> ml_collections.ConfigDict:
     """`c` with the source's model shape, no pipeline and no context (both fold into `data`), dropout off."""
     c = ml_collections.ConfigDict(c.to_dict())  # unlocked copy
-    for key in ADOPTED_FIELDS:
+    for key in adopted_fields():
         if key in model:
             c.model[key] = model[key]
     c.model.dropout_rate = 0.0

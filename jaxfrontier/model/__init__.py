@@ -1,3 +1,3 @@
-"""Flax NNX decoders: layers.py, rope.py, attention.py (kernels, KV cache), stack.py (the layer runner),
-decoder.py (what every family's module shares), a module per family (gpt.py, llama.py) declaring itself
-(family.py, registry.py), params.py, decode.py."""
+"""Flax NNX decoders: layers/ (+ rope), attention/ (kernels, KV cache), stack.py (the layer runner),
+decoder.py (what every family's module shares), a module per family (its NNX model, declared in
+jaxfrontier/families/), params.py (binds and builds the configured family's module), decode.py."""

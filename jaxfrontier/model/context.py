@@ -16,8 +16,8 @@ Under a causal mask the work of a token
 grows with its position, so the device holding the last part would do the most attention
 work. With `model.context_balance` the step permutes each micro-batch's inputs and targets
 along T by `sequence.balanced_order` (device r holds chunks r and 2c-1-r of 2c), and passes
-the permutation as the tokens' positions: the causal mask, GPT's learned positions and
-Llama's RoPE read positions, not array indices, so the model computes the same function; the
+the permutation as the tokens' positions: the causal mask, learned position tables and
+rotary embeddings read positions, not array indices, so the model computes the same function; the
 loss is a mean over tokens, so their order does not change it either.
 
 The order is static (a numpy array folded into the program), so every unit of the pipeline

@@ -5,8 +5,8 @@ Decoding runs the model's own blocks (`Block.__call__` with a cache and position
 drivers. A query at position p sees the cached keys 0..p.
 
 The cache is `{'k', 'v'}` of shape [L, B, S, G, K]: S = model.seq_len (the longest sequence
-the model was built for), G the key/value heads (llama's `num_kv_heads`, a grouped-query
-cache H/G times smaller; GPT: G = H). Kv heads lie over `tensor` as in training (split where
+the model was built for), G the key/value heads (`ModelShape.kv_heads`: a grouped-query
+cache H/G times smaller; G = H without grouping). Kv heads lie over `tensor` as in training (split where
 G divides it, replicated where not: config.resolve_rules) and batch rows over the batch axes
 like the activations, so a tensor-parallel decode keeps each device's heads local.
 """

@@ -4,8 +4,8 @@ The blocks are created once with `nnx.vmap` (every parameter gets a leading `lay
 and run by the layer runner (model/stack.py). One block serves training and KV-cached
 decoding (model/decode.py). The loss is computed from vocabulary-sharded logits without
 gathering them: logsumexp and the target logit are reductions over the vocabulary, which XLA
-splits into per-shard partial reductions and one all-reduce. The module ends with the
-family's declaration (`FAMILY`: parameter table, FLOPs, Hugging Face names; model/family.py).
+splits into per-shard partial reductions and one all-reduce. The family's declaration
+(parameter table, FLOPs, Hugging Face names) is families/gpt.py.
 """
 
 from __future__ import annotations
@@ -14,12 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxfrontier import flops as flops_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.config import ModelShape
+from jaxfrontier.families import ModelShape
 from jaxfrontier.model.attention import Attention, KVCache
-from jaxfrontier.model.family import Family, ParamSpec
-from jaxfrontier.model import hf_names
 from jaxfrontier.model.context import flatten_tokens
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
 from jaxfrontier.model.layers import ACT_ND, MLP, LayerNorm, dropout, embedding_lookup, param
@@ -85,55 +82,3 @@ class GPT(Decoder):
 
     def final_norm(self, x_nd: jax.Array) -> jax.Array:
         return self.ln_f(x_nd)
-
-
-# --------------------------------------------------------------------------- the family's declaration
-
-
-def param_specs(s: ModelShape) -> tuple[ParamSpec, ...]:
-    """Every parameter of `GPT(s)` in params-dict order (the planner's table; tested against eval_shape)."""
-    L, d, h, k, f, v = s.num_layers, s.d_model, s.num_heads, s.head_dim, s.mlp_dim, s.vocab_size
-    block = [
-        ('attn/b_out', (d,), ('embed',)),
-        ('attn/b_qkv', (3, h, k), ('qkv', 'heads', 'head_dim')),
-        ('attn/w_out', (h, k, d), ('heads', 'head_dim', 'embed')),
-        ('attn/w_qkv', (d, 3, h, k), ('embed', 'qkv', 'heads', 'head_dim')),
-        ('ln1/bias', (d,), ('embed',)),
-        ('ln1/scale', (d,), ('embed',)),
-        ('ln2/bias', (d,), ('embed',)),
-        ('ln2/scale', (d,), ('embed',)),
-        ('mlp/b_in', (f,), ('mlp',)),
-        ('mlp/b_out', (d,), ('embed',)),
-        ('mlp/w_in', (d, f), ('embed', 'mlp')),
-        ('mlp/w_out', (f, d), ('mlp', 'embed')),
-    ]
-    specs = [ParamSpec('blocks/' + p, (L, *shape), ('layers', *names)) for p, shape, names in block]
-    specs += [
-        ParamSpec('ln_f/bias', (d,), ('embed',)),
-        ParamSpec('ln_f/scale', (d,), ('embed',)),
-        ParamSpec('wpe', (s.seq_len, d), ('positions', 'embed')),
-        ParamSpec('wte', (v, d), ('vocab', 'embed')),
-    ]
-    if not s.tied_embeddings:
-        specs.append(ParamSpec('head', (d, v), ('embed', 'vocab')))
-    return tuple(specs)
-
-
-def forward_flops(s: ModelShape) -> tuple[float, float]:
-    """Forward matmul FLOPs of one layer and of the head, per sequence (2 per multiply-add).
-
-    Attention is counted as computed: all s x s scores, although half are masked.
-    """
-    t, d, f, v = s.seq_len, s.d_model, s.mlp_dim, s.vocab_size
-    layer = 2 * t * (3 * d * d + d * d + 2 * d * f) + 2 * 2 * t * t * d
-    return float(layer), float(2 * t * d * v)
-
-
-def megatron_flops(global_batch: int, s: ModelShape, recompute: bool) -> float:
-    """Megatron's published formula (flops.py; it assumes GPT's 4h-wide MLP), padded vocabulary."""
-    return flops_lib.megatron_flops_per_step(global_batch, s.seq_len, s.num_layers, s.d_model, s.vocab_size,
-                                             recompute)
-
-
-FAMILY = Family(name='gpt', module=GPT, param_specs=param_specs, forward_flops=forward_flops,
-                megatron_flops=megatron_flops, hf=hf_names.GPT2)

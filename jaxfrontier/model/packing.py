@@ -3,8 +3,8 @@
 `python -m jaxfrontier.prepare` writes the end-of-text token after every document, and a
 training window is seq_len + 1 consecutive tokens of that stream, so it holds the tail of one
 document, whole documents, and the head of another. With packing, attention never crosses a
-boundary and positions restart at 0 in every document (GPT's learned positions and Llama's
-RoPE read them), so a document is modelled as if it were alone.
+boundary and positions restart at 0 in every document (learned position tables and rotary
+embeddings read them), so a document is modelled as if it were alone.
 
 Where the end-of-text token belongs: to the document it ends (Megatron-LM's and MaxText's
 convention). The token after it starts the next document. So the prediction *of* the

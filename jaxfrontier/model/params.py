@@ -2,13 +2,15 @@
 
 `params` is a nested dict of fp32 arrays (the model's `nnx.State` as a pure dict): easy to
 checkpoint, export and reshard. `ModelDef` binds such a dict back into the configured family's
-module (model/registry.py) inside traced code; `split_virtual` / `merge_virtual` reshape the
-stacked blocks for interleaved pipelines.
+module (`module_of`: the class its declaration names, families/) inside traced code;
+`split_virtual` / `merge_virtual` reshape the stacked blocks for interleaved pipelines.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 from typing import Any
 
 import jax
@@ -16,9 +18,21 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.model import registry
+from jaxfrontier import families
 
 Params = dict[str, Any]
+
+
+@functools.cache
+def _resolve(module: str) -> type:
+    package, _, name = module.partition(':')
+    return getattr(importlib.import_module(package), name)
+
+
+def module_of(family: str) -> type:
+    """The NNX model class of `family`: its declaration's 'package.module:Class', imported here on the JAX
+    side (the declarations import no JAX), so a family's module may live anywhere, a test's too."""
+    return _resolve(families.get(family).module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +44,7 @@ class ModelDef:
 
     @classmethod
     def create(cls, shape: config_lib.ModelShape) -> 'ModelDef':
-        module = registry.get(shape.family).module
+        module = module_of(shape.family)
         graphdef, state = nnx.split(nnx.eval_shape(lambda: module(shape, rngs=nnx.Rngs(0))))
         return cls(graphdef, state)
 
@@ -48,7 +62,7 @@ class ModelDef:
 
 def init_params(shape: config_lib.ModelShape, key: jax.Array) -> Params:
     """The family's freshly initialised parameters for `shape` (a params dict)."""
-    module = registry.get(shape.family).module
+    module = module_of(shape.family)
     return nnx.to_pure_dict(nnx.state(module(shape, rngs=nnx.Rngs(params=key))))
 
 

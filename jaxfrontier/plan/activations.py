@@ -7,14 +7,14 @@ dtype, ...) with `saved_residuals` and reads each residual's shape in symbols: t
 numbers, so every dimension names itself (batch rows, tokens, heads, ...). `Residual.local_bytes`
 then evaluates a residual for any model size and layout, per device.
 
-The proxy is the configured family's block (GPT's fused QKV and GeLU MLP; Llama's grouped
-key/value heads, rotary tables and SwiGLU, whose gate and up projections add F-wide arrays
-and whose k/v are g, not h, heads wide), so nothing here knows a family's layer by name.
+The proxy is the configured family's model (a fused QKV and a GeLU MLP; or grouped key/value
+heads, rotary tables and a gated MLP, whose gate and up projections add F-wide arrays and
+whose k/v are g, not h, heads wide), with the family's choices its declaration names
+(`Family.proxy_choice` / `proxy_fields`), so nothing here knows a family's layer by name.
 
 Symbols: b micro-batch rows, t sequence, n = b*t tokens, h heads, g key/value heads, r = h/g
 query heads per key/value head, k head dim, c = k/2 (the rotary half), d model dim, f MLP
-dim, v vocabulary, q the 3 of GPT's fused QKV, s the 2 of Llama's fused k/v, 1 a unit
-dimension.
+dim, v vocabulary, q the 3 of a fused QKV, s the 2 of a fused k/v, 1 a unit dimension.
 """
 
 from __future__ import annotations
@@ -22,26 +22,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
 import pathlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import families
 from jaxfrontier import files
+from jaxfrontier.model import params as params_lib
 from jaxfrontier.model.params import ModelDef
 
 # Proxy sizes: pairwise distinct (and distinct from every product a residual could carry), so
 # a dimension's size names its symbol. The head dim is even (rotary embeddings rotate pairs);
-# the proxy has grouped-query attention (5 k/v heads of 4 query heads each) unless the model
-# has as many k/v heads as query heads, and an MLP width of its own (any width: 'f' is a name).
+# a family whose model groups its k/v heads gets 5 k/v heads of 4 query heads each in its proxy
+# (`PROXY_SIZES`), and the MLP has a width of its own (any width: 'f' is a name).
 _B, _T, _G, _R, _C, _F, _V, _L = 6, 7, 5, 4, 13, 29, 17, 19
 _H, _K = _G * _R, 2 * _C
 _D = _H * _K
+PROXY_SIZES = {'h': _H, 'g': _G}  # what a family's proxy_fields may use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,24 +114,32 @@ def local_sizes(*, micro_batch: int, seq_len: int, num_heads: int, head_dim: int
             'v': -(-vocab // tensor), 'q': 3, 's': 2, '1': 1}
 
 
-def _symbols(gqa: bool) -> dict[int, str]:
+def _symbols(grouped: bool) -> dict[int, str]:
     table = {_B: 'b', _T: 't', _B * _T: 'n', _H: 'h', _K: 'k', _C: 'c', _F: 'f', _D: 'd', _V: 'v', 3: 'q', 2: 's',
              1: '1'}
-    if gqa:
+    if grouped:
         table |= {_G: 'g', _R: 'r'}
-    assert len(table) == 12 + 2 * gqa, 'proxy sizes collide'  # pairwise distinct by construction
+    assert len(table) == 12 + 2 * grouped, 'proxy sizes collide'  # pairwise distinct by construction
     return table
 
 
 @functools.cache
 def _code_digest() -> str:
-    """What a traced signature depends on besides its arguments: the model code, this module, JAX and Flax."""
+    """What a traced signature depends on besides its arguments: the model code, the family declarations,
+    this module, JAX and Flax."""
     import flax  # pylint: disable=g-import-not-at-top
     digest = hashlib.sha256(f'{jax.__version__} {flax.__version__}'.encode())
     here = pathlib.Path(__file__)
-    for path in sorted((here.parents[1] / 'model').rglob('*.py')) + [here]:
+    for path in sorted((here.parents[1] / 'model').rglob('*.py')) + sorted(
+            (here.parents[1] / 'families').rglob('*.py')) + [here]:
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+@functools.cache
+def _module_digest(family: str) -> str:
+    """The source of the family's NNX module: part of the key where it lives outside model/ (a test's family)."""
+    return hashlib.sha256(pathlib.Path(inspect.getfile(params_lib.module_of(family))).read_bytes()).hexdigest()
 
 
 def _cache_root() -> str | None:
@@ -139,7 +152,8 @@ def _disk_path(args: tuple) -> str | None:
     directory = _cache_root()
     if not directory:
         return None
-    key = hashlib.sha256(json.dumps([list(args), _code_digest()]).encode()).hexdigest()[:32]
+    family = args[5] if len(args) > 5 else families.DEFAULT_FAMILY
+    key = hashlib.sha256(json.dumps([list(args), _code_digest(), _module_digest(family)]).encode()).hexdigest()[:32]
     return os.path.join(directory, 'jaxfrontier-residuals', f'{key}.json')
 
 
@@ -168,7 +182,7 @@ def _store(path: str | None, sig: Signature) -> None:
 
 @functools.cache
 def signature(remat: str, dtype: str, dropout: bool = False, tied_embeddings: bool = True, attention: str = 'xla',
-              family: str = 'gpt', gqa: bool = False) -> Signature:
+              family: str = families.DEFAULT_FAMILY, proxy: Any = False) -> Signature:
     """Residuals the model saves for the backward pass under one policy (traced, cached).
 
     Cached in this process, and on disk beside JAX's persistent compilation cache when one is
@@ -183,7 +197,7 @@ def signature(remat: str, dtype: str, dropout: bool = False, tied_embeddings: bo
       tied_embeddings: whether the head reuses the embedding.
       attention: attention kernel (an 'auto' resolves on this machine's backend).
       family: the model family (`config.model.family`) whose module is traced.
-      gqa: whether the model has fewer key/value heads than query heads (the proxy then does).
+      proxy: the family's choices the proxy keeps (`Family.proxy_choice`; e.g. grouped k/v heads).
 
     Returns:
       The per-block and the embedding + head residuals, in symbols.
@@ -193,28 +207,29 @@ def signature(remat: str, dtype: str, dropout: bool = False, tied_embeddings: bo
     kernel's fp32 softmax statistics `b h t` (what flash attention keeps).
     """
     if attention in ('cudnn', 'blockwise'):
-        xla = signature(remat, dtype, dropout, tied_embeddings, 'xla', family, gqa)
+        xla = signature(remat, dtype, dropout, tied_embeddings, 'xla', family, proxy)
         fused = lambda rs: tuple(r for r in rs if r.dims.count('t') < 2)
         stats = (Residual(('b', 'h', 't'), 4, f'{attention} softmax statistics'),) if remat in ('none', 'save_dots') else ()
         return Signature(fused(xla.block) + stats, fused(xla.head))
-    path = _disk_path((remat, dtype, dropout, tied_embeddings, attention, family, gqa))
+    path = _disk_path((remat, dtype, dropout, tied_embeddings, attention, family, proxy))
     kept = _load(path)
     if kept is not None:
         return kept
-    sig = _trace(remat, dtype, dropout, tied_embeddings, attention, family, gqa)
+    sig = _trace(remat, dtype, dropout, tied_embeddings, attention, family, proxy)
     _store(path, sig)
     return sig
 
 
 def _trace(remat: str, dtype: str, dropout: bool, tied_embeddings: bool, attention: str, family: str,
-           gqa: bool) -> Signature:
+           proxy: Any) -> Signature:
     """`signature`, traced: the proxy model's saved residuals in symbols."""
-    shape = config_lib.ModelShape(
+    declared = families.get(family)
+    shape = declared.shape_type(
         num_layers=_L, d_model=_D, num_heads=_H, seq_len=_T, vocab_size=_V, real_vocab_size=_V,
         mlp_dim=_F, tied_embeddings=tied_embeddings, dropout_rate=0.1 if dropout else 0.0,
         init_std=0.02, dtype=dtype, attention=attention, remat=remat, family=family,
-        num_kv_heads=_G if gqa else _H)
-    names = _symbols(gqa)
+        **declared.proxy_fields(proxy, PROXY_SIZES))
+    names = _symbols(shape.kv_heads != shape.num_heads)
     model_def = ModelDef.create(shape)
     tokens = jax.ShapeDtypeStruct((_B, _T), jnp.int32)
     key = jax.random.key(0) if dropout else None
@@ -241,7 +256,7 @@ def _trace(remat: str, dtype: str, dropout: bool, tied_embeddings: bool, attenti
 def for_shape(shape: config_lib.ModelShape, remat: str, attention: str) -> Signature:
     """The signature of `shape`'s model under `remat` and the `attention` kernel."""
     return signature(remat, shape.dtype, shape.dropout_rate > 0, shape.tied_embeddings, attention, shape.family,
-                     shape.kv_heads < shape.num_heads)
+                     families.get(shape.family).proxy_choice(shape))
 
 
 def act_sizes(shape: config_lib.ModelShape, micro_batch: int, tensor: int, fsdp: int,

@@ -6,7 +6,8 @@ comparison with the compiled HLO is in tests/plan/test_planner.py; docs/planner.
   tensor    per layer and micro-batch, 2 all-reduces of the [tokens, d] activations forward
             and 2 backward (Megatron's f/g), 1 more when full remat recomputes the forward (the
             layer's output all-reduce is not needed again); the backward's carry one [tokens, d]
-            input gradient per column-parallel input projection (GPT 2, Llama 4: q, k/v, gate, up);
+            input gradient per column-parallel input projection (fused QKV and MLP-in: 2; separate
+            q, k/v, gate and up: 4);
             the vocabulary-parallel embedding's psum (fp32) and the head's input gradient.
   fsdp      every weight all-gathered before its forward and again for its backward (fp32,
             as stored); gradients reduce-scattered (all-reduce + slice on XLA:CPU).
@@ -103,8 +104,8 @@ def input_projections(specs, rules) -> tuple[int, int]:
     """Matrices of one block that read the block's [tokens, d] stream, as the backward reduces them.
 
     Returns (how many are column-parallel: each one's input gradient is a partial sum over
-    tensor; GPT: fused QKV and MLP-in, 2; Llama: q, k/v, gate and up, 4), and the output width
-    per token of those that are not split over tensor (Llama's k/v where its k/v heads do not
+    tensor; a fused QKV and MLP-in: 2; separate q, k/v, gate and up: 4), and the output width
+    per token of those that are not split over tensor (grouped k/v where the k/v heads do not
     divide tensor: 2 g K): every tensor rank holds a part of their output gradient (the part
     its query heads read), which XLA sums over tensor.
     """
@@ -160,7 +161,7 @@ def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int, projection
         else:
             t.add('activations (Megatron f/g)', 'all-reduce', ('tensor',), act * dtype_bytes,
                   m * shape.num_layers / p * per_layer)
-        # Separate input projections (Llama's q and k/v, gate and up) each send their own input
+        # Separate input projections (q and k/v, gate and up) each send their own input
         # gradient: XLA combines them with the sublayer's one all-reduce, whose payload grows.
         split, whole = projections
         t.add('input gradients of separate projections', 'all-reduce', ('tensor',), act * dtype_bytes,

@@ -18,8 +18,8 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.attention import blockwise
-from jaxfrontier.model import registry
-from jaxfrontier.model.family import ParamSpec
+from jaxfrontier import families
+from jaxfrontier.families import ParamSpec
 from jaxfrontier import layout as layout_lib
 
 # Share of device memory kept free for the runtime, the allocator's fragmentation and
@@ -44,7 +44,7 @@ def param_specs(s: config_lib.ModelShape, virtual: int = 1) -> tuple[ParamSpec, 
     With `virtual` > 1 (interleaved pipelines) block parameters are stored [V, L / V, ...]
     (`params_lib.split_virtual`).
     """
-    specs = registry.get(s.family).param_specs(s)
+    specs = families.get(s.family).param_specs(s)
     if virtual == 1:
         return specs
     return tuple(ParamSpec(p.path, (virtual, p.shape[0] // virtual, *p.shape[1:]), ('virtual', *p.names))
@@ -225,7 +225,7 @@ def backward_working_bytes(shape, layout, attention: str = 'xla') -> float:
 
     The gradient path in fp32: 3 attention-score-sized buffers (probabilities, their gradient,
     the scores' gradient; none with a fused kernel), 3 MLP-hidden-sized and 6 residual-stream-
-    sized ones. Calibrated on XLA:CPU with GPT; Llama's SwiGLU keeps as many F-wide residuals
+    sized ones. Calibrated on XLA:CPU with GPT; a gated (SwiGLU) MLP keeps as many F-wide residuals
     as GPT's GeLU MLP (6 per layer, traced), and the same count holds it to XLA (tests/plan).
     """
     a = _act_sizes(shape, layout, False)
@@ -360,7 +360,7 @@ class Flops:
 def forward_flops(shape) -> tuple[float, float]:
     """Forward matmul FLOPs of one layer and of the head, per sequence: the family's count
     (`Family.forward_flops`; attention counted in full)."""
-    return registry.get(shape.family).forward_flops(shape)
+    return families.get(shape.family).forward_flops(shape)
 
 
 def staggered(layout) -> bool:
@@ -409,7 +409,7 @@ def flops(shape, layout, attention: str = 'xla') -> Flops:
         hardware = model + b * (L - L // layout.pipeline) * layer_run + b * L * recompute[effective_remat(layout)]
     if attention == 'blockwise':  # forward r A + backward 2.5 r A instead of 3 A (see above)
         hardware += b * L * (3.5 * share - 3) * attention_fwd
-    megatron = registry.get(shape.family).megatron_flops
+    megatron = families.get(shape.family).megatron_flops
     return Flops(model, hardware, megatron(b, shape, False),
                  megatron(b, shape, staggered(layout) or effective_remat(layout) != 'none'),
                  layer_run * layout.micro_batch, head * layout.micro_batch)

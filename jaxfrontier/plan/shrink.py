@@ -2,10 +2,11 @@
 
 `shrink(c)` keeps the mesh (tensor, pipeline, fsdp, context, data), the schedule and its virtual
 stages, ZeRO-1, remat, attention kernel, dtype, dropout, tied embeddings, token split and
-the sharding rules, and the family's choices (a Llama's: query heads per key/value head, and
-whether its key/value heads divide tensor, i.e. are split or replicated; q/k/v biases, RoPE
-theta and scaling, RMSNorm epsilon), and shrinks what only sets the size: layers to one per
-pipeline chunk (two without a pipeline), heads to what the tensor axis splits, a small width,
+the sharding rules, and the family's choices (its declaration's `verify_kept` fields and its
+`shrink` rule: e.g. query heads per key/value head, and whether the key/value heads divide
+tensor, i.e. are split or replicated; biases, rotary theta and scaling, norm epsilon), and
+shrinks what only sets the size: layers to one per pipeline chunk (two without a pipeline),
+heads to what the tensor axis splits (the family's rule), a small width,
 MLP width (at the config's ratio to the width) and vocabulary the layout still divides, a
 short sequence, a few micro-batches. Where the mesh
 needs more devices than this machine can simulate, only the `data` extent shrinks (the
@@ -23,6 +24,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import families
 from jaxfrontier.errors import ConfigError
 
 # --verify_max_devices by default: 8 processes of 256 devices, the most plan/fanout.py starts (one XLA:CPU
@@ -47,9 +49,7 @@ KEPT = ('model.family', 'mesh.pipeline', 'mesh.fsdp', 'mesh.context', 'model.con
         'sharding.rules', 'model.remat',
         'model.attention', 'model.dtype', 'model.dropout_rate', 'model.tied_embeddings', 'model.scan_unroll',
         'train.micro_batch', 'optim.clip_norm', 'optim.weight_decay')
-# Kept too where the family has key/value heads (Llama): what changes the numbers, not the size.
-KEPT_KV = ('model.qkv_bias', 'model.norm_eps', 'model.rope_theta', 'model.rope_scaling', 'model.rope_factor',
-           'model.rope_low_freq_factor', 'model.rope_high_freq_factor', 'model.rope_original_max_len')
+# Kept too: the family's `verify_kept` fields (what changes the numbers, not the size).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +105,14 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
     chunks = mesh.pipeline * (s.pipeline.virtual_stages if mesh.pipeline > 1 else 1)
     put('model.num_layers', chunks if mesh.pipeline > 1 else 2)
     shape = config_lib.model_shape(c)
-    heads, kv_heads = _heads(shape.num_heads, shape.kv_heads, mesh.tensor)
-    # Even (RoPE rotates pairs of a head's dimensions), and the width divides over fsdp.
+    family = families.get(shape.family)
+    rule = family.shrink(shape, mesh.tensor)
+    heads = rule.num_heads
+    # Even (rotary embeddings rotate pairs of a head's dimensions), and the width divides over fsdp.
     head_dim = next(k for k in range(HEAD_DIM, HEAD_DIM * mesh.fsdp * 8 + 1, 2) if (heads * k) % mesh.fsdp == 0)
     put('model.num_heads', heads)
-    if shape.num_kv_heads:  # the family has key/value heads
-        put('model.num_kv_heads', kv_heads)
+    for key, value in rule.fields.items():
+        put(f'model.{key}', value)
     put('model.d_model', heads * head_dim)
     ratio = shape.mlp_dim / shape.d_model
     if config_lib.mlp_dim(s) != round(ratio * s.model.d_model):  # the rule at the small width: keep the ratio
@@ -132,30 +134,11 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
         put(f'optim.{key}', value)
     put('data.kind', 'synthetic')
     config_lib.validate(s, config_lib.num_devices(s))
-    kept = {field: _get(c, field) for field in KEPT + (KEPT_KV if shape.num_kv_heads else ())}
-    if shape.num_kv_heads:
-        kept['query heads per key/value head'] = shape.num_heads // shape.kv_heads
-        kept['key/value heads split over tensor'] = shape.kv_heads % mesh.tensor == 0
+    kept = {field: _get(c, field) for field in KEPT + tuple(f'model.{f}' for f in family.verify_kept)}
+    kept |= rule.kept
     kept['MLP width / model width'] = round(shape.mlp_dim / shape.d_model, 4)
     kept['mesh'] = config_lib.mesh_shape(s)
     return Shrunk(s, kept, changes)
-
-
-def _heads(heads: int, kv_heads: int, tensor: int) -> tuple[int, int]:
-    """(query heads, key/value heads) of the check: two query heads per tensor shard (a swapped head
-    order shows) where the family's choices allow it, the same query heads per key/value head, and
-    key/value heads that divide tensor exactly where the config's do (split, else replicated).
-
-    The smallest k/v head count g' >= 1 with r g' a multiple of tensor (r = heads / kv_heads) and
-    g' % tensor == 0 as in the config, preferring r g' >= 2 tensor; the config's own kv_heads
-    always qualifies (it is valid), so one is found.
-    """
-    if kv_heads == heads:
-        return 2 * tensor, 2 * tensor
-    ratio, split = heads // kv_heads, kv_heads % tensor == 0
-    fits = [g for g in range(1, kv_heads + 1) if (ratio * g) % tensor == 0 and (g % tensor == 0) == split]
-    g = next((g for g in fits if ratio * g >= 2 * tensor), fits[0])
-    return ratio * g, g
 
 
 def reference_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -180,4 +163,3 @@ def describe(shrunk: Shrunk) -> str:
     parts = [f'{field.split(".")[1]} {old} -> {new}' for field, (old, new) in shrunk.shrunk.items()
              if field.split('.')[0] in ('mesh', 'model', 'train') and field != 'mesh.cpu_devices']
     return ', '.join(parts) or 'nothing'
-

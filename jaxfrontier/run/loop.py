@@ -32,7 +32,6 @@ from jaxfrontier import files
 from jaxfrontier import logs
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import NonFiniteLossError
-from jaxfrontier.model import registry as model_registry
 from jaxfrontier import hardware
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.run.observe import memory_check
@@ -73,7 +72,7 @@ class _Reporter:
                  pipeline_schedule=None, first_row: dict[str, float] | None = None):
         self.c, self.writer, self.n_devices = c, writer, n_devices
         self.first_row = dict(first_row or {})  # written once, with the first record: compile time, memory
-        self.model_flops, self.hw_flops = model_registry.flops_per_step_from_config(c)
+        self.model_flops, self.hw_flops = config_lib.flops_per_step(c)
         self.peak, self.peak_source = hardware.device_peak_flops(jax.devices()[0], c.model.dtype)
         if jax.devices()[0].platform == 'cpu':  # said once: the MFU of every step line rests on it
             _log(f'MFU: against {self.peak / 1e12:.3f} TFLOP/s per device ({self.peak_source}), a rate this '

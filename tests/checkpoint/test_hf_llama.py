@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Qwen2 / Mistral interop (checkpoint/interop/hf_llama.py through the driver checkpoint/interop/hf.py).
+"""Hugging Face Llama / Qwen2 / Mistral interop (the converter in families/llama.py through the driver checkpoint/interop/hf.py).
 
 `transformers` (CPU, fp32) builds tiny random models and saves them: a Llama with grouped-query
 attention (4 heads, 2 kv heads), an untied head and Llama 3.1 RoPE scaling, a Qwen2 with q/k/v
@@ -32,7 +32,7 @@ from jaxfrontier import mesh as mesh_lib  # noqa: E402
 from jaxfrontier.checkpoint.interop import hf  # noqa: E402
 from jaxfrontier.checkpoint import manager as ckpt_lib  # noqa: E402
 from jaxfrontier.checkpoint.interop import hf_files  # noqa: E402
-from jaxfrontier.checkpoint.interop import hf_llama  # noqa: E402
+from jaxfrontier import families  # noqa: E402
 from jaxfrontier.checkpoint.interop import init_from  # noqa: E402
 from jaxfrontier.checkpoint import readers  # noqa: E402
 from jaxfrontier.checkpoint import target as target_lib  # noqa: E402
@@ -40,6 +40,8 @@ from jaxfrontier.errors import UserError  # noqa: E402
 from jaxfrontier.inference import load as load_lib  # noqa: E402
 from test_hf import write_corpus  # noqa: E402
 from tests import processes  # noqa: E402
+
+hf_llama = families.get('llama').hf  # the family's converter
 
 CONFIG_FILE = os.path.join(processes.REPO, 'configs', 'hf.py')
 # ml_collections loads config files with importlib's deprecated load_module.

@@ -5,10 +5,10 @@ import jax
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import families
 from jaxfrontier.errors import ConfigError
 from jaxfrontier import flops as flops_lib
 from jaxfrontier.model import params as params_lib
-from jaxfrontier.model import registry
 
 # Distinct sizes so a swapped axis fails: 3 layers, 40 wide, 5 heads, 24 positions, 97 tokens.
 SHAPE = dict(num_layers=3, d_model=40, num_heads=5, seq_len=24, vocab_size=97)
@@ -21,8 +21,8 @@ def shape_of(**model):
 
 
 def test_registry_lists_the_config_families():
-    assert tuple(registry.FAMILIES) == config_lib.MODEL_FAMILIES
-    assert config_lib.base_config().model.family in registry.FAMILIES
+    assert families.names() == config_lib.MODEL_FAMILIES
+    assert config_lib.base_config().model.family in families.names()
 
 
 def test_unknown_family_is_a_config_error():
@@ -31,7 +31,7 @@ def test_unknown_family_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model.family = 'llama9'.*unknown model family.*gpt"):
         config_lib.validate(c)
     with pytest.raises(ConfigError, match='model.family'):
-        registry.get('llama9')
+        families.get('llama9')
 
 
 @pytest.mark.parametrize('family', config_lib.MODEL_FAMILIES)
@@ -44,7 +44,7 @@ def test_param_specs_match_the_module(family, tied):
                                jax.tree_util.tree_flatten_with_path(tree, **kw)[0]}
     abstract = flat(model_def.abstract_params())
     logical = flat(model_def.logical_specs(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    specs = registry.get(family).param_specs(shape)
+    specs = families.get(family).param_specs(shape)
     assert sorted(p.path for p in specs) == sorted(abstract) and len(specs) == len(abstract)
     for p in specs:
         assert p.shape == abstract[p.path].shape, p.path
@@ -53,8 +53,8 @@ def test_param_specs_match_the_module(family, tied):
 
 def test_gpt_hugging_face_names_cover_every_parameter():
     """Every block and final-norm parameter has an HF name; wte, wpe and head are the exporter's."""
-    hf = registry.get('gpt').hf
-    specs = registry.get('gpt').param_specs(shape_of(tied_embeddings=False))
+    hf = families.get('gpt').hf
+    specs = families.get('gpt').param_specs(shape_of(tied_embeddings=False))
     blocks = {p.path.removeprefix('blocks/') for p in specs if p.is_block}
     assert {ours for ours, _ in hf.block_names} == blocks
     assert {ours for ours, _ in hf.top_names} | {'wte', 'wpe', 'head'} == {p.path for p in specs if not p.is_block}
@@ -65,18 +65,18 @@ def test_gpt_flops_are_megatrons_formula():
     c = config_lib.base_config()
     c.model.update(**SHAPE, remat='full')
     c.mesh.tensor, c.train.global_batch = 2, 6
-    model, hw = registry.flops_per_step_from_config(c)
+    model, hw = config_lib.flops_per_step(c)
     kw = dict(global_batch=6, seq_len=24, num_layers=3, d_model=40, vocab_size=config_lib.padded_vocab(c))
     assert model == flops_lib.model_flops_per_step(**kw)
     assert hw == flops_lib.megatron_flops_per_step(**kw, recompute=True)
-    layer, head = registry.get('gpt').forward_flops(config_lib.model_shape(c))
+    layer, head = families.get('gpt').forward_flops(config_lib.model_shape(c))
     assert (layer, head) == (2 * 24 * 12 * 40 * 40 + 4 * 24 * 24 * 40, 2 * 24 * 40 * 256)
 
 
 def test_llama_hugging_face_names_cover_every_parameter():
     """Every Llama parameter (q/k/v biases included) has its HF names; w_kv and b_kv hold k then v."""
-    hf = registry.get('llama').hf
-    specs = registry.get('llama').param_specs(shape_of(family='llama', num_kv_heads=1, qkv_bias=True,
+    hf = families.get('llama').hf
+    specs = families.get('llama').param_specs(shape_of(family='llama', num_kv_heads=1, qkv_bias=True,
                                                        tied_embeddings=False))
     blocks = {p.path.removeprefix('blocks/') for p in specs if p.is_block}
     assert {ours for ours, _ in hf.block_names} == blocks

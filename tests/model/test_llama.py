@@ -24,7 +24,8 @@ from jaxfrontier.model import attention as attention_lib
 from jaxfrontier.model import layers
 from jaxfrontier.model.layers import rope
 from jaxfrontier.model import params as params_lib
-from jaxfrontier.model import registry
+from jaxfrontier import families
+from jaxfrontier.families import llama as llama_family
 from jaxfrontier.training import state as ts
 from layout_check import LLAMA, LOSS_RTOL, assert_trees_close, check_against_reference, make_config, run_layout
 from layout_once import run_layout_once
@@ -72,7 +73,7 @@ def test_param_specs_equal_eval_shape(kv, bias, tied):
                                jax.tree_util.tree_flatten_with_path(tree, **kw)[0]}
     abstract = flat(model_def.abstract_params())
     logical = flat(model_def.logical_specs(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    specs = registry.get('llama').param_specs(shape)
+    specs = families.get('llama').param_specs(shape)
     assert sorted(p.path for p in specs) == sorted(abstract)
     for p in specs:
         assert p.shape == abstract[p.path].shape and p.names == tuple(logical[p.path]), p.path
@@ -90,13 +91,13 @@ def test_published_shapes_have_their_parameter_counts(size):
     c = llama_configs_module().get_config(f'size={size}')
     config_lib.validate(c)
     shape = config_lib.model_shape(c)
-    assert sum(p.size for p in registry.get('llama').param_specs(shape)) == PUBLISHED[size]
+    assert sum(p.size for p in families.get('llama').param_specs(shape)) == PUBLISHED[size]
 
 
 def test_llama_mlp_rule_gives_the_published_widths():
-    assert config_lib.llama_mlp_dim(4096, 1.3, 1024) == 14336  # 8B
-    assert config_lib.llama_mlp_dim(8192, 1.3, 4096) == 28672  # 70B
-    assert config_lib.llama_mlp_dim(16384, 1.2, 4096) == 53248  # 405B
+    assert llama_family.llama_mlp_dim(4096, 1.3, 1024) == 14336  # 8B
+    assert llama_family.llama_mlp_dim(8192, 1.3, 4096) == 28672  # 70B
+    assert llama_family.llama_mlp_dim(16384, 1.2, 4096) == 53248  # 405B
 
 
 def test_flops_are_the_forward_count_in_megatrons_convention():
@@ -105,10 +106,10 @@ def test_flops_are_the_forward_count_in_megatrons_convention():
     c = llama_config(num_kv_heads=2, remat='full')
     c.train.global_batch = 6
     shape = config_lib.model_shape(c)
-    layer, head = registry.get('llama').forward_flops(shape)
+    layer, head = families.get('llama').forward_flops(shape)
     t, d, kv, f = 24, 40, 2 * 10, 56
     assert layer == 2 * t * (2 * d * d + 2 * d * kv + 3 * d * f) + 4 * t * t * d and head == 2 * t * d * 128
-    model, hw = registry.flops_per_step_from_config(c)
+    model, hw = config_lib.flops_per_step(c)
     forward = 6 * (shape.num_layers * layer + head * 3 / 4)
     assert model == pytest.approx(3 * forward, rel=1e-12) and hw == pytest.approx(4 * forward, rel=1e-12)
 

@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 from jaxfrontier import config as config_lib
-from jaxfrontier.model import packing, registry
+from jaxfrontier.model import packing
+from jaxfrontier.model import params as params_lib
 from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.plan import verify
 from layout_check import LOSS_RTOL
@@ -57,7 +58,7 @@ def _model(family, kernel):
     c = config_lib.base_config()  # init_std 0.3: attention far from uniform, so a leak across documents shows
     c.model.update(**{**SHAPE, 'family': family, 'attention': kernel, 'init_std': 0.3, 'attention_block_q': 8,
                       'attention_block_kv': 8})
-    return registry.get(family).module(config_lib.model_shape(c), rngs=nnx.Rngs(0))
+    return params_lib.module_of(family)(config_lib.model_shape(c), rngs=nnx.Rngs(0))
 
 
 def _documents_alone(window, boundary_loss):

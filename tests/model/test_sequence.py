@@ -41,11 +41,11 @@ def test_segments_keep_documents_apart():
 @pytest.mark.slow  # the fast tier: test_explicit_plain_positions_and_one_segment_equal_causal (the kernel level)
 @pytest.mark.parametrize('family', ['gpt', 'llama'])
 def test_loss_with_explicit_plain_seq_equals_plain(family):
-    from jaxfrontier.model import registry
+    from jaxfrontier.model import params as params_lib
     c = config_lib.base_config()
     c.model.update(**{**SHAPE, 'family': family})
     s = config_lib.model_shape(c)
-    model = registry.get(family).module(s, rngs=nnx.Rngs(0))
+    model = params_lib.module_of(family)(s, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, s.seq_len), 0, s.real_vocab_size)
     want = model.loss(tokens, tokens)
     got = model.loss(tokens, tokens, positions_bt=positions(s.seq_len, 2),

@@ -12,7 +12,6 @@ import pytest
 from jaxfrontier import config as config_lib
 from jaxfrontier import errors
 from jaxfrontier import flops as flops_lib
-from jaxfrontier.model import registry as model_registry
 from jaxfrontier import hardware
 from jaxfrontier.run.observe import metrics
 
@@ -65,11 +64,11 @@ def test_flops_per_step_from_config_uses_padded_vocab_and_remat():
     c.model.vocab_size, c.mesh.tensor, c.train.global_batch = 50257, 2, 6
     assert config_lib.padded_vocab(c) == 50432  # multiple of 128 * 2
     c.model.remat = 'full'
-    model, hw = model_registry.flops_per_step_from_config(c)
+    model, hw = config_lib.flops_per_step(c)
     assert model == pytest.approx(flops_lib.model_flops_per_step(6, 24, 3, 40, 50432), rel=1e-12)
     assert hw == pytest.approx(flops_lib.megatron_flops_per_step(6, 24, 3, 40, 50432, True), rel=1e-12)
     c.model.remat = 'none'
-    model_none, hw_none = model_registry.flops_per_step_from_config(c)
+    model_none, hw_none = config_lib.flops_per_step(c)
     assert model_none == model and hw_none == pytest.approx(model, rel=1e-12)
 
 

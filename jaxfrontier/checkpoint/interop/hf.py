@@ -1,11 +1,11 @@
 """Hugging Face interop: a checkpoint to a `transformers` directory, and such a directory back in.
 
-The driver, the same for every family; what differs lives in one converter module per family
-(hf_gpt2.py: GPT <-> GPT2LMHeadModel; hf_llama.py: Llama <-> LlamaForCausalLM / Qwen2ForCausalLM,
-and Mistral in). A converter declares the HF config from our model fields and back (refusing
-what the family cannot express), the tensor names and shapes (hf_files.expected_shapes), and
-one layer's tensors ours -> HF and HF -> ours. The converter is chosen by the saved config's
-`model.family` on export and by config.json's `model_type` (or `architectures`) on import.
+The driver, the same for every family; what differs lives in each family's declaration, its
+converter (`Family.hf`, families/base.py `HFConverter`, numpy only). A converter declares the HF
+config from our model fields and back (refusing what the family cannot express), the tensor
+names and shapes (hf_files.expected_shapes), and one layer's tensors ours -> HF and HF -> ours.
+The converter is chosen by the saved config's `model.family` on export and by config.json's
+`model_type` (or `architectures`) on import.
 
 Both directions stream one layer at a time, so host memory stays near one layer's tensors
 whatever the depth:
@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxfrontier import config as config_lib
+from jaxfrontier import families
 from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.checkpoint import format as format_lib
@@ -45,13 +46,12 @@ from jaxfrontier.checkpoint import run_files
 from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
 
 HEAD = 'lm_head.weight'  # every family's untied head: outside the base model's prefix
-BY_FAMILY = {c.FAMILY: c for c in hf_files.CONVERTERS}
 
 
 def _block_names(converter) -> dict[str, list[str]]:
     """Our block parameter -> its HF tensors after the layer prefix, in the order of the converter's table."""
     out: dict[str, list[str]] = {}
-    for ours, theirs in converter.NAMES.block_names:
+    for ours, theirs in converter.block_names:
         out.setdefault(ours, []).append(theirs)
     return out
 
@@ -59,11 +59,12 @@ def _block_names(converter) -> dict[str, list[str]]:
 # --------------------------------------------------------------------------- the checkpoint side
 
 
-def converter_of_family(family: str, where: str):
-    if family not in BY_FAMILY:
+def converter_of_family(family: str, where: str) -> families.HFConverter:
+    converter = families.get(family).hf if family in families.names() else None
+    if converter is None:
         raise CheckpointError(f'{where}: model family {family!r} has no Hugging Face converter. Fix: export '
                               'safetensors (--export_format=safetensors).')
-    return BY_FAMILY[family]
+    return converter
 
 
 def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -82,19 +83,19 @@ def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 def _tensors(converter, reader: readers.ParamReader, m: dict[str, Any], hf: dict[str, Any]):
     """[((HF name, shape), ...), read()] in file order: the embedding, the converter's first tensors, layer by
     layer, its last tensors, the head; read() gives that group's HF tensors from one read of ours."""
-    v, prefix = m['vocab_size'], converter.PREFIX
+    v, prefix = m['vocab_size'], converter.prefix
     tops, per_layer = converter.top_shapes(hf), converter.layer_shapes(hf)
-    groups = [(((prefix + converter.EMBED, tops[converter.EMBED]),), lambda: [reader.read('wte', (slice(0, v),))])]
+    groups = [(((prefix + converter.embed, tops[converter.embed]),), lambda: [reader.read('wte', (slice(0, v),))])]
     groups += [(((prefix + theirs, tops[theirs]),), lambda ours=ours: [reader.read(ours)])
-               for ours, theirs in converter.TOP_FIRST]
+               for ours, theirs in converter.top_first]
     blocks = [(ours, theirs) for ours, theirs in _block_names(converter).items() if theirs[0] in per_layer]
     for layer in range(m['num_layers']):
-        names = converter.NAMES.layer_prefix.format(layer=layer)
+        names = converter.layer_prefix.format(layer=layer)
         groups += [(tuple((names + t, per_layer[t]) for t in theirs),
                     lambda ours=ours, layer=layer: converter.to_hf(ours, reader.layer(ours, layer)))
                    for ours, theirs in blocks]
     groups += [(((prefix + theirs, tops[theirs]),), lambda ours=ours: [reader.read(ours)])
-               for ours, theirs in converter.TOP_LAST]
+               for ours, theirs in converter.top_last]
     if not m['tied_embeddings']:
         groups.append((((HEAD, tops[HEAD]),), lambda: [reader.read('head', (slice(None), slice(0, v))).T]))
     return groups
@@ -115,7 +116,7 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
     meta = readers.read_meta(step_dir)
     config = meta['config']
     m = config['model']
-    converter = converter_of_family(m.get('family', 'gpt'), step_dir)
+    converter = converter_of_family(m.get('family', families.DEFAULT_FAMILY), step_dir)
     converter.check_exportable(m, step_dir)
     reader = readers.ParamReader(step_dir, config)
     tokenizer, header = _tokenizer_of(config)
@@ -157,15 +158,17 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
 def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """Our model.* fields (`family` included) for a HF config.json; refuses what our model cannot compute."""
     converter = hf_files.converter_of(hf, where)
-    return converter.model_fields({'model_type': converter.MODEL_TYPES[0]} | hf, where)
+    return converter.model_fields({'model_type': converter.model_types[0]} | hf, where)
 
 
 def _ours(key: str, c: ml_collections.ConfigDict) -> Any:
-    """Our value of model.`key` as the HF side states it (0 means a rule's value: the kv heads, the MLP width)."""
-    if key == 'num_kv_heads':
-        return c.model.num_kv_heads or c.model.num_heads
+    """Our value of model.`key` as the HF side states it (0 means a rule's value: the MLP width, or one of the
+    family's, `Family.effective`)."""
     if key == 'mlp_dim':
         return config_lib.mlp_dim(c)
+    family = families.get(c.model.family)
+    if family.effective is not None and key in family.fields:
+        return family.effective(c.model)[key]
     return c.model[key]
 
 
@@ -225,10 +228,10 @@ def load_hf(hf_dir: str, c: ml_collections.ConfigDict, target: Any) -> dict[str,
     (checkpoint.init_params_from); its config must match `c`'s model (one line names the field)."""
     hf = read_hf_config(hf_dir)
     converter = hf_files.converter_of(hf, hf_dir)
-    check_matches(model_fields(hf, hf_dir), c, hf_dir, converter.POSITION_TABLE)
-    v, prefix, blocks = c.model.vocab_size, converter.PREFIX, _block_names(converter)
+    check_matches(model_fields(hf, hf_dir), c, hf_dir, converter.position_table)
+    v, prefix, blocks = c.model.vocab_size, converter.prefix, _block_names(converter)
     lead = 2 if c.mesh.pipeline > 1 and c.pipeline.virtual_stages > 1 else 1  # [V, L / V, ...] or [L, ...]
-    top = {ours: prefix + theirs for ours, theirs in converter.TOP_FIRST + converter.TOP_LAST}
+    top = {ours: prefix + theirs for ours, theirs in converter.top_first + converter.top_last}
     get = _hf_reader(hf_files.weights(hf_dir), prefix)
 
     def load(path, leaf):
@@ -237,11 +240,11 @@ def load_hf(hf_dir: str, c: ml_collections.ConfigDict, target: Any) -> dict[str,
             ours = name.removeprefix('blocks/')
             per_layer = tuple(leaf.shape[lead:])
             return _stacked(leaf, lead, lambda layer: converter.from_hf(ours, [
-                get(converter.NAMES.layer_prefix.format(layer=layer) + t) for t in blocks[ours]], per_layer))
+                get(converter.layer_prefix.format(layer=layer) + t) for t in blocks[ours]], per_layer))
         if name in ('wte', 'head'):
             full = np.zeros(leaf.shape, np.float32)
             if name == 'wte':
-                full[:v] = get(prefix + converter.EMBED)[:v]
+                full[:v] = get(prefix + converter.embed)[:v]
             else:
                 full[:, :v] = get(HEAD)[:v].T
         else:  # a position table keeps its first seq_len rows

@@ -8,8 +8,8 @@ committed checkpoint ... train first"). `check(path)` reads the config and the s
 header (its JSON only: the 8-byte length, then the entries, each checked against the file's
 size) and raises one UserError line naming the file, the field or tensor, and the fix.
 The architecture is config.json's `model_type` (else its `architectures`): each family's
-converter (hf_gpt2.py, hf_llama.py, `CONVERTERS`) names the integer fields it needs and the
-tensors and shapes it expects. Only JSON and headers are read here (no weights, no JAX work),
+converter (its declaration's `hf`, families/; `converters()`) names the integer fields it needs
+and the tensors and shapes it expects. Only JSON and headers are read here (no weights, no JAX work),
 and the fuzz suite feeds it anything.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxfrontier import families
 from jaxfrontier.errors import CheckpointError
-from jaxfrontier.checkpoint.interop import hf_gpt2
-from jaxfrontier.checkpoint.interop import hf_llama
+from jaxfrontier.families import HFConverter
 
 ITEMSIZE = {'F64': 8, 'F32': 4, 'F16': 2, 'BF16': 2, 'I64': 8, 'I32': 4, 'I16': 2, 'I8': 1, 'U8': 1, 'BOOL': 1,
             'U16': 2, 'U32': 4, 'U64': 8, 'F8_E4M3': 1, 'F8_E5M2': 1}
@@ -37,8 +37,12 @@ READABLE = tuple(DTYPES)
 INDEX = 'model.safetensors.index.json'  # a model saved in shards: {"weight_map": {tensor: file}}
 SHARD = re.compile(r'[\w-][\w.-]*\.safetensors')  # a shard the index may name: a file beside it, no path
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
-CONVERTERS = (hf_gpt2, hf_llama)  # one module per model family (model/registry.py)
 SAVE_FIX = 'save the model again with transformers\' save_pretrained (safe_serialization=True, float32)'
+
+
+def converters() -> tuple[HFConverter, ...]:
+    """The Hugging Face converter of every registered family that has one."""
+    return tuple(f.hf for f in families.all_families() if f.hf is not None)
 
 
 def looks_like_hf(path: str) -> bool:
@@ -137,19 +141,19 @@ def read_safetensors_entries(path: str) -> dict[str, Tensor]:
     return out
 
 
-def converter_of(config: dict[str, Any], where: str):
+def converter_of(config: dict[str, Any], where: str) -> HFConverter:
     """The family converter that reads config.json's `model_type` (else its `architectures`)."""
     model_type = config.get('model_type')
     if model_type is None and isinstance(config.get('architectures'), list):
-        by_arch = {'GPT2LMHeadModel': 'gpt2', 'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'mistral',
-                   'Qwen2ForCausalLM': 'qwen2'}
+        by_arch = {arch: kind for c in converters() for arch, kind in c.reads}
         model_type = next((by_arch[a] for a in config['architectures'] if isinstance(a, str) and a in by_arch), None)
-    for converter in CONVERTERS:
-        if model_type in converter.MODEL_TYPES:
+    for converter in converters():
+        if model_type in converter.model_types:
             return converter
-    known = ', '.join(t for c in CONVERTERS for t in c.MODEL_TYPES)
+    known = ', '.join(t for c in converters() for t in c.model_types)
+    archs = ', '.join(arch for c in converters() for arch, _ in c.reads)
     raise CheckpointError(f'{where}: model_type {model_type!r} is not an architecture jaxfrontier reads ({known}). '
-                          'Fix: use a GPT-2, Llama, Mistral or Qwen2 model directory.')
+                          f'Fix: use a model directory of one of {archs}.')
 
 
 def _is_int(value: Any) -> bool:
@@ -174,14 +178,14 @@ def read_config(path: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(f'{file} is a JSON {type(config).__name__}, not an object. Fix: {SAVE_FIX}')
     converter = converter_of(config, file)
-    config.setdefault('model_type', converter.MODEL_TYPES[0])
-    for key in converter.CONFIG_INTS:
+    config.setdefault('model_type', converter.model_types[0])
+    for key in converter.config_ints:
         if not _is_int(config.get(key)):
             raise CheckpointError(f'{file}: {key} = {config.get(key)!r}, not a positive integer. Fix: {SAVE_FIX}')
-    for key in converter.OPTIONAL_INTS:
+    for key in converter.optional_ints:
         if config.get(key) is not None and not _is_int(config[key]):
             raise CheckpointError(f'{file}: {key} = {config[key]!r}, not a positive integer or null. Fix: {SAVE_FIX}')
-    for key in converter.NUMBERS:
+    for key in converter.numbers:
         if key in config and (not isinstance(config[key], (int, float)) or isinstance(config[key], bool)):
             raise CheckpointError(f'{file}: {key} = {config[key]!r}, not a number. Fix: {SAVE_FIX}')
     return config
@@ -191,7 +195,7 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The tensors of a config.json (names without the family's prefix, e.g. `transformer.`) and their
     shapes; the vocabulary rows are a lower bound."""
     converter = converter_of(config, 'config.json')
-    prefix = converter.NAMES.layer_prefix.removeprefix(converter.PREFIX)
+    prefix = converter.layer_prefix.removeprefix(converter.prefix)
     shapes = dict(converter.top_shapes(config))
     for layer in range(converter.num_layers(config)):
         shapes |= {prefix.format(layer=layer) + name: shape for name, shape in converter.layer_shapes(config).items()}
@@ -247,19 +251,19 @@ def check(path: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
     config = read_config(path)
     converter = converter_of(config, path)
     header = weights(path)
-    names = {name.removeprefix(converter.PREFIX): entry for name, entry in header.items()}
+    names = {name.removeprefix(converter.prefix): entry for name, entry in header.items()}
     layers = converter.num_layers(config)
-    prefix = converter.NAMES.layer_prefix.removeprefix(converter.PREFIX)
+    prefix = converter.layer_prefix.removeprefix(converter.prefix)
     per_layer = converter.layer_shapes(config)
     # lazily: a config may claim 10^9 layers; the first one the file lacks ends the walk
     expected = itertools.chain(converter.top_shapes(config).items(), (
         (prefix.format(layer=layer) + name, shape) for layer in range(layers) for name, shape in per_layer.items()))
     for name, shape in expected:
         if name not in names:
-            raise CheckpointError(f'{names_where(path)} has no tensor {name!r} (nor {converter.PREFIX}{name}) that its '
+            raise CheckpointError(f'{names_where(path)} has no tensor {name!r} (nor {converter.prefix}{name}) that its '
                                   f'config.json ({layers} layers) needs. Fix: {SAVE_FIX}')
         dtype, saved = names[name].dtype, names[name].shape
-        vocab_rows = name in (converter.EMBED, 'lm_head.weight')
+        vocab_rows = name in (converter.embed, 'lm_head.weight')
         if saved != shape and not (vocab_rows and len(saved) == 2 and saved[0] >= shape[0] and saved[1] == shape[1]):
             raise CheckpointError(f'{names[name].file}: tensor {name!r} has shape {list(saved)}, its config.json needs '
                                   f'{list(shape)}. Fix: {SAVE_FIX}')

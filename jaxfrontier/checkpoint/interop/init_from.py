@@ -22,7 +22,7 @@ from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
 
 def load_params(source: str, c: ml_collections.ConfigDict, target: Any) -> dict[str, Any]:
     """Initial parameters for config.checkpoint.init_params_from: a .safetensors file, a Hugging Face
-    directory (GPT-2, Llama, Mistral, Qwen2) or a checkpoint, read into the shardings of `target` (the abstract parameters
+    directory (an architecture a family's converter reads, families/) or a checkpoint, read into the shardings of `target` (the abstract parameters
     with shardings, target.abstract_target)."""
     if not os.path.exists(source):
         raise ConfigError('checkpoint.init_params_from', source, 'no such file or directory',

@@ -108,7 +108,7 @@ class MLP(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """Llama's RMSNorm: x / rms(x) * scale, no mean and no bias; statistics in fp32."""
+    """RMSNorm: x / rms(x) * scale, no mean and no bias; statistics in fp32."""
 
     def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs):
         del rngs
@@ -122,7 +122,7 @@ class RMSNorm(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """Llama's gated MLP, silu(x W_gate) * (x W_up) W_down, no biases.
+    """The gated (SwiGLU) MLP, silu(x W_gate) * (x W_up) W_down, no biases.
 
     Gate and up are column-parallel over `mlp` (each tensor rank holds the same columns of
     both, so the product stays local); down is row-parallel and ends in one all-reduce.

@@ -1,13 +1,13 @@
 """Rotary position embeddings (RoPE) in Hugging Face's half-split convention.
 
 Dimension i < K/2 of a head is paired with dimension i + K/2 (`rotate_half`), not with its
-neighbour as in Meta's interleaved original: Hugging Face Llama checkpoints store q and k
-weights permuted for that convention, so with it they load without a permutation.
+neighbour as in Meta's interleaved original: Hugging Face checkpoints store q and k weights
+permuted for that convention, so with it they load without a permutation.
 
 Frequencies and angles are fp32 whatever the compute dtype (the angle of position 100,000
-needs the mantissa); Llama 3.1's frequency scaling follows transformers'
-`_compute_llama3_parameters` exactly. Positions come in explicitly [B, T], so packed
-documents can restart them and decoding can pass each row's own.
+needs the mantissa); the optional long-context frequency scaling (numbers, `Scaling`; a family
+maps its config to them) follows transformers' banded scaling exactly. Positions come in
+explicitly [B, T], so packed documents can restart them and decoding can pass each row's own.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Llama 3.1's scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+# The banded frequency scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
 Scaling = tuple[float, float, float, int]
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: Scaling | None = None) -> np.ndarray:
-    """The K/2 rotation frequencies theta^(-2i/K) (fp32), Llama 3.1-scaled when `scaling` is given.
+    """The K/2 rotation frequencies theta^(-2i/K) (fp32), scaled by bands when `scaling` is given.
 
     The scaling keeps the high frequencies (wavelength under original_max / high_freq_factor),
     divides the low ones (wavelength over original_max / low_freq_factor) by `factor`, and blends
@@ -37,11 +37,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Scaling | None = N
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    inv_freq_banded = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
     smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    smoothed = (1 - smooth) * inv_freq_banded / factor + smooth * inv_freq_banded
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
+    return np.where(is_medium, smoothed, inv_freq_banded).astype(np.float32)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:

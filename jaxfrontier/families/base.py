@@ -1,0 +1,239 @@
+"""What a model family declares, in one place: the config, checks, planner, exporters and trainer ask it.
+
+A family is two modules: its declaration here in `families/` (a `Family`: its config fields and
+their checks, its MLP width rule, its `ModelShape`, parameter table, FLOPs, Hugging Face names and
+converter, what the verify check keeps and what the planner's traced proxy needs) and its NNX
+module (`Family.module`, an import string resolved on the JAX side by model/params.py). Nothing
+in `families/` imports JAX, not even inside a function: the config reads the declarations before
+JAX starts (main sets XLA_FLAGS from the config). A declaration is data and plain functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# base_config's model.family, and the family of a config saved before model.family existed.
+DEFAULT_FAMILY = 'gpt'
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The numbers the model needs, and nothing else; a family with fields of its own subclasses it
+    (`Family.shape_type`)."""
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int  # padded
+    real_vocab_size: int  # logits at or beyond this index are masked out of the loss
+    mlp_dim: int
+    tied_embeddings: bool
+    dropout_rate: float
+    init_std: float
+    dtype: str
+    attention: str
+    remat: str
+    scan_unroll: int = 1
+    attention_block_q: int = 64
+    attention_block_kv: int = 64
+    family: str = DEFAULT_FAMILY  # the registered family (families.get) that builds and describes the model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: as many as query heads, unless the family groups them."""
+        return self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter array: its path in the params dict, shape and logical axis names."""
+
+    path: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_block(self) -> bool:
+        return self.path.startswith('blocks/')
+
+
+@dataclasses.dataclass(frozen=True)
+class HFConverter:
+    """A family's Hugging Face `transformers` names and its converter (numpy only), both directions.
+
+    The driver (checkpoint/interop/hf.py, hf_files.py) is the same for every family: it streams one
+    layer at a time through `to_hf` / `from_hf` and checks a directory against `top_shapes` /
+    `layer_shapes` before reading it. Our parameter names are the params dict's paths.
+
+    Attributes:
+      architecture, model_type: what export writes to config.json (`hf_config` may choose another).
+      activations: HF activation names that compute our MLP's activation.
+      layer_prefix: HF prefix of layer l's tensors; `{layer}` stands for l.
+      block_names: (our block parameter, HF name after the layer prefix); a parameter that stacks
+        several HF tensors lists them in the order of its stacked axis.
+      top_names: (our parameter outside the blocks, full HF name), written after the layers.
+      prefix: the base model's prefix on every tensor but `lm_head.weight` (a base model saved
+        alone has none).
+      embed: the token embedding's HF name after `prefix`.
+      reads: (architecture, model_type) import reads; config.json's `model_type` picks the
+        family, else its `architectures`.
+      position_table: learned positions (model.seq_len may not exceed the HF model's); rotary
+        positions have no table.
+      top_first: (ours, HF after `prefix`) written after the embedding, before the layers.
+      config_ints, optional_ints, numbers: config.json fields that must be positive integers,
+        positive integers or null, and numbers where present (checked before anything reads them).
+      num_layers: config.json -> its layer count.
+      check_exportable: (saved model.* fields, where) -> None, or one CheckpointError line.
+      hf_config: (saved model.* fields, eot id or None) -> config.json.
+      model_fields: (config.json, where) -> our model.* fields, `family` included; one ConfigError
+        line for what our model cannot compute.
+      top_shapes, layer_shapes: config.json -> {HF name: shape} outside the layers (after `prefix`;
+        lm_head when untied; vocabulary rows a lower bound) and of one layer (after its prefix).
+      to_hf: (our block parameter, one layer of it) -> its HF tensors (`block_names` order).
+      from_hf: (our block parameter, its HF tensors, one layer's shape) -> one layer of it.
+    """
+
+    architecture: str
+    model_type: str
+    activations: tuple[str, ...]
+    layer_prefix: str
+    block_names: tuple[tuple[str, str], ...]
+    top_names: tuple[tuple[str, str], ...]
+    prefix: str
+    embed: str
+    reads: tuple[tuple[str, str], ...]
+    position_table: bool
+    config_ints: tuple[str, ...]
+    optional_ints: tuple[str, ...]
+    numbers: tuple[str, ...]
+    num_layers: Callable[[dict[str, Any]], int]
+    check_exportable: Callable[[dict[str, Any], str], None]
+    hf_config: Callable[[dict[str, Any], int | None], dict[str, Any]]
+    model_fields: Callable[[dict[str, Any], str], dict[str, Any]]
+    top_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
+    layer_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
+    to_hf: Callable[[str, Any], list[Any]]
+    from_hf: Callable[[str, list[Any], tuple[int, ...]], Any]
+    top_first: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """The config.json `model_type`s import reads."""
+        return tuple(dict.fromkeys(t for _, t in self.reads))
+
+    @property
+    def top_last(self) -> tuple[tuple[str, str], ...]:
+        """(ours, HF after `prefix`) written after the layers."""
+        return tuple((ours, theirs.removeprefix(self.prefix)) for ours, theirs in self.top_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShrunkHeads:
+    """What the verify check (plan/shrink.py) makes of a family's heads: the query heads, the family's
+    model.* fields it sets with them, and what it records as kept (e.g. a grouping ratio)."""
+
+    num_heads: int
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    kept: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def two_heads_per_shard(shape: ModelShape, tensor: int) -> ShrunkHeads:
+    """The default verify rule: two query heads per tensor shard, so a swapped head order shows."""
+    del shape
+    return ShrunkHeads(2 * tensor)
+
+
+def no_check(m: Mapping[str, Any], require: Callable[..., None]) -> None:
+    del m, require
+
+
+def _no_proxy_fields(choice: Any, sizes: Mapping[str, int]) -> dict[str, Any]:
+    del choice, sizes
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family's declaration (see the module docstring).
+
+    Attributes:
+      name: the `config.model.family` value.
+      module: the NNX model class as 'package.module:Class', built as `Class(shape, *, rngs)`:
+        `embed`, `blocks` (stacked, run by `stack.apply_stack`), `logits`, `head_loss`, `loss`,
+        `__call__` (model/decoder.py); its block takes an optional KV cache and positions.
+      mlp_dim: model.* fields -> the MLP's width when model.mlp_dim is 0 (the family's rule; a saved
+        config may predate a field: use `.get` with the field's default).
+      param_specs: every parameter of `module(shape)` (the planner sums them in this order), block
+        parameters [L, ...] with the `layers` name first (tests hold it to `jax.eval_shape`).
+      forward_flops: matmul FLOPs (2 per multiply-add) of one layer's and of the head's forward pass
+        over one sequence of `shape.seq_len` tokens, attention counted in full.
+      megatron_flops: `(global_batch, shape, recompute) -> FLOPs per step` in Megatron's published
+        convention for this family (flops.py): the reported `megatron_hw` figure, and with
+        recompute=False the model FLOPs behind MFU.
+      fields: the family's own model.* fields -> default (base_config's model section has every
+        registered family's); another family's config refuses them away from their defaults.
+      shape_fields: those of `fields` that fix the train state's shapes (a checkpoint restores only
+        into a config that agrees); the others are what the model computes with (a reader adopts them).
+      max_sizes: model.* integer fields -> the largest value any model uses (config/bounds.py).
+      effective: model.* fields -> the family's fields with what a rule's value stands for (0 kv heads:
+        as many as query heads); a value meaning the same as the default counts as unset.
+      check: `(model section, require)` checks the family's fields, `require(ok, field, value, problem,
+        fix)` raising the one-line ConfigError.
+      shape_type: the ModelShape (sub)class the module is built from.
+      shape_fields_of: model.* fields -> `shape_type`'s own fields (beyond ModelShape's).
+      hf: the Hugging Face names and converter, or None (no HF interop).
+      verify_kept: model.* fields the verify check keeps as they are (what changes the numbers, not
+        the size).
+      shrink: `(shape, tensor) -> ShrunkHeads`: the verify check's heads and the family's fields set with them.
+      proxy_choice: shape -> what of the family's choices the planner's traced proxy keeps (hashable,
+        JSON; plan/activations.py keys its cache with it).
+      proxy_fields: `(choice, proxy sizes {'h': heads, 'g': kv heads}) -> shape_type fields` of the proxy.
+    """
+
+    name: str
+    module: str
+    mlp_dim: Callable[[Mapping[str, Any]], int]
+    param_specs: Callable[[ModelShape], tuple[ParamSpec, ...]]
+    forward_flops: Callable[[ModelShape], tuple[float, float]]
+    megatron_flops: Callable[[int, ModelShape, bool], float]
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    shape_fields: tuple[str, ...] = ()
+    max_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    effective: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    check: Callable[[Mapping[str, Any], Callable[..., None]], None] = no_check
+    shape_type: type[ModelShape] = ModelShape
+    shape_fields_of: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda m: {}
+    hf: HFConverter | None = None
+    verify_kept: tuple[str, ...] = ()
+    shrink: Callable[[ModelShape, int], ShrunkHeads] = two_heads_per_shard
+    proxy_choice: Callable[[ModelShape], Any] = lambda shape: False
+    proxy_fields: Callable[[Any, Mapping[str, int]], dict[str, Any]] = _no_proxy_fields
+
+    @property
+    def function_fields(self) -> tuple[str, ...]:
+        """The family's fields that are not shapes: what its model computes with."""
+        return tuple(f for f in self.fields if f not in self.shape_fields)
+
+    def unset(self, m: Mapping[str, Any], field: str) -> bool:
+        """Whether model.`field` of `m` means its default (so a model of another family may carry it)."""
+        default = self.fields[field]
+        if m[field] == default:
+            return True
+        return self.effective is not None and (
+            self.effective(m)[field] == self.effective({**dict(m.items()), field: default})[field])
+
+    def shape(self, m: Mapping[str, Any], **common: Any) -> ModelShape:
+        """The model's shape: ModelShape's fields (`common`) and the family's own from model.* `m`."""
+        return self.shape_type(**common, family=self.name, **self.shape_fields_of(m))
