@@ -2,7 +2,8 @@
 
 - `Layout`: how a model is spread over devices and time (mesh sizes, micro-batching, remat,
   schedule, ZeRO-1), built once per run from the config (`Layout.from_config`) and handed to
-  the trainer, the pipeline and the planner, whose search turns its knobs.
+  the trainer, the pipeline and the planner, whose search turns its knobs. Its mesh sizes are
+  a field per row of the axes' table (config/axes.py, `MeshSizes`).
 - `reduce_once`: gradients cross the `data` axis once per step (training/reduction.py has the
   mechanism and the why).
 - `token_split_axes`: the tensor axes the pipeline's stash and sends are split over
@@ -25,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.config import axes as axes_lib
 
 DATA = 'data'
 
@@ -131,15 +133,17 @@ def data_placement(rules) -> tuple[bool, bool]:
     return in_batch, over_data
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How a model is spread over devices and time: the knobs the search turns."""
+# Layout's mesh sizes: an int field per axis of the table, default 1, in mesh order. So every axis is a
+# keyword of `Layout(...)` and `dataclasses.replace`, and an attribute (`layout.fsdp`), without a list here.
+MeshSizes = dataclasses.make_dataclass(
+    'MeshSizes', [(a.name, int, dataclasses.field(default=1)) for a in axes_lib.AXES], frozen=True,
+    namespace={'__doc__': 'The size of each mesh axis (config/axes.py), 1 by default.', '__module__': __name__})
 
-    pipeline: int = 1
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    context: int = 1  # mesh.context: the sequence split over devices (docs/long_context.md)
+
+@dataclasses.dataclass(frozen=True)
+class Layout(MeshSizes):
+    """How a model is spread over devices and time: the knobs the search turns (the mesh sizes: `MeshSizes`)."""
+
     context_balance: bool = True  # model.context_balance: the zigzag token order (model/context.py)
     micro_batch: int = 1
     accum_steps: int = 1
@@ -164,9 +168,10 @@ class Layout:
         """Parts the pipeline's stash and sends are split into over `tensor` (pipeline.TokenSplit)."""
         if self.pipeline == 1:
             return 1
-        # The tokens' automatic axes: fsdp, context, and data unless the pipeline runs data-manual.
-        batch = tuple(a for a, n in (('data', 0 if self.reduce_once else self.data), ('fsdp', self.fsdp),
-                                     ('context', self.context)) if n > 1)
+        # The tokens' automatic axes: those splitting rows or sequences (data only unless the pipeline runs
+        # data-manual).
+        batch = tuple(a.name for a in axes_lib.AXES if a.role in ('batch', 'sequence') and getattr(self, a.name) > 1
+                      and not (a.name == DATA and self.reduce_once))
         axes = token_split_axes(self.shard_activations, batch, ('tensor',) if self.tensor > 1 else ())
         return self.tensor if axes else 1
 
@@ -174,8 +179,7 @@ class Layout:
     def from_config(cls, c: ml_collections.ConfigDict) -> Layout:
         """The config's layout, made once per run and handed to the trainer, the pipeline and the planner."""
         data_in_batch, params_over_data = data_placement(config_lib.sharding_rules(c))
-        return cls(pipeline=c.mesh.pipeline, data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
-                   context=c.mesh.context, context_balance=bool(c.model.context_balance),
+        return cls(**config_lib.mesh_shape(c), context_balance=bool(c.model.context_balance),
                    micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
                    zero1=bool(c.sharding.zero1), optimizer=c.optim.name, factor_min_dim=c.optim.factor_min_dim,
@@ -196,10 +200,12 @@ class Layout:
                            params_over_data=self.params_over_data)
 
     def as_dict(self) -> dict:
-        """The layout as JSON-ready fields; the rules' data placement, the optimizer, context and SP only
-        where not the default (records of layouts without them read the same)."""
+        """The layout as JSON-ready fields; the rules' data placement, the optimizer, the optional axes
+        (context), context balance and SP only where not the default (records of layouts without them read
+        the same)."""
         fields = dataclasses.asdict(self)
-        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim', 'context',
+        optional_axes = tuple(a.name for a in axes_lib.AXES if a.optional)
+        for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim', *optional_axes,
                      'context_balance', 'sequence_parallel'):
             if fields[name] == Layout.__dataclass_fields__[name].default:
                 del fields[name]
@@ -213,17 +219,16 @@ class Layout:
     @property
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes in config.MESH_AXES order (outermost first: the planner's link levels read it so)."""
-        return {'pipeline': self.pipeline, 'data': self.data, 'fsdp': self.fsdp, 'context': self.context,
-                'tensor': self.tensor}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(MeshSizes)}
 
     @property
     def num_devices(self) -> int:
-        return self.pipeline * self.data * self.fsdp * self.context * self.tensor
+        return math.prod(self.mesh_shape.values())
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas (data x fsdp)."""
-        return self.data * self.fsdp
+        """Data-parallel replicas: the product of the batch axes (data x fsdp)."""
+        return axes_lib.data_parallel(self.mesh_shape)
 
     @property
     def global_batch(self) -> int:
@@ -232,8 +237,7 @@ class Layout:
     def apply(self, c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         """A copy of config `c` with this layout."""
         c = ml_collections.ConfigDict(c.to_dict())
-        c.mesh.update(pipeline=self.pipeline, data=self.data, fsdp=self.fsdp, context=self.context,
-                      tensor=self.tensor)
+        c.mesh.update(self.mesh_shape)
         c.train.update(micro_batch=self.micro_batch, accum_steps=self.accum_steps, global_batch=self.global_batch)
         c.model.remat = self.remat
         c.model.context_balance = self.context_balance
@@ -246,8 +250,9 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f'TP {self.tensor}', f'PP {self.pipeline}', f'DP {self.dp}']
-        if self.fsdp > 1:
-            parts[-1] += f' (data {self.data} x fsdp {self.fsdp})'
+        batch = axes_lib.of_role('batch')
+        if any(getattr(self, a.name) > 1 for a in batch if not a.replica):  # data x fsdp, where fsdp > 1
+            parts[-1] += ' (' + ' x '.join(f'{a.name} {getattr(self, a.name)}' for a in batch) + ')'
         if self.context > 1:
             parts.append(f'CP {self.context}')
         sched = ''

@@ -1,8 +1,8 @@
 """Device mesh, logical-axis rules and sharding helpers.
 
-The mesh has the axes (pipeline, data, fsdp, context, tensor), outermost to innermost. Devices
-are ordered by (process, local id) and laid out row-major, so the innermost axis (tensor) lands
-on neighbouring devices: on Frontier, a tensor group of 2 is the two GCDs of one MI250X and
+The mesh has the axes of config/axes.py's table (pipeline, data, fsdp, context, tensor), outermost
+to innermost. Devices are ordered by (process, local id) and laid out row-major, so the innermost
+axis (tensor) lands on neighbouring devices: on Frontier, a tensor group of 2 is the two GCDs of one MI250X and
 a group of 8 is one node; the context ring comes next (its key/value passes go between close
 devices); pipeline stages go across nodes.
 

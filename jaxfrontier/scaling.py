@@ -1,7 +1,7 @@
 """Weak and strong scaling: `python -m jaxfrontier.scaling --config=configs/X.py --device_counts=8,16,32`.
 
-The base config's model-parallel layout (tensor, pipeline, fsdp) is kept at every device count
-N; the data axis takes the rest, data = N / (tensor x pipeline x fsdp). Each point is a trial
+The base config's model-parallel layout (every mesh axis but data) is kept at every device count
+N; the data axis takes the rest, data = N / (their product). Each point is a trial
 of the sweep machinery (`sweep_run`): its own process or `srun` step, warm-up then measured
 steps, a record in `<workdir>/results.jsonl` (reruns skip finished points).
 
@@ -29,6 +29,7 @@ from typing import Any
 
 from absl import flags
 
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.sweep import flags as F
 from jaxfrontier.sweep import trials as sweep_trials
@@ -127,9 +128,10 @@ def plan_scaling(argv: list[str], counts: list[int], studies: list[str]) -> int:
 
 def run_scaling(argv: list[str], config_spec: str, user_args: tuple[str, ...]) -> int:
     counts = device_counts(_COUNTS.value)
-    if any(a.startswith('--config.mesh.data=') for a in user_args):
-        raise UserError('--config.mesh.data: the data axis is derived at every device count (data = '
-                                   'N / (tensor x pipeline x fsdp)). Fix: drop the override')
+    replica = axes_lib.replica()
+    if any(a.startswith(f'--config.{replica.field}=') for a in user_args):
+        raise UserError(f'--config.{replica.field}: the {replica.name} axis is derived at every device count '
+                        f'({replica.name} = N / the product of the other mesh axes). Fix: drop the override')
     if _PLAN_ONLY.value:
         return plan_scaling(argv, counts, ['weak', 'strong'] if _STUDY.value == 'both' else [_STUDY.value])
     study = F.make_study(config_spec, user_args, max(counts))

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import CheckpointError
 
 POSITIVE_MODEL_FIELDS = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio', 'vocab_multiple')
-POSITIVE_MESH_FIELDS = ('pipeline', 'data', 'fsdp', 'tensor')
-# Mesh axes added later: a checkpoint written before them lacks the field (and ran at size 1).
-OPTIONAL_MESH_FIELDS = ('context',)
+# Every mesh axis (config/axes.py) is a positive integer. Axes added later (`Axis.optional`: context) may be
+# missing: a checkpoint written before them lacks the field (and ran at size 1).
+POSITIVE_MESH_FIELDS = tuple(a.name for a in axes_lib.AXES if not a.optional)
+OPTIONAL_MESH_FIELDS = tuple(a.name for a in axes_lib.AXES if a.optional)
 
 
 def _positive_int(value: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Config: the schema (`schema.py`), its validation (`checks.py`) and the sharding rules fitted to a model and mesh (`rules.py`); this module is the front door.
+"""Config: the schema (`schema.py`), the mesh axes' table (`axes.py`), validation (`checks.py`) and the sharding rules fitted to a model and mesh (`rules.py`); this module is the front door.
 
 Every `configs/*.py` file starts from `base_config()` and changes only what differs. All
 rules a config must satisfy are checked by `validate` before JAX compiles anything; a broken
@@ -8,6 +8,8 @@ No module here imports JAX: `main` reads the config before JAX starts, so that i
 the simulated CPU device count.
 """
 
+from jaxfrontier.config import axes  # noqa: F401  (the mesh axes' table: config.axes.AXES)
+from jaxfrontier.config.axes import AXES, Axis  # noqa: F401
 from jaxfrontier.config.checks import check_device_count, validate  # noqa: F401
 from jaxfrontier.config.rules import SEQUENCE_PARALLEL, resolve_rules, sequence_parallel, sharding_rules  # noqa: F401
 from jaxfrontier.config.schema import (  # noqa: F401

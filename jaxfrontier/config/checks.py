@@ -12,6 +12,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier import families
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.config import bounds
 from jaxfrontier.config.rules import SEQUENCE_PARALLEL
 from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, mlp_dim, num_devices)
@@ -92,9 +93,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     max_sizes = {f'model.{k}': v for family in families.all_families() for k, v in family.max_sizes.items()}
     for problem in bounds.problems(c, base_config(), max_sizes):  # None, non-finite floats, absurd sizes (tests/fuzz)
         raise ConfigError(*problem)
-    for axis in MESH_AXES:
-        _require(isinstance(c.mesh[axis], int) and c.mesh[axis] >= 1, f'mesh.{axis}', c.mesh[axis],
-                 'mesh sizes must be integers >= 1', f'set mesh.{axis} to a positive integer')
+    for axis in axes_lib.AXES:
+        size = c.mesh[axis.name]
+        _require(isinstance(size, int) and size >= 1, axis.field, size, 'mesh sizes must be integers >= 1',
+                 f'set {axis.field} to a positive integer')
     _require(isinstance(c.mesh.cpu_devices, int) and c.mesh.cpu_devices >= 0, 'mesh.cpu_devices',
              c.mesh.cpu_devices, 'must be an integer >= 0', 'set 0 (use the devices present) or the number '
              'of simulated CPU devices')
@@ -124,8 +126,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _validate_family(c)
     _divides('mesh.tensor', c.mesh.tensor, 'the MLP width (model.mlp_dim or the family rule)', mlp_dim(c),
              'the MLP width (split over the tensor axis)')
-    _divides('mesh.fsdp', c.mesh.fsdp, 'model.d_model', m.d_model,
-             'the hidden size (parameters are split over the fsdp axis)')
+    for axis in axes_lib.AXES:
+        if axis.shards_params:  # ZeRO-3: every weight's model dimension split over it
+            _divides(axis.field, c.mesh[axis.name], 'model.d_model', m.d_model,
+                     f'the hidden size (parameters are split over the {axis.name} axis)')
     _divides('mesh.pipeline * pipeline.virtual_stages', c.mesh.pipeline * c.pipeline.virtual_stages,
              'model.num_layers', m.num_layers, 'the number of layers (split over pipeline stages)')
     if m.attention == 'cudnn':
@@ -154,7 +158,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     dp = data_parallel_size(c)
     _require(t.global_batch == t.micro_batch * t.accum_steps * dp, 'train.global_batch', t.global_batch,
              f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '
-             f'data-parallel size (mesh.data x mesh.fsdp = {dp}) = {t.micro_batch * t.accum_steps * dp}',
+             f'data-parallel size ({" x ".join(a.field for a in axes_lib.of_role("batch"))} = {dp}) = '
+             f'{t.micro_batch * t.accum_steps * dp}',
              'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds')
 
     _validate_pipeline(c)

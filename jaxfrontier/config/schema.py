@@ -15,6 +15,7 @@ from typing import Any
 import ml_collections
 
 from jaxfrontier import families
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.families import ModelShape
 
@@ -58,9 +59,8 @@ DATA_KINDS = ('builtin', 'tokens', 'synthetic')
 PIPELINE_SCHEDULES = ('gpipe', '1f1b', '1f1b_lockstep', 'interleaved')  # jaxfrontier/pipeline/schedules.py
 DISTRIBUTED_MODES = ('auto', 'slurm', 'explicit', 'none')
 WANDB_MODES = ('disabled', 'online', 'offline')  # train.wandb_mode (run/observe/wandb_log.py)
-# Outermost to innermost: tensor on the nearest devices, context next (its ring passes key/value
-# blocks between neighbours every attention block; docs/long_context.md).
-MESH_AXES = ('pipeline', 'data', 'fsdp', 'context', 'tensor')
+# Outermost to innermost: the rows of config/axes.py (the order says why).
+MESH_AXES = axes_lib.MESH_AXES
 
 # name -> (layers, hidden, heads). The paper's models and the GPT-3 family sizes.
 MODEL_SIZES = {
@@ -122,13 +122,9 @@ def base_config() -> ml_collections.ConfigDict:
     ))
 
     c.mesh = ml_collections.ConfigDict(dict(
-        pipeline=1,
-        data=1,
-        fsdp=1,
-        # Splits every sequence's tokens (context parallelism, docs/long_context.md): activations
-        # per device / context; attention passes key/value blocks around a ring over this axis.
-        context=1,
-        tensor=1,
+        # One size per mesh axis, 1 unless set: a field per row of config/axes.py, in its order
+        # (the rows say what each axis splits; context parallelism: docs/long_context.md).
+        **{a.name: 1 for a in axes_lib.AXES},
         # > 0: simulate this many CPU devices (set by main before JAX starts).
         cpu_devices=0,
     ))
@@ -371,12 +367,12 @@ def set_cpu_device_count(n: int) -> None:
 
 
 def data_parallel_size(c: ml_collections.ConfigDict) -> int:
-    """Number of data-parallel replicas: data x fsdp."""
-    return c.mesh.data * c.mesh.fsdp
+    """Number of data-parallel replicas: the product of the batch axes (data x fsdp)."""
+    return axes_lib.data_parallel(c.mesh)
 
 
 def mesh_shape(c: ml_collections.ConfigDict) -> dict[str, int]:
-    return {axis: int(c.mesh[axis]) for axis in MESH_AXES}
+    return {a.name: int(c.mesh[a.name]) for a in axes_lib.AXES}
 
 
 def num_devices(c: ml_collections.ConfigDict) -> int:

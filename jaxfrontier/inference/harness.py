@@ -65,7 +65,7 @@ class JaxFrontierLM(TemplateLM):
             raise UserError('the jaxfrontier lm-eval model needs a run. Fix: pass model_args workdir=DIR.')
         if config is None:
             config = config_lib.base_config()
-            config.mesh.update(data=jax.device_count(), fsdp=1, tensor=1)
+            config.mesh.data = jax.device_count()  # every device a replica (each other axis is 1)
         self.loaded = load_lib.load(config, workdir)
         c = self.loaded.config
         self.codec = text.run_codec(self.loaded.run_config.get('data', {}), c.model.vocab_size, self.loaded.hf_dir)

@@ -18,6 +18,7 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint.interop import hf
@@ -65,8 +66,12 @@ def decode_config(c: ml_collections.ConfigDict, model: dict[str, Any]) -> ml_col
         if key in model:
             c.model[key] = model[key]
     c.model.dropout_rate = 0.0
-    # Decoding keeps whole sequences (its KV cache is not split): pipeline and context fold into data.
-    c.mesh.data, c.mesh.pipeline, c.mesh.context = c.mesh.data * c.mesh.pipeline * c.mesh.context, 1, 1
+    # Decoding keeps whole sequences (its KV cache is not split) and runs no pipeline: the pipeline and
+    # sequence axes (pipeline, context) fold into the replica axis (data).
+    replica = axes_lib.replica().name
+    for axis in axes_lib.AXES:
+        if axis.role in ('pipeline', 'sequence'):
+            c.mesh[replica], c.mesh[axis.name] = c.mesh[replica] * c.mesh[axis.name], 1
     c.pipeline.virtual_stages = 1
     c.sharding.zero1 = False
     if c.model.num_heads % c.mesh.tensor:

@@ -33,6 +33,7 @@ import ml_collections
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import layout as layout_lib
@@ -88,15 +89,15 @@ def collectives(c: ml_collections.ConfigDict, compiled) -> list[hlo_collectives.
 
 
 def cpu_copy(c: ml_collections.ConfigDict, max_devices: int = MAX_CPU_DEVICES) -> ml_collections.ConfigDict:
-    """A copy of `c` whose mesh fits `max_devices`, shrinking mesh.data (then fsdp) and the batch.
+    """A copy of `c` whose mesh fits `max_devices`, shrinking the batch axes (mesh.data, then fsdp) and the batch.
 
     Micro-batch and accumulation stay, so every device sees the same work as in `c`.
     """
     c = ml_collections.ConfigDict(c.to_dict())
-    for axis in ('data', 'fsdp'):
-        while config_lib.num_devices(c) > max_devices and c.mesh[axis] > 1:
-            size = c.mesh[axis]
-            c.mesh[axis] = max(d for d in range(1, size) if size % d == 0)
+    for axis in axes_lib.of_role('batch'):
+        while config_lib.num_devices(c) > max_devices and c.mesh[axis.name] > 1:
+            size = c.mesh[axis.name]
+            c.mesh[axis.name] = max(d for d in range(1, size) if size % d == 0)
     if config_lib.num_devices(c) > max_devices:
         raise ConfigError('mesh', config_lib.mesh_shape(c),
                                      f'even without data parallelism the mesh needs more than {max_devices} devices',

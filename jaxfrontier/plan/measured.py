@@ -7,7 +7,7 @@ A results file is JSON lines. Two kinds of record are read:
     `config` (written by the sweep since calibration exists; older records are completed from
     `<dir of results.jsonl>/trials/<id>/config.json`) and the `machine` it ran on;
   * a point measured elsewhere (`"source": "published"`): a `config_file` (configs/*.py), the
-    `layout` it ran (`tensor`, `pipeline`, `data`, `fsdp`, `micro_batch`, `accum_steps`,
+    `layout` it ran (its mesh axes, e.g. `tensor`, `pipeline`, `data`, `fsdp`; `micro_batch`, `accum_steps`,
     `schedule`, `zero1`, `remat`), the `machine`, and its throughput as `step_time_s`,
     `tokens_per_s` or `hw_tflops_per_device` (Megatron's counter, f = 4 with recomputation,
     the paper's figure). `benchmarks/results/frontier_paper.jsonl` holds the paper's three.
@@ -33,10 +33,12 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import errors
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.plan import planner
 
-LAYOUT_FIELDS = {'tensor': 'mesh.tensor', 'pipeline': 'mesh.pipeline', 'data': 'mesh.data', 'fsdp': 'mesh.fsdp',
-                 'context': 'mesh.context', 'micro_batch': 'train.micro_batch', 'accum_steps': 'train.accum_steps', 'remat': 'model.remat',
+# A published point's layout: every mesh axis (config/axes.py), and the knobs below.
+LAYOUT_FIELDS = {**{a.name: a.field for a in axes_lib.AXES},
+                 'micro_batch': 'train.micro_batch', 'accum_steps': 'train.accum_steps', 'remat': 'model.remat',
                  'schedule': 'pipeline.schedule', 'virtual_stages': 'pipeline.virtual_stages',
                  'zero1': 'sharding.zero1'}
 MODEL_FIELDS = ('num_layers', 'd_model', 'num_heads', 'mlp_ratio', 'seq_len', 'vocab_size')
@@ -87,7 +89,7 @@ def _set(c: ml_collections.ConfigDict, layout: dict[str, Any]) -> None:
         for key, value in layout.items():
             section, field = LAYOUT_FIELDS[key].split('.')
             c[section][field] = value
-        c.train.global_batch = (c.train.micro_batch * c.train.accum_steps * c.mesh.data * c.mesh.fsdp)
+        c.train.global_batch = c.train.micro_batch * c.train.accum_steps * config_lib.data_parallel_size(c)
 
 
 def _with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:

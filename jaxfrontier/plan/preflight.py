@@ -25,6 +25,7 @@ from absl import logging
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import UserError
 from jaxfrontier.plan import planner
 from jaxfrontier.plan import search as search_lib
@@ -49,9 +50,9 @@ def local_hardware(devices: Sequence[Any], capacity: int) -> hw_lib.Hardware:
 
 
 def overrides(layout: layout_lib.Layout) -> str:
-    """The --config overrides that select `layout`."""
-    axes = ('data', 'fsdp', 'tensor', 'pipeline') + (('context',) if layout.context > 1 else ())
-    out = [f'--config.mesh.{axis}={getattr(layout, axis)}' for axis in axes]
+    """The --config overrides that select `layout` (an optional mesh axis only where it is not 1)."""
+    out = [f'--config.{a.field}={getattr(layout, a.name)}' for a in axes_lib.AXES
+           if not a.optional or getattr(layout, a.name) > 1]
     out += [f'--config.train.micro_batch={layout.micro_batch}', f'--config.train.accum_steps={layout.accum_steps}']
     if layout.pipeline == 1:
         out.append(f'--config.model.remat={layout.remat}')

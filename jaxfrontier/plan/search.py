@@ -2,8 +2,9 @@
 
 `search(config, hardware, num_devices)` enumerates tensor (with and without sequence
 parallelism) x context x pipeline x data-parallel (data or fsdp, with or without ZeRO-1)
-meshes, micro-batch sizes, remat policies and pipeline schedules at the config's global batch, plans each (`planner.plan_layout`, arithmetic only),
-drops those that do not fit the device memory and ranks the rest by predicted tokens/s.
+meshes (over every axis of config/axes.py: one the search has no sizes for stays 1), micro-batch
+sizes, remat policies and pipeline schedules at the config's global batch, plans each
+(`planner.plan_layout`, arithmetic only), drops those that do not fit the device memory and ranks the rest by predicted tokens/s.
 What the authors searched with DeepHyper on the machine, this does on a laptop in seconds;
 the top layouts are then worth a compile check (`compile_check`) and a short real run.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_collections
@@ -19,6 +21,7 @@ import ml_collections
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.plan import planner
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -38,30 +41,48 @@ def _shape_for(c: ml_collections.ConfigDict, tensor: int) -> config_lib.ModelSha
 def candidate_layouts(c: ml_collections.ConfigDict, num_devices: int, hw: hw_lib.Hardware) -> list[layout_lib.Layout]:
     """Layouts of `num_devices` that satisfy every divisibility rule at the config's global batch.
 
-    Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses),
-    with and without sequence parallelism; context sizes are the divisors of the rest that
-    split the sequence into equal chunks (two per device when balanced, config's
-    `_validate_context`); data-parallel devices split into data x fsdp (fsdp 1, all, or a
-    power of two up to 128); ZeRO-1 is tried where a data axis exists (not with Adafactor,
-    which config.validate refuses).
+    Meshes come from `_meshes` (each axis's sizes: `_axis_sizes`); ZeRO-1 is tried where the
+    replica axis (data) has more than one device (not with Adafactor, which config.validate refuses),
+    sequence parallelism where tensor does.
     """
-    m, batch = c.model, c.train.global_batch
-    chunks_per_device = 2 if m.context_balance else 1
     out = []
-    for tensor in [t for t in _divisors(num_devices) if t <= hw.devices_per_node]:
-        if m.num_heads % tensor or config_lib.mlp_dim(c) % tensor:
-            continue
-        for context in [x for x in _divisors(num_devices // tensor)
-                        if x == 1 or m.seq_len % (chunks_per_device * x) == 0]:
-            for pipeline in [p for p in _divisors(num_devices // (tensor * context)) if m.num_layers % p == 0]:
-                dp = num_devices // (tensor * context * pipeline)
-                for fsdp in _fsdp_sizes(dp, m.d_model):
-                    data = dp // fsdp
-                    for zero1 in ((False, True) if data > 1 and c.optim.name != 'adafactor' else (False,)):
-                        mesh = dict(pipeline=pipeline, data=data, fsdp=fsdp, context=context, tensor=tensor)
-                        for sp in ((False, True) if tensor > 1 else (False,)):
-                            out += _time_layouts(c, batch, mesh, zero1, sp)
+    for mesh in _meshes(tuple(_axis_sizes(c, hw).items()), num_devices, {}):
+        replicas = mesh[axes_lib.replica().name]
+        for zero1 in ((False, True) if replicas > 1 and c.optim.name != 'adafactor' else (False,)):
+            for sp in ((False, True) if mesh['tensor'] > 1 else (False,)):
+                out += _time_layouts(c, c.train.global_batch, mesh, zero1, sp)
     return out
+
+
+def _axis_sizes(c: ml_collections.ConfigDict, hw: hw_lib.Hardware) -> dict[str, Callable[[int], list[int]]]:
+    """Axis -> the sizes to try for it given the devices still free, in the order the search turns them.
+
+    Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses); context
+    sizes split the sequence into equal chunks (two per device when balanced, config's
+    `_validate_context`); pipeline sizes divide the layers; fsdp is 1, all, or a power of two up to 128
+    (`_fsdp_sizes`). The replica axis (data) takes the devices left; an axis without sizes here stays 1.
+    """
+    m = c.model
+    chunks_per_device = 2 if m.context_balance else 1
+    return {
+        'tensor': lambda free: [t for t in _divisors(free) if t <= hw.devices_per_node and m.num_heads % t == 0
+                                and config_lib.mlp_dim(c) % t == 0],
+        'context': lambda free: [x for x in _divisors(free) if x == 1 or m.seq_len % (chunks_per_device * x) == 0],
+        'pipeline': lambda free: [p for p in _divisors(free) if m.num_layers % p == 0],
+        'fsdp': lambda free: _fsdp_sizes(free, m.d_model),
+    }
+
+
+def _meshes(sizes: tuple[tuple[str, Callable[[int], list[int]]], ...], free: int, chosen: dict[str, int]
+            ) -> Iterator[dict[str, int]]:
+    """Every mesh of `free` more devices: each axis of `sizes` in turn at each of its sizes, then the replica
+    axis takes the devices left and every other axis is 1 (axis -> size, in mesh order)."""
+    if not sizes:
+        yield {a.name: chosen.get(a.name, free if a.replica else 1) for a in axes_lib.AXES}
+        return
+    (name, options), rest = sizes[0], sizes[1:]
+    for size in options(free):
+        yield from _meshes(rest, free // size, {**chosen, name: size})
 
 
 def _fsdp_sizes(dp: int, d_model: int) -> list[int]:
@@ -73,7 +94,7 @@ def _fsdp_sizes(dp: int, d_model: int) -> list[int]:
 def _time_layouts(c, batch: int, mesh: dict[str, int], zero1: bool, sequence_parallel: bool
                   ) -> list[layout_lib.Layout]:
     """Micro-batch, accumulation, remat and schedule choices of one mesh (`mesh`: its axis sizes)."""
-    pipeline, dp, out = mesh['pipeline'], mesh['data'] * mesh['fsdp'], []
+    pipeline, dp, out = mesh['pipeline'], axes_lib.data_parallel(mesh), []
     for micro in MICRO_BATCHES:
         if batch % (micro * dp):
             continue

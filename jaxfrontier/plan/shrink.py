@@ -1,6 +1,6 @@
 """The smallest model that keeps a config's parallel and numeric choices (`--mode=verify`).
 
-`shrink(c)` keeps the mesh (tensor, pipeline, fsdp, context, data), the schedule and its virtual
+`shrink(c)` keeps the mesh (every axis; data's extent only where it fits), the schedule and its virtual
 stages, ZeRO-1, remat, attention kernel, dtype, dropout, tied embeddings, token split and
 the sharding rules, and the family's choices (its declaration's `verify_kept` fields and its
 `shrink` rule: e.g. query heads per key/value head, and whether the key/value heads divide
@@ -25,6 +25,7 @@ import ml_collections
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import families
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import ConfigError
 
 # --verify_max_devices by default: 8 processes of 256 devices, the most plan/fanout.py starts (one XLA:CPU
@@ -43,8 +44,8 @@ STEPS = 3
 # (tests/training/test_optimizer.py: Lion with padded ZeRO-1, Adafactor's factors).
 CHECK_OPTIM = dict(name='adamw', lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-6, schedule='cosine')
 
-KEPT = ('model.family', 'mesh.pipeline', 'mesh.fsdp', 'mesh.context', 'model.context_balance', 'mesh.tensor',
-        'pipeline.schedule',
+# Every mesh axis but the replica one (data), whose extent may shrink (`Axis.replica`).
+KEPT = ('model.family', *(a.field for a in axes_lib.others()), 'model.context_balance', 'pipeline.schedule',
         'pipeline.virtual_stages', 'pipeline.shard_activations', 'sharding.zero1', 'sharding.sequence_parallel',
         'sharding.rules', 'model.remat',
         'model.attention', 'model.dtype', 'model.dropout_rate', 'model.tied_embeddings', 'model.scan_unroll',
@@ -94,12 +95,14 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
             changes[field] = (old, value)
             s[section][key] = value
 
-    others = mesh.pipeline * mesh.fsdp * mesh.context * mesh.tensor
+    replica = axes_lib.replica()
+    others = axes_lib.product(mesh, axes_lib.others())
     if others > max_devices:
         raise ConfigError(
-            'mesh', config_lib.mesh_shape(c), f'pipeline x fsdp x context x tensor = {others} devices even with data 1, more '
-            f'than the {max_devices} this machine simulates', 'verify on a larger machine, or a smaller layout')
-    put('mesh.data', next(d for d in _divisors_down(mesh.data) if d * others <= max_devices))
+            'mesh', config_lib.mesh_shape(c), f'{" x ".join(a.name for a in axes_lib.others())} = {others} devices '
+            f'even with {replica.name} 1, more than the {max_devices} this machine simulates',
+            'verify on a larger machine, or a smaller layout')
+    put(replica.field, next(d for d in _divisors_down(mesh[replica.name]) if d * others <= max_devices))
     put('mesh.cpu_devices', config_lib.num_devices(s))
 
     chunks = mesh.pipeline * (s.pipeline.virtual_stages if mesh.pipeline > 1 else 1)
@@ -108,8 +111,10 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
     family = families.get(shape.family)
     rule = family.shrink(shape, mesh.tensor)
     heads = rule.num_heads
-    # Even (rotary embeddings rotate pairs of a head's dimensions), and the width divides over fsdp.
-    head_dim = next(k for k in range(HEAD_DIM, HEAD_DIM * mesh.fsdp * 8 + 1, 2) if (heads * k) % mesh.fsdp == 0)
+    # Even (rotary embeddings rotate pairs of a head's dimensions), and the width divides over the axes that
+    # split it (fsdp).
+    split = axes_lib.product(mesh, tuple(a for a in axes_lib.AXES if a.shards_params))
+    head_dim = next(k for k in range(HEAD_DIM, HEAD_DIM * split * 8 + 1, 2) if (heads * k) % split == 0)
     put('model.num_heads', heads)
     for key, value in rule.fields.items():
         put(f'model.{key}', value)
@@ -128,7 +133,7 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
     # Enough micro-batches to fill the pipeline twice; the schedule's shape is the same beyond.
     accum = s.train.accum_steps
     put('train.accum_steps', min(accum, max(2, 2 * chunks)) if accum > 1 else 1)
-    put('train.global_batch', s.train.micro_batch * s.train.accum_steps * mesh.data * mesh.fsdp)
+    put('train.global_batch', s.train.micro_batch * s.train.accum_steps * config_lib.data_parallel_size(s))
     put('train.steps', STEPS)
     for key, value in CHECK_OPTIM.items():
         put(f'optim.{key}', value)
@@ -150,7 +155,7 @@ def reference_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """
     r = ml_collections.ConfigDict(c.to_dict())
     r.model.vocab_multiple = c.model.vocab_multiple * c.mesh.tensor
-    r.mesh.update(pipeline=1, data=1, fsdp=1, context=1, tensor=1, cpu_devices=0)
+    r.mesh.update({a.name: 1 for a in axes_lib.AXES}, cpu_devices=0)
     r.train.micro_batch = r.train.global_batch // r.train.accum_steps
     r.sharding.zero1 = False
     r.pipeline.virtual_stages = 1

@@ -20,6 +20,7 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from jaxfrontier.config import axes as axes_lib  # pylint: disable=wrong-import-position
 from jaxfrontier.sweep import trials as sweep_trials  # pylint: disable=wrong-import-position
 
 # (record field, Markdown header, format)
@@ -132,7 +133,7 @@ def plot_best_per_model(records: Sequence[dict[str, Any]], objective: str, path:
     bars = ax.bar(range(len(models)), heights, color='tab:green')
     for bar, m in zip(bars, models):
         r = best[m]
-        text = f'TP{r["tensor"]} PP{r["pipeline"]} DP{r["data"] * r["fsdp"]}\nmb{r["micro_batch"]} x{r["accum_steps"]}'
+        text = f'TP{r["tensor"]} PP{r["pipeline"]} DP{axes_lib.data_parallel(r)}\nmb{r["micro_batch"]} x{r["accum_steps"]}'
         if r.get('mfu') is not None:
             text += f'\nMFU {r["mfu"]:.1%}'
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha='center', va='bottom',

@@ -3,16 +3,18 @@
 A space maps parameter names to the values to try. The names are the knobs of the paper's
 search plus any model field:
 
-  tensor, pipeline, fsdp, context, zero1, sequence_parallel, micro_batch, accum_steps, global_batch, remat, schedule,
-  virtual_stages, attention, size (a row of config.MODEL_SIZES), model.<field> (e.g. model.d_model)
+  every mesh axis but data (config/axes.py; e.g. tensor, fsdp), zero1, sequence_parallel,
+  micro_batch, accum_steps, global_batch, remat, schedule, virtual_stages, attention, size (a row of
+  config.MODEL_SIZES), model.<field> (e.g. model.d_model)
 
 Written on the command line as `--space tensor=1,2,4 --space remat=full,none` or as a JSON file
 `{"tensor": [1, 2, 4], "remat": ["full", "none"]}`.
 
 How a point becomes a layout on D devices (`point_config`):
-  * data = D / (tensor x pipeline x fsdp x context): the data-parallel axis takes the devices left over;
-  * when accum_steps is swept, the global batch follows: micro_batch x accum_steps x data x fsdp
-    (the batch grows with the data-parallel size);
+  * data = D / (the product of every other mesh axis): the replica axis takes the devices left over
+    (`Axis.replica`);
+  * when accum_steps is swept, the global batch follows: micro_batch x accum_steps x the data-parallel
+    size (data x fsdp; the batch grows with it);
   * otherwise the global batch is kept (the base config's, or the swept global_batch) and
     accum_steps = global_batch / (micro_batch x data x fsdp), Megatron's rule.
 A point whose layout breaks a rule of `config.validate` is a trial with status `invalid`.
@@ -32,6 +34,7 @@ from typing import Any, Sequence
 import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import ConfigError, SpaceError, UserError
 
 
@@ -46,10 +49,8 @@ class Param:
 
 
 PARAMS = {
-    'tensor': Param('mesh.tensor', int, help='tensor-parallel size'),
-    'pipeline': Param('mesh.pipeline', int, help='pipeline stages'),
-    'fsdp': Param('mesh.fsdp', int, help='FSDP (ZeRO-3) size; data takes the remaining devices'),
-    'context': Param('mesh.context', int, help='context-parallel size (the sequence split over devices)'),
+    # Every mesh axis but the replica axis (data), which takes the devices the others leave.
+    **{a.name: Param(a.field, int, help=a.help) for a in axes_lib.others()},
     'zero1': Param('sharding.zero1', bool, help='ZeRO-1: optimizer state sharded over data-parallel axes'),
     'sequence_parallel': Param('sharding.sequence_parallel', str, config_lib.SEQUENCE_PARALLEL,
                                'sequence-parallelism setting (true: the residual stream split over tensor)'),
@@ -65,7 +66,7 @@ PARAMS = {
 }
 _SIZE_FIELDS = ('model.num_layers', 'model.d_model', 'model.num_heads')
 # Fields a point sets, beyond its own parameters: derived by point_config.
-DERIVED = ('mesh.data', 'train.accum_steps', 'train.global_batch')
+DERIVED = (axes_lib.replica().field, 'train.accum_steps', 'train.global_batch')
 
 Space = tuple[tuple[str, tuple[Any, ...]], ...]
 
@@ -202,14 +203,13 @@ def point_config(base: ml_collections.ConfigDict, point: dict[str, Any], devices
     for path, value in sets.items():
         section, field = path.split('.')
         c[section][field] = value
-    model_parallel = c.mesh.tensor * c.mesh.pipeline * c.mesh.fsdp * c.mesh.context
+    model_parallel = axes_lib.product(c.mesh, axes_lib.others())
     if devices % model_parallel:
         raise ConfigError(
-            'mesh', f'tensor {c.mesh.tensor} x pipeline {c.mesh.pipeline} x fsdp {c.mesh.fsdp} x context '
-            f'{c.mesh.context}',
+            'mesh', ' x '.join(f'{a.name} {c.mesh[a.name]}' for a in axes_lib.others()),
             f'{model_parallel} devices per data-parallel replica do not divide the {devices} devices of a trial',
             'sweep sizes whose product divides --devices')
-    c.mesh.data = devices // model_parallel
+    c.mesh[axes_lib.replica().name] = devices // model_parallel
     rows = c.train.micro_batch * config_lib.data_parallel_size(c)
     if 'accum_steps' in swept:
         c.train.global_batch = rows * c.train.accum_steps
@@ -221,8 +221,7 @@ def point_config(base: ml_collections.ConfigDict, point: dict[str, Any], devices
             'sweep micro-batch sizes that divide the global batch per replica, or sweep accum_steps instead')
     else:
         c.train.accum_steps = c.train.global_batch // rows
-    for path in ('mesh.pipeline', 'mesh.data', 'mesh.fsdp', 'mesh.context', 'mesh.tensor', 'train.micro_batch',
-                 'train.accum_steps', 'train.global_batch'):
+    for path in (*(a.field for a in axes_lib.AXES), 'train.micro_batch', 'train.accum_steps', 'train.global_batch'):
         section, field = path.split('.')
         sets[path] = c[section][field]
     config_lib.validate(c, devices)
@@ -239,8 +238,7 @@ def describe_model(c: ml_collections.ConfigDict) -> str:
 def layout_of(c: ml_collections.ConfigDict) -> dict[str, Any]:
     """The layout fields a result record keeps, read from a trial's config."""
     return {
-        'model': describe_model(c), 'tensor': c.mesh.tensor, 'pipeline': c.mesh.pipeline, 'data': c.mesh.data,
-        'fsdp': c.mesh.fsdp, 'context': c.mesh.context, 'zero1': bool(c.sharding.zero1),
+        'model': describe_model(c), **config_lib.mesh_shape(c), 'zero1': bool(c.sharding.zero1),
         'sequence_parallel': config_lib.sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor),
         'micro_batch': c.train.micro_batch, 'accum_steps': c.train.accum_steps, 'global_batch': c.train.global_batch, 'remat': c.model.remat,
         'schedule': c.pipeline.schedule if c.mesh.pipeline > 1 else '-',
