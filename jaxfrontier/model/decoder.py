@@ -14,7 +14,7 @@ from flax import nnx
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import stack
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
-from jaxfrontier.model.layers import cross_entropy
+from jaxfrontier.model.layers.loss import cross_entropy
 from jaxfrontier.model.sequence import Seq
 
 EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes

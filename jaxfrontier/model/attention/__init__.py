@@ -35,7 +35,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.attention import ring
 from jaxfrontier.model.attention.blockwise import blockwise_attention
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
-from jaxfrontier.model.layers import ACT_ND, param
+from jaxfrontier.model.layers.base import ACT_ND, param
 from jaxfrontier.model.sequence import Seq, as_seq, positions
 
 ACT_BTHK = ('batch', 'length', 'heads', None)
