@@ -1,6 +1,7 @@
 """Building blocks of the models, by concern; this front door re-exports what the families import.
 
   base.py       ACT_ND (the flat activations' logical names), `param` (fp32, logical names), `dropout`
+  linear.py     the one matmul seam every weight matmul goes through (dtype policy; where fp8 and LoRA go)
   norms.py      LayerNorm, RMSNorm
   mlp.py        MLP (GeLU), SwiGLU
   embedding.py  the vocabulary-parallel `embedding_lookup`

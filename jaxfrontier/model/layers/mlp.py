@@ -1,4 +1,4 @@
-"""The feed-forward halves of the blocks: GPT's GeLU MLP and Llama's SwiGLU."""
+"""The feed-forward halves of the blocks: GPT's GeLU MLP and Llama's SwiGLU, their matmuls through linear.py."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import jax
 from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model.layers import linear
 from jaxfrontier.model.layers.base import ACT_ND, param
 
 
@@ -19,11 +20,9 @@ class MLP(nnx.Module):
         self.b_out = param(None, (d_model,), ('embed',), 0.0)
 
     def __call__(self, x_nd: jax.Array) -> jax.Array:
-        dtype = x_nd.dtype
-        h_nf = x_nd @ self.w_in[...].astype(dtype) + self.b_in[...].astype(dtype)
+        h_nf = linear.project(self, 'w_in', 'nd,df->nf', x_nd, bias='b_in')
         h_nf = mesh_lib.constrain(jax.nn.gelu(h_nf), ('tokens', 'mlp'))
-        y_nd = h_nf @ self.w_out[...].astype(dtype) + self.b_out[...].astype(dtype)
-        return mesh_lib.constrain(y_nd, ACT_ND)
+        return linear.project(self, 'w_out', 'nf,fd->nd', h_nf, bias='b_out', out_names=ACT_ND)
 
 
 class SwiGLU(nnx.Module):
@@ -39,8 +38,7 @@ class SwiGLU(nnx.Module):
         self.w_down = param(rngs.params(), (mlp_dim, d_model), ('mlp', 'embed'), out_std)
 
     def __call__(self, x_nd: jax.Array) -> jax.Array:
-        dtype = x_nd.dtype
-        gate_nf = x_nd @ self.w_gate[...].astype(dtype)
-        up_nf = x_nd @ self.w_up[...].astype(dtype)
+        gate_nf = linear.project(self, 'w_gate', 'nd,df->nf', x_nd)
+        up_nf = linear.project(self, 'w_up', 'nd,df->nf', x_nd)
         h_nf = mesh_lib.constrain(jax.nn.silu(gate_nf) * up_nf, ('tokens', 'mlp'))
-        return mesh_lib.constrain(h_nf @ self.w_down[...].astype(dtype), ACT_ND)
+        return linear.project(self, 'w_down', 'nf,fd->nd', h_nf, out_names=ACT_ND)
