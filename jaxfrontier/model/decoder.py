@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model import stack
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
-from jaxfrontier.model.layers import cross_entropy
+from jaxfrontier.model.layers import linear
+from jaxfrontier.model.layers.loss import cross_entropy
 from jaxfrontier.model.sequence import Seq
 
 EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes
@@ -39,11 +39,11 @@ class Decoder(nnx.Module):
                                  dropout_key=dropout_key, unroll=self.shape.scan_unroll)
 
     def logits(self, x_nd: jax.Array) -> jax.Array:
-        """Final norm and the (vocabulary-parallel) head; fp32 logits [B*T, V]."""
-        w, letters = (self.wte, 'nd,vd->nv') if self.shape.tied_embeddings else (self.head, 'nd,dv->nv')
-        logits_nv = jnp.einsum(letters, self.final_norm(x_nd), w[...].astype(self.dtype),
-                               preferred_element_type=jnp.float32)
-        return mesh_lib.constrain(logits_nv, ('tokens', 'vocab'))
+        """Final norm and the (vocabulary-parallel) head; fp32 logits [B*T, V] (the head in the
+        activations' dtype, the compute dtype: linear.py)."""
+        name, letters = ('wte', 'nd,vd->nv') if self.shape.tied_embeddings else ('head', 'nd,dv->nv')
+        return linear.project(self, name, letters, self.final_norm(x_nd), out_names=('tokens', 'vocab'),
+                              preferred=jnp.float32)
 
     def head_loss(self, x_nd: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array | None = None) -> jax.Array:
         """Mean next-token cross-entropy (fp32) from the last block's output; with `weights_bt`

@@ -17,13 +17,12 @@ query heads (attention.repeat_kv).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.families import ModelShape  # the family's LlamaShape (families/llama.py)
 from jaxfrontier.model import sequence, stack
-from jaxfrontier.model.layers import rope
+from jaxfrontier.model.layers import linear, rope
 from jaxfrontier.model.attention import KVCache, attend
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
@@ -53,12 +52,11 @@ class GroupedQueryAttention(nnx.Module):
                  ) -> tuple[jax.Array, KVCache | None]:
         """Attention of `x_nd` [B*T, d] at `positions_bt` [B, T]; the extended cache with `cache`."""
         seq_len = as_seq(seq).length
-        dtype = x_nd.dtype
-        q_nhk = jnp.einsum('nd,dhk->nhk', x_nd, self.w_q[...].astype(dtype))
-        kv_n2gk = jnp.einsum('nd,dagk->nagk', x_nd, self.w_kv[...].astype(dtype))
-        if self.qkv_bias:
-            q_nhk = q_nhk + self.b_q[...].astype(dtype)
-            kv_n2gk = kv_n2gk + self.b_kv[...].astype(dtype)
+        q_nhk = linear.project(self, 'w_q', 'nd,dhk->nhk', x_nd)
+        kv_n2gk = linear.project(self, 'w_kv', 'nd,dagk->nagk', x_nd)
+        if self.qkv_bias:  # added after both projections, not inside each: that would reorder the program
+            q_nhk = linear.add_bias(self, 'b_q', q_nhk)
+            kv_n2gk = linear.add_bias(self, 'b_kv', kv_n2gk)
         n, h, k = q_nhk.shape
         b = n // seq_len
         inv_freq = rope.inverse_frequencies(k, self.rope_theta, self.rope_scaling)
@@ -66,8 +64,7 @@ class GroupedQueryAttention(nnx.Module):
         kv_bt2gk = unflatten_tokens(kv_n2gk, b, seq_len)  # [B, T, 2, G, K]
         k_btgk = rope.apply_rope(kv_bt2gk[:, :, 0], positions_bt, inv_freq)
         o_bthk, cache = attend(q_bthk, k_btgk, kv_bt2gk[:, :, 1], self.impl, self.blocks, cache, positions_bt, seq)
-        y_nd = jnp.einsum('nhk,hkd->nd', flatten_tokens(o_bthk), self.w_out[...].astype(dtype))
-        return mesh_lib.constrain(y_nd, ACT_ND), cache
+        return linear.project(self, 'w_out', 'nhk,hkd->nd', flatten_tokens(o_bthk), out_names=ACT_ND), cache
 
 
 class Block(nnx.Module):

@@ -35,7 +35,8 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.attention import ring
 from jaxfrontier.model.attention.blockwise import blockwise_attention
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
-from jaxfrontier.model.layers import ACT_ND, param
+from jaxfrontier.model.layers import linear
+from jaxfrontier.model.layers.base import ACT_ND, param
 from jaxfrontier.model.sequence import Seq, as_seq, positions
 
 ACT_BTHK = ('batch', 'length', 'heads', None)
@@ -228,14 +229,12 @@ class Attention(nnx.Module):
         Training passes no cache; decoding passes this layer's cache {'k', 'v'} [B, S, H, K]
         and the tokens' positions [B, T] (`attend`).
         """
-        dtype = x_nd.dtype
-        qkv_n3hk = jnp.einsum('nd,dahk->nahk', x_nd, self.w_qkv[...].astype(dtype)) + self.b_qkv[...].astype(dtype)
+        qkv_n3hk = linear.project(self, 'w_qkv', 'nd,dahk->nahk', x_nd, bias='b_qkv')
         n, _, h, k = qkv_n3hk.shape
         seq_len = as_seq(seq).length
         qkv_bt3hk = unflatten_tokens(qkv_n3hk, n // seq_len, seq_len)  # [B, T, 3, H, K]
         o_bthk, cache = attend(qkv_bt3hk[:, :, 0], qkv_bt3hk[:, :, 1], qkv_bt3hk[:, :, 2], self.impl, self.blocks,
                                cache, positions_bt, seq)
         o_nhk = flatten_tokens(o_bthk)  # [N, H, K]
-        y_nd = jnp.einsum('nhk,hkd->nd', o_nhk, self.w_out[...].astype(dtype)) + self.b_out[...].astype(dtype)
-        y_nd = mesh_lib.constrain(y_nd, ACT_ND)
+        y_nd = linear.project(self, 'w_out', 'nhk,hkd->nd', o_nhk, bias='b_out', out_names=ACT_ND)
         return y_nd if cache is None else (y_nd, cache)
