@@ -200,13 +200,21 @@ def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, token
             workers, multiprocessing.get_context('spawn'),  # spawn: no fork of the library's threads
             initializer=_init_worker, initargs=(tokenizer_json, eot_id, dtype, threads))
         encode = _encode_in_worker
+    yield from in_order(executor, encode, batches, lambda batch: ([p.text for p in batch],
+                                                                 [p.end_of_document for p in batch]),
+                        2 * max(workers, 2))
+
+
+def in_order(executor: concurrent.futures.Executor, fn: Callable[..., Any], batches: Iterator[Any],
+             args_of: Callable[[Any], tuple[Any, ...]], limit: int) -> Iterator[tuple[Any, Any]]:
+    """(batch, fn(*args_of(batch))) for each batch, in input order, with at most `limit` batches
+    submitted to `executor` at once (memory stays bounded); shuts the executor down at the end."""
     with executor:
-        in_flight: collections.deque[tuple[list[corpus.Piece], Any]] = collections.deque()
+        in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
         for batch in itertools.chain(batches, [None]):
             if batch is not None:
-                in_flight.append((batch, executor.submit(encode, [p.text for p in batch],
-                                                         [p.end_of_document for p in batch])))
-            while in_flight and (batch is None or len(in_flight) >= 2 * max(workers, 2)):
+                in_flight.append((batch, executor.submit(fn, *args_of(batch))))
+            while in_flight and (batch is None or len(in_flight) >= limit):
                 done, future = in_flight.popleft()
                 yield done, future.result()
 

@@ -9,6 +9,11 @@ so micro-batches and replicas count different numbers of predictions: only the p
 the global batch's counted predictions is the same in every layout.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,3 +162,37 @@ def test_mode_eval_scores_the_files_mask_like_training():
         eval_loss = jax.jit(step_lib.make_eval_step(c, layout))(params, flagged)
     assert count == mask[:, 1:].sum()
     np.testing.assert_allclose(float(total) / float(count), float(eval_loss), rtol=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_main_trains_and_evaluates_on_prepared_conversations(tmp_path):
+    """prepare --sft (held-out conversations), then `python -m jaxfrontier.main` on them: the mask is
+    found ('auto' -> 'on' in the workdir's config.json), training and the held-out eval run, and
+    --mode=eval scores the held-out file's mask."""
+    from data.test_prepare_sft import WORDS, make_tokenizer  # pylint: disable=import-outside-toplevel  (transformers)
+
+    rng = np.random.default_rng(0)
+    with open(tmp_path / 'chats.jsonl', 'w') as f:
+        for _ in range(300):
+            turns = [{'role': role, 'content': ' '.join(rng.choice(WORDS[4:], size=rng.integers(1, 8)))}
+                     for role in ('user', 'assistant') * int(rng.integers(1, 3))]
+            f.write(json.dumps({'messages': turns}) + '\n')
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, 'PYTHONPATH': repo}
+    run = lambda *args: subprocess.run([sys.executable, '-m', *args], cwd=repo, env=env, capture_output=True,  # noqa
+                                       text=True, timeout=600)
+    done = run('jaxfrontier.prepare', '--sft', f'--input={tmp_path}/chats.jsonl', f'--output={tmp_path}/c',
+               f'--tokenizer={make_tokenizer(tmp_path / "tok")}', '--val_fraction=0.2', '--max_tokens=33')
+    assert done.returncode == 0, done.stderr[-2000:]
+    common = ['--config=configs/tiny.py', f'--workdir={tmp_path}/w', '--config.data.kind=tokens',
+              f'--config.data.path={tmp_path}/c_train.bin', f'--config.data.val_path={tmp_path}/c_val.bin',
+              '--config.model.vocab_size=0', '--config.model.seq_len=32', '--config.data.pack_documents=true']
+    done = run('jaxfrontier.main', *common, '--config.train.steps=2', '--config.train.eval_every=2',
+               '--config.train.eval_batches=1')
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 'eval: step 2' in done.stderr + done.stdout and 'with its loss mask' in done.stderr + done.stdout
+    assert json.load(open(tmp_path / 'w' / 'config.json'))['data']['loss_mask'] == 'on'
+    done = run('jaxfrontier.main', *common, '--mode=eval')
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result['loss_mask'] is True and result['tokens'] < json.load(open(tmp_path / 'c_val.json'))['num_tokens']
