@@ -120,9 +120,13 @@ def main(argv: list[str]) -> int:
 
 
 def _sft_tokenizer() -> str:
+    """--tokenizer for --sft, after refusing the flags of text (a trained tokenizer has no chat template)."""
     if _TRAIN_TOKENIZER.value:
         raise FlagError('train_tokenizer', _TRAIN_TOKENIZER.value, '--sft renders conversations with the chat template '
                         'of an existing tokenizer', 'pass --tokenizer=DIR (a Hugging Face tokenizer directory) instead')
+    if flags.FLAGS['text_field'].present:
+        raise FlagError('text_field', _TEXT_FIELD.value, 'names the text of a document, but --sft reads conversations',
+                        'pass --messages_field=<the field holding the messages> instead')
     if not _TOKENIZER.value:
         raise FlagError('tokenizer', '', '--sft renders conversations with the chat template of a tokenizer',
                         'pass --tokenizer=DIR (a Hugging Face tokenizer directory: tokenizer.json, tokenizer_config.json)')

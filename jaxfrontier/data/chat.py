@@ -173,7 +173,8 @@ class Renderer:
         mask = [0] * len(tokens)
         for turn in conversation.learned:
             start = self._ids(record, conversation, turn, True)
-            stop = self._ids(record, conversation, turn + 1, False)
+            last = turn + 1 == len(conversation.messages)
+            stop = tokens if last else self._ids(record, conversation, turn + 1, False)
             if tokens[:len(start)] != start or tokens[:len(stop)] != stop or len(stop) < len(start):
                 raise _bad(record, f'the chat template of {self.path} renders the conversation up to message {turn} '
                            'as tokens that do not begin its whole rendering, so the assistant turn\'s tokens cannot be '

@@ -49,11 +49,11 @@ def _open_checked(c: ml_collections.ConfigDict, path: str) -> tuple[TokenFile, i
     return token_file, _split_boundary(c, token_file)
 
 
-def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str) -> ConfigError:
-    """A data.path error about one file of data.blend, renamed to data.blend."""
+def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str, field: str = 'data.blend') -> ConfigError:
+    """A data.path error about one file of data.blend (or of `field`, e.g. data.val_path), renamed to it."""
     problem = str(e).split('. Fix: ')[0][len(f'config.{e.field} = {e.value!r}: '):]
     fix = str(e).split('. Fix: ', 1)[1] if '. Fix: ' in str(e) else 'check the path'
-    return ConfigError('data.blend', c.data.blend, f'{path}: {problem}' if path not in problem else problem, fix)
+    return ConfigError(field, c.data[field.split('.')[1]], f'{path}: {problem}' if path not in problem else problem, fix)
 
 
 def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[int], list[str], list[tuple[TokenFile, int]]]:
@@ -167,13 +167,13 @@ def resolve_eot(c: ml_collections.ConfigDict) -> None:
         c.data.eot_id = int(header_eot)
 
 
-def _run_token_files(c: ml_collections.ConfigDict) -> list[str]:
-    """Every token file the run reads: data.path or the files of data.blend, then those of data.val_path."""
-    blend = c.data.get('blend', '')
-    paths = ([p for _, p in sampling.parse_blend(blend)] if blend else [c.data.path] if c.data.path else []
-             ) if c.data.kind == 'tokens' else []
-    val_path = c.data.get('val_path', '')
-    return paths + ([p for _, p in val_entries(val_path)] if val_path else [])
+def _run_token_files(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+    """(field, path) of every token file the run reads: data.path or the files of data.blend, then
+    those of data.val_path."""
+    blend, val_path = c.data.get('blend', ''), c.data.get('val_path', '')
+    files = ([('data.blend', p) for _, p in sampling.parse_blend(blend)] if blend else
+             [('data.path', c.data.path)] if c.data.path else []) if c.data.kind == 'tokens' else []
+    return files + ([('data.val_path', p) for _, p in val_entries(val_path)] if val_path else [])
 
 
 def resolve_loss_mask(c: ml_collections.ConfigDict) -> None:
@@ -190,11 +190,15 @@ def resolve_loss_mask(c: ml_collections.ConfigDict) -> None:
     if setting not in ('auto', 'on'):
         return  # 'off', or a value config.validate names
     masked = []
-    for path in _run_token_files(c):
+    for field, path in _run_token_files(c):
         bin_path, header_path = token_paths(path)
-        if os.path.isfile(bin_path) and os.path.isfile(header_path):  # else check_data names what is missing
+        if not (os.path.isfile(bin_path) and os.path.isfile(header_path)):
+            continue  # check_data names what is missing
+        try:
             header = read_header(path, header_path)
-            masked += [bin_path] if header.get('loss_mask') is not None else []
+        except ConfigError as e:
+            raise (e if field == 'data.path' else _as_blend_error(c, e, path, field)) from None
+        masked += [bin_path] if header.get('loss_mask') is not None else []
     if setting == 'on' and not masked:
         raise ConfigError('data.loss_mask', 'on', "none of the run's token files carries a loss mask (a header "
                           '"loss_mask")', "set data.loss_mask='auto' (use a file's mask if it has one) or 'off', or "

@@ -122,3 +122,14 @@ def test_an_unknown_setting_is_refused():
     c.data.loss_mask = 'assistant'
     with pytest.raises(ConfigError, match='data.loss_mask'):
         config_lib.validate(c)
+
+
+def test_a_broken_header_is_named_by_its_field(tmp_path):
+    masked = _file(tmp_path)[0]
+    broken = _file(tmp_path, 'b', masked=False)[0]
+    (tmp_path / 'b.json').write_text('{')
+    for data, field in ((dict(path=masked, val_path=broken), 'data.val_path'),
+                        (dict(blend=f'1:{masked},1:{broken}'), 'data.blend')):
+        with pytest.raises(ConfigError) as e:
+            loader.resolve_loss_mask(_config(**data))
+        assert e.value.field == field and 'b.json' in str(e.value)

@@ -275,6 +275,7 @@ BAD_COMMAND_LINES = {  # name: (arguments given tmp_path and a good conversation
     'trained tokenizer': (lambda t, c, k: ['--train_tokenizer=300'], ['--train_tokenizer=300', '--tokenizer=DIR']),
     'tokenizer missing': (lambda t, c, k: [f'--tokenizer={t}/none'], ['no such file']),
     'bad loss_on': (lambda t, c, k: ['--loss_on=everything'], ['--loss_on=everything']),
+    'text field with --sft': (lambda t, c, k: ['--text_field=body'], ['--text_field=body', '--messages_field']),
     'sft flag without --sft': (lambda t, c, k: ['--sft=false', '--max_tokens=10', '--train_tokenizer=300'],
                                ['--max_tokens=10', 'add --sft']),
     'transformers missing': (lambda t, c, k: [f'PYTHONPATH={_fake_transformers(t)}'], ["pip install 'jaxfrontier[sft]'"]),
