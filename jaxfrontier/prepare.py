@@ -89,9 +89,9 @@ def main(argv: list[str]) -> int:
             raise FlagError('input', '', 'no input named', 'pass --input=FILE_OR_GLOB[,...]')
         files = tokenize_lib.corpus.expand_inputs(_INPUT.value)
         progress = _Progress(sum(map(os.path.getsize, files)), _PROGRESS.value)
-        common = dict(eot_token=_EOT_TOKEN.value, workers=_WORKERS.value, batch_bytes=max(1, int(_BATCH_MB.value * 1e6)),
-                      progress=progress, split=documents.Split(_VAL_FRACTION.value, _VAL_DOCUMENTS.value, _SEED.value,
-                                                               _SHUFFLE.value))
+        split = documents.Split(_VAL_FRACTION.value, _VAL_DOCUMENTS.value, _SEED.value, _SHUFFLE.value)
+        common = dict(eot_token=_EOT_TOKEN.value, workers=_WORKERS.value, progress=progress, split=split,
+                      batch_bytes=max(1, int(_BATCH_MB.value * 1e6)))
         if _SFT.value:
             result = sft_lib.prepare(files, _OUTPUT.value, tokenizer_path=_sft_tokenizer(), options=sft_lib.Options(
                 _LOSS_ON.value, _MAX_TOKENS.value, _OVERLONG.value, _MESSAGES_FIELD.value), **common)
@@ -129,7 +129,8 @@ def _sft_tokenizer() -> str:
                         'pass --messages_field=<the field holding the messages> instead')
     if not _TOKENIZER.value:
         raise FlagError('tokenizer', '', '--sft renders conversations with the chat template of a tokenizer',
-                        'pass --tokenizer=DIR (a Hugging Face tokenizer directory: tokenizer.json, tokenizer_config.json)')
+                        'pass --tokenizer=DIR (a Hugging Face tokenizer directory: tokenizer.json, '
+                        'tokenizer_config.json)')
     return _TOKENIZER.value
 
 

@@ -55,7 +55,8 @@ def _messages(record: corpus.Record, value: Any, what: str) -> list[dict[str, An
     """`value` checked as a non-empty list of {role, content} messages of known roles."""
     if not isinstance(value, list) or not value:
         raise _bad(record, f'{what} is {type(value).__name__ if value != [] else "an empty list"}, not a list of '
-                   'messages', 'write e.g. [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]')
+                   'messages', 'write e.g. [{"role": "user", "content": "..."}, '
+                   '{"role": "assistant", "content": "..."}]')
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise _bad(record, f'{what}[{i}] is a JSON {type(message).__name__}, not an object',
@@ -74,25 +75,28 @@ def parse(record: corpus.Record, loss_on: str, messages_field: str = 'messages')
     """The conversation of a record (module docstring); raises FlagError naming its line."""
     value, tools = record.value, record.value.get('tools')
     if tools is not None and not isinstance(tools, list):
-        raise _bad(record, f'"tools" is a JSON {type(tools).__name__}, not a list', 'write "tools" as a list, or drop it')
+        raise _bad(record, f'"tools" is a JSON {type(tools).__name__}, not a list',
+                   'write "tools" as a list, or drop it')
     pair = None
     if messages_field in value:
         messages, first_learned = _messages(record, value[messages_field], f'"{messages_field}"'), 0
     elif 'prompt' in value and 'completion' in value:
         prompt, completion = value['prompt'], value['completion']
         if isinstance(prompt, str) and isinstance(completion, str):
-            messages, first_learned = [{'role': 'user', 'content': prompt}, {'role': 'assistant', 'content': completion}], 1
+            messages = [{'role': 'user', 'content': prompt}, {'role': 'assistant', 'content': completion}]
+            first_learned = 1
             pair = (prompt, completion)
         elif isinstance(prompt, list) and isinstance(completion, list):
             messages = _messages(record, prompt, '"prompt"') + _messages(record, completion, '"completion"')
             first_learned = len(prompt)
         else:
             raise _bad(record, f'"prompt" is {type(prompt).__name__} and "completion" {type(completion).__name__}: '
-                       'both must be strings, or both lists of messages', 'write {"prompt": "...", "completion": "..."}')
+                       'both must be strings, or both lists of messages',
+                       'write {"prompt": "...", "completion": "..."}')
     else:
-        raise _bad(record, f'has neither "{messages_field}" nor "prompt" and "completion" (its fields: {sorted(value)})',
-                   'write {"messages": [{"role": "user", "content": "..."}, ...]} or {"prompt": ..., "completion": ...}, '
-                   'or pass --messages_field=<the field holding the conversation>')
+        raise _bad(record, f'has neither "{messages_field}" nor "prompt" and "completion" (its fields: '
+                   f'{sorted(value)})', 'write {"messages": [{"role": "user", "content": "..."}, ...]} or '
+                   '{"prompt": ..., "completion": ...}, or pass --messages_field=<the field holding the conversation>')
     assistant = [i for i, m in enumerate(messages) if m['role'] == 'assistant' and i >= first_learned]
     if not assistant:
         raise _bad(record, 'the conversation has no assistant turn' + (' in its completion' if first_learned else '')

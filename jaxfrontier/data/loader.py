@@ -53,7 +53,8 @@ def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str, fie
     """A data.path error about one file of data.blend (or of `field`, e.g. data.val_path), renamed to it."""
     problem = str(e).split('. Fix: ')[0][len(f'config.{e.field} = {e.value!r}: '):]
     fix = str(e).split('. Fix: ', 1)[1] if '. Fix: ' in str(e) else 'check the path'
-    return ConfigError(field, c.data[field.split('.')[1]], f'{path}: {problem}' if path not in problem else problem, fix)
+    problem = f'{path}: {problem}' if path not in problem else problem
+    return ConfigError(field, c.data[field.split('.')[1]], problem, fix)
 
 
 def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[int], list[str], list[tuple[TokenFile, int]]]:

@@ -71,7 +71,8 @@ class Counts:
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
 
-def _bounded(tokens: list[int], mask: list[int], options: Options, counts: Counts) -> tuple[list[int], list[int]] | None:
+def _bounded(tokens: list[int], mask: list[int], options: Options,
+             counts: Counts) -> tuple[list[int], list[int]] | None:
     """The document (end-of-text included) within --max_tokens, counted; None when dropped."""
     if not options.max_tokens or len(tokens) <= options.max_tokens:
         return tokens, mask
@@ -124,7 +125,8 @@ def _render_in_worker(records: list[corpus.Record]) -> tuple[bytes, bytes, np.nd
 
 
 def rendered_batches(batches: Iterator[list[corpus.Record]], renderer: chat.Renderer, tokenizer_path: str,
-                     options: Options, eot_id: int, dtype: str, workers: int) -> Iterator[tuple[list[corpus.Record], Any]]:
+                     options: Options, eot_id: int, dtype: str,
+                     workers: int) -> Iterator[tuple[list[corpus.Record], Any]]:
     """(batch, render_batch's result) for each batch, in input order: rendered beside this process's
     writing (workers == 1), or in `workers` processes (Jinja and the tokenizer hold the GIL)."""
     if workers == 1:

@@ -102,7 +102,8 @@ def write_token_file(path: str | os.PathLike, tokens: Any, vocab_size: int, dtyp
     if mask is not None:
         mask_n = np.asarray(mask)
         if mask_n.shape != tokens_n.shape or (mask_n.size and not np.isin(mask_n, (0, 1)).all()):
-            raise ValueError(f'the mask must be one 0 or 1 per token ({tokens_n.size}), got {mask_n.dtype} {mask_n.shape}')
+            raise ValueError(f'the mask must be one 0 or 1 per token ({tokens_n.size}), got {mask_n.dtype} '
+                             f'{mask_n.shape}')
         header['loss_mask'] = os.path.basename(mask_path_of(bin_path))
     os.makedirs(os.path.dirname(os.path.abspath(bin_path)), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):

@@ -100,7 +100,8 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.mark.parametrize('loss_on', ['assistant', 'last_assistant', 'all'])
 def test_the_mask_is_the_assistant_turns(tmp_path, tokenizer_dir, loss_on):
     source = write_jsonl(tmp_path / 'c.jsonl', [{'messages': m} for m in CONVERSATIONS])
-    result = sft.prepare([source], str(tmp_path / 'o' / 'c'), tokenizer_path=tokenizer_dir, options=sft.Options(loss_on))
+    result = sft.prepare([source], str(tmp_path / 'o' / 'c'), tokenizer_path=tokenizer_dir,
+                         options=sft.Options(loss_on))
     header, tokens, mask = read_output(result.bin_paths[''])
     want = []
     for messages in CONVERSATIONS:
@@ -170,7 +171,8 @@ def test_overlong_conversations_are_counted_truncated_or_dropped(tmp_path, token
     no_room = conversation(('user', ' '.join(['ok'] * 12)), ('assistant', 'bye'))  # 20: the cut leaves no answer
     short = conversation(('user', 'hi'), ('assistant', 'ok'))  # 9 tokens
     source = write_jsonl(tmp_path / 'l.jsonl', [{'messages': m} for m in (long, no_room, short)])
-    result = sft.prepare([source], str(tmp_path / 'cut'), tokenizer_path=tokenizer_dir, options=sft.Options(max_tokens=14))
+    result = sft.prepare([source], str(tmp_path / 'cut'), tokenizer_path=tokenizer_dir,
+                         options=sft.Options(max_tokens=14))
     header, tokens, mask = read_output(result.bin_paths[''])
     cut_tokens, cut_mask = expected(long, [1])  # its first 13 tokens (the answer's 'seven eight'), then end-of-text
     assert split_documents(tokens, mask) == [(cut_tokens[:13] + [EOT], cut_mask[:13] + [0]), expected(short, [1])]
@@ -253,7 +255,8 @@ def test_bad_conversations_are_one_line_and_nothing_is_written(tmp_path, name):
     assert not os.path.exists(tmp_path / 'out') or os.listdir(tmp_path / 'out') == []
 
 
-@pytest.mark.parametrize('options,flag', [(sft.Options(loss_on='user'), 'loss_on'), (sft.Options(max_tokens=1), 'max_tokens'),
+@pytest.mark.parametrize('options,flag', [(sft.Options(loss_on='user'), 'loss_on'),
+                                          (sft.Options(max_tokens=1), 'max_tokens'),
                                           (sft.Options(overlong='wrap'), 'overlong')])
 def test_bad_options_are_refused_before_reading(tmp_path, tokenizer_dir, options, flag):
     with pytest.raises(FlagError) as e:
@@ -263,7 +266,8 @@ def test_bad_options_are_refused_before_reading(tmp_path, tokenizer_dir, options
 
 def _fake_transformers(t):
     (t / 'fake' / 'transformers').mkdir(parents=True)
-    (t / 'fake' / 'transformers' / '__init__.py').write_text("raise ImportError('no transformers', name='transformers')")
+    (t / 'fake' / 'transformers' / '__init__.py').write_text(
+        "raise ImportError('no transformers', name='transformers')")
     return str(t / 'fake')
 
 
@@ -278,7 +282,8 @@ BAD_COMMAND_LINES = {  # name: (arguments given tmp_path and a good conversation
     'text field with --sft': (lambda t, c, k: ['--text_field=body'], ['--text_field=body', '--messages_field']),
     'sft flag without --sft': (lambda t, c, k: ['--sft=false', '--max_tokens=10', '--train_tokenizer=300'],
                                ['--max_tokens=10', 'add --sft']),
-    'transformers missing': (lambda t, c, k: [f'PYTHONPATH={_fake_transformers(t)}'], ["pip install 'jaxfrontier[sft]'"]),
+    'transformers missing': (lambda t, c, k: [f'PYTHONPATH={_fake_transformers(t)}'],
+                             ["pip install 'jaxfrontier[sft]'"]),
 }
 
 

@@ -142,7 +142,8 @@ def check_prepare_sft(case):
             f.write(data)
         os.makedirs(os.path.join(d, 'out'))
         before = snapshot(d)
-        out = user_error_or(lambda: sft.prepare([path], os.path.join(d, 'out', 'NAME'), tokenizer_path=_chat_tokenizer(),
+        out = user_error_or(lambda: sft.prepare([path], os.path.join(d, 'out', 'NAME'),
+                                                tokenizer_path=_chat_tokenizer(),
                                                 options=sft.Options(max_tokens=max_tokens)))
         after = snapshot(d)
         assert {k: v for k, v in after.items() if not k.startswith(os.path.join(d, 'out'))} == before

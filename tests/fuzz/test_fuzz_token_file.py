@@ -50,8 +50,9 @@ def test_token_file(budget):
 
 
 MASK = (np.arange(40) % 3 == 0).astype(np.uint8)
-masked_headers = st.one_of(mutated_dict(HEADER | {'loss_mask': 'f.mask.bin'}, ['loss_mask', 'num_tokens']).map(
-    lambda h: json.dumps(h, allow_nan=True).encode()), st.just(json.dumps(HEADER | {'loss_mask': 'f.mask.bin'}).encode()))
+MASKED_HEADER = HEADER | {'loss_mask': 'f.mask.bin'}
+masked_headers = st.one_of(mutated_dict(MASKED_HEADER, ['loss_mask', 'num_tokens']).map(
+    lambda h: json.dumps(h, allow_nan=True).encode()), st.just(json.dumps(MASKED_HEADER).encode()))
 masks = st.one_of(st.just(MASK.tobytes()), mutated_bytes(MASK.tobytes()), st.binary(max_size=60), st.none())
 
 
