@@ -114,8 +114,9 @@ def main(argv: list[str]) -> int:
               f'end-of-text {h["eot_token"]} = {h["eot_id"]}; {result.input_bytes / 1e6 / result.seconds:.2f} MB/s, '
               f'{num_tokens / result.seconds / 1e6:.2f} M tokens/s')
     if _SFT.value:
-        print(sft_line(next(iter(result.headers.values()))['sft'], num_tokens,
-                       sum(h['counted_tokens'] for h in result.headers.values())))
+        header = next(iter(result.headers.values()))
+        print(sft_line(header['sft'], num_tokens, sum(h['counted_tokens'] for h in result.headers.values()),
+                       header['eot_token']))
     return 0
 
 
@@ -134,7 +135,7 @@ def _sft_tokenizer() -> str:
     return _TOKENIZER.value
 
 
-def sft_line(sft: dict, num_tokens: int, counted: int) -> str:
+def sft_line(sft: dict, num_tokens: int, counted: int, eot: str) -> str:
     """The log line of --sft: how conversations were rendered, what counts, what was cut or dropped."""
     n = sft['conversations']
     how = (f'rendered with the chat template of {sft["tokenizer_source"]}' if sft['rendering'] == 'chat_template' else
@@ -142,8 +143,11 @@ def sft_line(sft: dict, num_tokens: int, counted: int) -> str:
     bound = (f'{n["truncated"]:,} truncated to --max_tokens={sft["max_tokens"]} ({n["cut_tokens"]:,} tokens cut), '
              f'{n["dropped_overlong"]:,} dropped as over-long, {n["dropped_empty"]:,} dropped with nothing left to '
              'learn after the cut' if sft['max_tokens'] else 'no --max_tokens: none truncated or dropped')
+    inside = (f'; {n["eot_inside"]:,} conversations hold the end-of-text token {eot!r} inside (their template writes '
+              'it), so data.pack_documents would cut them there: pass --eot_token=<a token conversations do not use> '
+              'to pack them' if n['eot_inside'] else '')
     return (f'sft: {n["written"]:,} conversations {how}; loss on {sft["loss_on"]} tokens: {counted:,} of '
-            f'{num_tokens:,} tokens count; {bound}')
+            f'{num_tokens:,} tokens count; {bound}{inside}')
 
 
 def parse_flags(argv: list[str]) -> list[str]:

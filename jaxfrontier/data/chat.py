@@ -54,8 +54,8 @@ def _bad(record: corpus.Record, problem: str, fix: str) -> FlagError:
 def _messages(record: corpus.Record, value: Any, what: str) -> list[dict[str, Any]]:
     """`value` checked as a non-empty list of {role, content} messages of known roles."""
     if not isinstance(value, list) or not value:
-        raise _bad(record, f'{what} is {type(value).__name__ if value != [] else "an empty list"}, not a list of '
-                   'messages', 'write e.g. [{"role": "user", "content": "..."}, '
+        problem = 'holds no message' if value == [] else f'is a JSON {type(value).__name__}, not a list of messages'
+        raise _bad(record, f'{what} {problem}', 'write e.g. [{"role": "user", "content": "..."}, '
                    '{"role": "assistant", "content": "..."}]')
     for i, message in enumerate(value):
         if not isinstance(message, dict):
@@ -101,10 +101,11 @@ def parse(record: corpus.Record, loss_on: str, messages_field: str = 'messages')
     if not assistant:
         raise _bad(record, 'the conversation has no assistant turn' + (' in its completion' if first_learned else '')
                    + ': nothing to learn', 'give every conversation an assistant turn, or drop it from the input')
-    if assistant[0] == 0:
+    learned = tuple(assistant[-1:] if loss_on == 'last_assistant' else assistant)
+    if learned[0] == 0 and loss_on != 'all':
         raise _bad(record, 'the conversation opens with an assistant turn: there is no prompt to render before it',
-                   'start the conversation with a system or user message')
-    return Conversation(messages, tuple(assistant[-1:] if loss_on == 'last_assistant' else assistant), tools, pair)
+                   'start the conversation with a system or user message, or --loss_on=all')
+    return Conversation(messages, learned, tools, pair)
 
 
 def load_tokenizer(path: str) -> Any:

@@ -65,6 +65,7 @@ class Counts:
     dropped_overlong: int = 0  # --overlong=drop
     dropped_empty: int = 0  # cut so far that no counted token was left
     counted_tokens: int = 0  # mask ones written
+    eot_inside: int = 0  # written conversations whose rendering holds the end-of-text token (packing cuts there)
 
     def add(self, other: Counts) -> None:
         for field in dataclasses.fields(self):
@@ -99,6 +100,7 @@ def render_batch(renderer: chat.Renderer, records: list[corpus.Record], options:
         document = _bounded(tokens + [eot_id], mask + [eot_mask], options, counts)
         if document is None:
             continue
+        counts.eot_inside += eot_id in document[0][:-1]
         tokens_all.extend(document[0])
         mask_all.extend(document[1])
         lengths.append(len(document[0]))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
+from jaxfrontier import prepare as prepare_main
 from jaxfrontier.data import chat, corpus, documents, sft, token_files
 from jaxfrontier.errors import FlagError, UserError
 
@@ -178,12 +179,26 @@ def test_overlong_conversations_are_counted_truncated_or_dropped(tmp_path, token
     assert split_documents(tokens, mask) == [(cut_tokens[:13] + [EOT], cut_mask[:13] + [0]), expected(short, [1])]
     assert sum(cut_mask[:13]) == 2
     assert header['sft']['conversations'] == {'written': 2, 'truncated': 2, 'cut_tokens': 3 + 6, 'dropped_overlong': 0,
-                                              'dropped_empty': 1, 'counted_tokens': int(mask.sum())}
+                                              'dropped_empty': 1, 'counted_tokens': int(mask.sum()), 'eot_inside': 0}
     result = sft.prepare([source], str(tmp_path / 'drop'), tokenizer_path=tokenizer_dir,
                          options=sft.Options(max_tokens=14, overlong='drop'))
     header, tokens, mask = read_output(result.bin_paths[''])
     assert split_documents(tokens, mask) == [expected(short, [1])]
     assert header['sft']['conversations']['dropped_overlong'] == 2 and header['sft']['conversations']['truncated'] == 0
+
+
+def test_an_end_of_text_inside_conversations_is_counted(tmp_path):
+    """A template that writes the end-of-text token inside a conversation (as Mistral's writes </s> after each
+    answer): packing would cut the conversation there, so it is counted and the log line says how to avoid it."""
+    template = CHATML.replace("{{ m['content'] }}", "{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                              "<|endoftext|>{% endif %}")
+    tokenizer = make_tokenizer(tmp_path / 'eos', template)
+    source = write_jsonl(tmp_path / 'c.jsonl', [{'messages': m} for m in CONVERSATIONS])
+    result = sft.prepare([source], str(tmp_path / 'a'), tokenizer_path=tokenizer)
+    assert result.headers['']['sft']['conversations']['eot_inside'] == 3
+    assert 'hold the end-of-text token' in prepare_main.sft_line(result.headers['']['sft'], 1, 1, '<|endoftext|>')
+    result = sft.prepare([source], str(tmp_path / 'b'), tokenizer_path=tokenizer, eot_token='<unk>')
+    assert result.headers['']['sft']['conversations']['eot_inside'] == 0 and result.headers['']['eot_id'] == UNK
 
 
 def _prepare(*args):
@@ -229,7 +244,8 @@ BAD_CONVERSATIONS = {  # name: (the input file given tmp_path, tokenizer templat
     'neither messages nor pair': (_records({'text': 'hi'}), CHATML, ['neither "messages" nor', "['text']"]),
     'content not a string': (_records({'messages': [{'role': 'user', 'content': ['hi']}]}), CHATML,
                              ['content of type list']),
-    'messages not a list': (_records({'messages': 'hi'}), CHATML, ['is str, not a list']),
+    'messages not a list': (_records({'messages': 'hi'}), CHATML, ['is a JSON str, not a list']),
+    'no messages': (_records({'messages': []}), CHATML, ['"messages" holds no message']),
     'assistant first': (_records({'messages': conversation(('assistant', 'hi'), ('user', 'ok'))}), CHATML,
                         ['opens with an assistant turn']),
     'line not JSON': (lambda t: (t / 'bad.jsonl').write_text('{"messages": [\n') and str(t / 'bad.jsonl'), CHATML,
