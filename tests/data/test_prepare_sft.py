@@ -201,6 +201,17 @@ def test_an_end_of_text_inside_conversations_is_counted(tmp_path):
     assert result.headers['']['sft']['conversations']['eot_inside'] == 0 and result.headers['']['eot_id'] == UNK
 
 
+def test_text_written_over_conversations_leaves_no_stale_mask(tmp_path, tokenizer_dir):
+    from jaxfrontier.data import encode  # pylint: disable=import-outside-toplevel
+    source = write_jsonl(tmp_path / 'c.jsonl', [{'messages': m} for m in CONVERSATIONS])
+    sft.prepare([source], str(tmp_path / 'o' / 'c'), tokenizer_path=tokenizer_dir)
+    text = write_jsonl(tmp_path / 't.jsonl', [{'text': 'hello world'}])
+    encode.prepare([text], str(tmp_path / 'o' / 'c'), tokenizer_path=os.path.join(tokenizer_dir, 'tokenizer.json'))
+    assert sorted(os.listdir(tmp_path / 'o')) == ['c.bin', 'c.json', 'c.tokenizer.json']
+    header = json.load(open(tmp_path / 'o' / 'c.json'))
+    assert 'loss_mask' not in header and token_files.open_token_file(tmp_path / 'o' / 'c.bin', 40).mask is None
+
+
 def _prepare(*args):
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([REPO] + [p for p in sys.path if p.endswith('site-packages')])}
     return subprocess.run([sys.executable, '-m', 'jaxfrontier.prepare', '--progress=false', *args], cwd=REPO, env=env,
