@@ -106,8 +106,7 @@ def main(argv: list[str]) -> int:
     try:  # validate, then decide how this process joins the job, before JAX starts
         processes = distributed.ProcessSettings('none')
         if _MODE.value == 'plan':
-            data_lib.resolve_vocab(config)  # model.vocab_size=0: from the token file header
-            data_lib.resolve_eot(config)  # data.pack_documents: the end-of-text id too
+            data_lib.resolve_headers(config)  # model.vocab_size=0, data.eot_id=-1, data.loss_mask=auto
         if _MODE.value == 'lm_eval':  # before the seconds JAX and the harness take to import
             _check_lm_eval_flags()
         if _MODE.value == 'train':
@@ -117,8 +116,7 @@ def main(argv: list[str]) -> int:
         if _MODE.value in ('train', 'verify'):
             _use_compile_cache(config)
         if _MODE.value == 'verify':  # the shrunk mesh on simulated CPU devices, whatever this machine has
-            data_lib.resolve_vocab(config)
-            data_lib.resolve_eot(config)
+            data_lib.resolve_headers(config)
             to_verify = shrink.shrink(config, _VERIFY_MAX_DEVICES.value)  # once: its mesh sizes the devices
             if fanout.WORKER_ENV in os.environ:  # one of the processes started just below, by the parent
                 processes = fanout.Worker.decode(os.environ[fanout.WORKER_ENV]).settings()

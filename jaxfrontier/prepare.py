@@ -9,6 +9,13 @@ the tokenizer is a Hugging Face tokenizer.json (--tokenizer) or a byte-level BPE
 the inputs (--train_tokenizer). Writes DIR/NAME.bin, NAME.json and NAME.tokenizer.json
 atomically (docs/data.md); with --val_fraction or --val_documents, NAME_train.bin / .json and
 NAME_val.bin / .json, validation documents drawn at random (--seed); --shuffle reorders documents. Bad input is one line on stderr and exit code 2. No JAX import.
+
+Supervised fine-tuning data: --sft reads conversation JSONL (`messages`, or `prompt` / `completion`),
+renders it with the chat template of a Hugging Face tokenizer directory (pip install 'jaxfrontier[sft]')
+and writes NAME.mask.bin beside each .bin, 1 where the prediction of a token counts (--loss_on):
+
+  python -m jaxfrontier.prepare --sft --input=chats.jsonl --tokenizer=/models/qwen --output=data/chats \\
+      --val_fraction=0.01 --max_tokens=2049
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from absl import app, flags
 from jaxfrontier import cli
 from jaxfrontier.data import documents
 from jaxfrontier.data import encode as tokenize_lib
+from jaxfrontier.data import sft as sft_lib
 from jaxfrontier.errors import FlagError, UserError
 
 _INPUT = flags.DEFINE_multi_string('input', [], 'Input files or globs, comma-separated or repeated: *.txt '
@@ -43,6 +51,17 @@ _SHUFFLE = flags.DEFINE_bool('shuffle', False, 'Write the documents in a random 
                              "corpus's.")
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the validation documents and of --shuffle.')
 _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar (MB/s, tokens/s) on a terminal.')
+_SFT = flags.DEFINE_bool('sft', False, 'Supervised fine-tuning data: --input is conversation JSONL, rendered with '
+                         "the chat template of --tokenizer=DIR; writes NAME.mask.bin (the loss mask) beside NAME.bin.")
+_LOSS_ON = flags.DEFINE_string('loss_on', 'assistant', '--sft: the tokens whose prediction counts: assistant (every '
+                               'assistant turn with its end-of-turn token), last_assistant, or all.')
+_MAX_TOKENS = flags.DEFINE_integer('max_tokens', 0, '--sft: at most this many tokens per conversation, end-of-text '
+                                   'included (e.g. model.seq_len + 1); 0: no bound. Longer ones: --overlong.')
+_OVERLONG = flags.DEFINE_string('overlong', 'truncate', '--sft: a conversation over --max_tokens is cut to it '
+                                '(truncate) or left out (drop); either is counted and reported.')
+_MESSAGES_FIELD = flags.DEFINE_string('messages_field', 'messages', '--sft: the JSONL field holding the list of '
+                                      'messages (records with "prompt" and "completion" are read too).')
+_SFT_ONLY = ('loss_on', 'max_tokens', 'overlong', 'messages_field')
 
 
 class _Progress:
@@ -70,11 +89,18 @@ def main(argv: list[str]) -> int:
             raise FlagError('input', '', 'no input named', 'pass --input=FILE_OR_GLOB[,...]')
         files = tokenize_lib.corpus.expand_inputs(_INPUT.value)
         progress = _Progress(sum(map(os.path.getsize, files)), _PROGRESS.value)
-        result = tokenize_lib.prepare(
-            files, _OUTPUT.value, tokenizer_path=_TOKENIZER.value, train_vocab=_TRAIN_TOKENIZER.value,
-            text_field=_TEXT_FIELD.value, eot_token=_EOT_TOKEN.value, workers=_WORKERS.value,
-            batch_bytes=max(1, int(_BATCH_MB.value * 1e6)), progress=progress,
-            split=documents.Split(_VAL_FRACTION.value, _VAL_DOCUMENTS.value, _SEED.value, _SHUFFLE.value))
+        split = documents.Split(_VAL_FRACTION.value, _VAL_DOCUMENTS.value, _SEED.value, _SHUFFLE.value)
+        common = dict(eot_token=_EOT_TOKEN.value, workers=_WORKERS.value, progress=progress, split=split,
+                      batch_bytes=max(1, int(_BATCH_MB.value * 1e6)))
+        if _SFT.value:
+            result = sft_lib.prepare(files, _OUTPUT.value, tokenizer_path=_sft_tokenizer(), options=sft_lib.Options(
+                _LOSS_ON.value, _MAX_TOKENS.value, _OVERLONG.value, _MESSAGES_FIELD.value), **common)
+        else:
+            for name in _SFT_ONLY:
+                if flags.FLAGS[name].present:
+                    raise FlagError(name, flags.FLAGS[name].value, 'applies to conversations only', 'add --sft')
+            result = tokenize_lib.prepare(files, _OUTPUT.value, tokenizer_path=_TOKENIZER.value,
+                                          train_vocab=_TRAIN_TOKENIZER.value, text_field=_TEXT_FIELD.value, **common)
         progress.bar.close()
     except UserError as e:
         print(f'error: {e}', file=sys.stderr)
@@ -87,7 +113,41 @@ def main(argv: list[str]) -> int:
               f'{h["num_documents"]:,} documents {order}, vocabulary {h["vocab_size"]:,}, tokenizer {h["tokenizer"]}, '
               f'end-of-text {h["eot_token"]} = {h["eot_id"]}; {result.input_bytes / 1e6 / result.seconds:.2f} MB/s, '
               f'{num_tokens / result.seconds / 1e6:.2f} M tokens/s')
+    if _SFT.value:
+        header = next(iter(result.headers.values()))
+        print(sft_line(header['sft'], num_tokens, sum(h['counted_tokens'] for h in result.headers.values()),
+                       header['eot_token']))
     return 0
+
+
+def _sft_tokenizer() -> str:
+    """--tokenizer for --sft, after refusing the flags of text (a trained tokenizer has no chat template)."""
+    if _TRAIN_TOKENIZER.value:
+        raise FlagError('train_tokenizer', _TRAIN_TOKENIZER.value, '--sft renders conversations with the chat template '
+                        'of an existing tokenizer', 'pass --tokenizer=DIR (a Hugging Face tokenizer directory) instead')
+    if flags.FLAGS['text_field'].present:
+        raise FlagError('text_field', _TEXT_FIELD.value, 'names the text of a document, but --sft reads conversations',
+                        'pass --messages_field=<the field holding the messages> instead')
+    if not _TOKENIZER.value:
+        raise FlagError('tokenizer', '', '--sft renders conversations with the chat template of a tokenizer',
+                        'pass --tokenizer=DIR (a Hugging Face tokenizer directory: tokenizer.json, '
+                        'tokenizer_config.json)')
+    return _TOKENIZER.value
+
+
+def sft_line(sft: dict, num_tokens: int, counted: int, eot: str) -> str:
+    """The log line of --sft: how conversations were rendered, what counts, what was cut or dropped."""
+    n = sft['conversations']
+    how = (f'rendered with the chat template of {sft["tokenizer_source"]}' if sft['rendering'] == 'chat_template' else
+           f'prompt/completion pairs concatenated as plain text ({sft["tokenizer_source"]} has no chat template)')
+    bound = (f'{n["truncated"]:,} truncated to --max_tokens={sft["max_tokens"]} ({n["cut_tokens"]:,} tokens cut), '
+             f'{n["dropped_overlong"]:,} dropped as over-long, {n["dropped_empty"]:,} dropped with nothing left to '
+             'learn after the cut' if sft['max_tokens'] else 'no --max_tokens: none truncated or dropped')
+    inside = (f'; {n["eot_inside"]:,} conversations hold the end-of-text token {eot!r} inside (their template writes '
+              'it), so data.pack_documents would cut them there: pass --eot_token=<a token conversations do not use> '
+              'to pack them' if n['eot_inside'] else '')
+    return (f'sft: {n["written"]:,} conversations {how}; loss on {sft["loss_on"]} tokens: {counted:,} of '
+            f'{num_tokens:,} tokens count; {bound}{inside}')
 
 
 def parse_flags(argv: list[str]) -> list[str]:

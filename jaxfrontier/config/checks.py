@@ -217,7 +217,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
 
 
 def _validate_packing(c: ml_collections.ConfigDict) -> None:
-    """data.pack_documents and what it needs: documents to pack (every attention kernel masks by them)."""
+    """data.pack_documents and what it needs: documents to pack (every attention kernel masks by them);
+    data.loss_mask's setting."""
     d = c.data
     for field in ('pack_documents', 'boundary_loss'):
         _require(isinstance(d[field], bool), f'data.{field}', d[field], 'must be true or false',
@@ -227,6 +228,8 @@ def _validate_packing(c: ml_collections.ConfigDict) -> None:
     _require(not c.model.vocab_size or d.eot_id < c.model.vocab_size, 'data.eot_id', d.eot_id,
              f'is not a token of the vocabulary (model.vocab_size = {c.model.vocab_size})',
              "set -1 (the token file header's) or the tokenizer's end-of-text id")
+    _require(d.loss_mask in LOSS_MASKS, 'data.loss_mask', d.loss_mask, 'unknown setting',
+             f"use one of {LOSS_MASKS} ('auto': a token file's loss mask where it has one)")
     if not d.pack_documents:
         _require(not d.boundary_loss, 'data.boundary_loss', True, 'chooses what packed documents count in '
                  'the loss, but data.pack_documents=false (every prediction counts)',
@@ -235,6 +238,9 @@ def _validate_packing(c: ml_collections.ConfigDict) -> None:
     _require(d.kind == 'tokens', 'data.pack_documents', True, f'data.kind={d.kind!r} has no documents to keep '
              'apart (no end-of-text token between them)', 'use data.kind=tokens with a file from python -m '
              'jaxfrontier.prepare, or data.pack_documents=false')
+
+
+LOSS_MASKS = ('auto', 'on', 'off')  # data.loss_mask (data/loader.py resolve_loss_mask)
 
 
 def _validate_family(c: ml_collections.ConfigDict) -> None:

@@ -249,6 +249,9 @@ def base_config() -> ml_collections.ConfigDict:
         # token before it (no context of its own document) in the loss.
         boundary_loss=False,
         eot_id=-1,  # pack_documents: the end-of-text id; -1 = the token file header's eot_id
+        # Loss mask of supervised fine-tuning data (prepare --sft; data/loss_mask.py): 'auto' counts only the
+        # predictions a token file's mask marks (resolved to 'on' where a file has one, else 'off'); 'off': all.
+        loss_mask='auto',  # auto | on | off
     ))
 
     # How processes join one job (jaxfrontier/distributed.py); mesh.cpu_devices is the job's total.

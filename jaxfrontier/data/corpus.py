@@ -10,6 +10,8 @@ end_of_document, num_bytes)`. Formats (picked by the file's extension):
 
 Empty documents (and Parquet nulls) are skipped. `batches` groups pieces into batches of about
 `batch_bytes` of text, the unit of work of the encoder. Nothing here holds more than one batch.
+`read_records` reads whole JSON objects of .jsonl files instead: the conversations of
+`prepare --sft` (data/chat.py), batched the same way.
 Errors the user can fix raise `FlagError`: one line naming the flag, the problem and the fix.
 """
 
@@ -80,8 +82,9 @@ def read_pieces(paths: list[str], text_field: str) -> Iterator[Piece]:
         yield from readers[file_format(path)](path, text_field)
 
 
-def batches(pieces: Iterable[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
-    """Groups pieces into lists holding about batch_bytes of input each (at least one piece)."""
+def batches(pieces: Iterable[Any], batch_bytes: int) -> Iterator[list[Any]]:
+    """Groups pieces (or records: anything with `num_bytes`) into lists holding about batch_bytes of
+    input each (at least one)."""
     batch: list[Piece] = []
     size = 0
     for piece in pieces:
@@ -127,31 +130,67 @@ def _text_pieces(path: str, text_field: str) -> Iterator[Piece]:
         yield Piece(carry, True, unaccounted_bytes)
 
 
-def _jsonl_pieces(path: str, text_field: str) -> Iterator[Piece]:
-    """One document per JSON line, from its field text_field."""
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One JSON object of a .jsonl file (a conversation for `prepare --sft`), and where it is."""
+
+    value: dict[str, Any]
+    path: str
+    line: int  # 1-based line number in path
+    num_bytes: int  # input-file bytes this record accounts for (progress, batches)
+
+
+def read_records(paths: list[str]) -> Iterator[Record]:
+    """Every JSON object of every .jsonl file, in order; blank lines skipped.
+
+    Raises:
+      FlagError: a file is not .jsonl, a line is not JSON or not an object.
+    """
+    require_jsonl(paths)
+    for path in paths:
+        for line_number, record, num_bytes in _jsonl_objects(path):
+            yield Record(record, path, line_number, num_bytes)
+
+
+def require_jsonl(paths: list[str]) -> None:
+    """Raises FlagError naming the first file that is not .jsonl (conversations are JSON objects)."""
+    for path in paths:
+        if file_format(path) != 'jsonl':
+            raise FlagError('input', path, 'conversations are read from .jsonl files (one JSON object per line)',
+                            'convert the file to JSONL, e.g. {"messages": [{"role": "user", "content": "..."}, ...]}')
+
+
+def _jsonl_objects(path: str) -> Iterator[tuple[int, dict[str, Any], int]]:
+    """(line number, object, bytes) of each non-blank line of a .jsonl file."""
     with open(path, 'rb') as f:
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except ValueError as e:
-                raise FlagError('input', path, f'line {line_number} is not JSON ({e})',
+            except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than json's limit
+                raise FlagError('input', path, f'line {line_number} is not JSON ({" ".join(str(e).split())[:200]})',
                                 'fix the line, or convert the file to one JSON object per line') from None
             if not isinstance(record, dict):
                 raise FlagError('input', path, f'line {line_number} is a JSON {type(record).__name__}, not an '
                                 'object', 'write one JSON object per line, e.g. {"text": "..."}')
-            if text_field not in record:
-                fields = sorted(record)
-                raise FlagError('text_field', text_field, f'line {line_number} of {path} has no field '
-                                f'{text_field!r} (its fields: {fields})',
-                                'pass --text_field=<the field holding the text>')
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise FlagError('text_field', text_field, f'line {line_number} of {path}: the field is '
-                                f'{type(text).__name__}, not a string', 'pass --text_field=<a text field>')
-            if text:
-                yield Piece(text, True, len(line))
+            yield line_number, record, len(line)
+
+
+def _jsonl_pieces(path: str, text_field: str) -> Iterator[Piece]:
+    """One document per JSON line, from its field text_field."""
+    for line_number, record, num_bytes in _jsonl_objects(path):
+        if text_field not in record:
+            fields = sorted(record)
+            raise FlagError('text_field', text_field, f'line {line_number} of {path} has no field '
+                            f'{text_field!r} (its fields: {fields})',
+                            'pass --text_field=<the field holding the text>')
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise FlagError('text_field', text_field, f'line {line_number} of {path}: the field is '
+                            f'{type(text).__name__}, not a string', 'pass --text_field=<a text field>')
+        if text:
+            yield Piece(text, True, num_bytes)
 
 
 def _parquet_batches(parquet: Any, text_field: str, path: str) -> Iterator[list[Any]]:

@@ -11,10 +11,9 @@ Output `DIR/NAME` is three files: `NAME.bin` (tokens), `NAME.tokenizer.json` and
 `NAME.json`, which records the tokenizer's relative path and the end-of-text id. With a split by
 documents (documents.py), NAME_train.bin / .json and NAME_val.bin / .json instead of NAME.bin /
 .json: the in-order stream goes to a temporary file, counting each document's tokens, and is then
-copied into the parts document by document (also for --shuffle). Everything is
-written to `*.tmp-<pid>` files first and renamed into place at the end, the header last, so a
-crash or kill leaves the previous output (or none) and never a header describing a partial
-`.bin`; a rerun simply starts over. Stale `*.tmp-<pid>` files of dead runs are removed.
+copied into the parts document by document (also for --shuffle). prepared.py writes them all
+atomically (temporaries renamed into place, the header last). Conversations for supervised
+fine-tuning (`--sft`, with a loss mask) are sft.py's.
 """
 
 from __future__ import annotations
@@ -22,27 +21,22 @@ from __future__ import annotations
 import array
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
-import glob
 import itertools
 import json
 import multiprocessing
 import os
-import re
 import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jaxfrontier import distributed
-from jaxfrontier.data import corpus, documents, long_words, token_files
+from jaxfrontier.data import corpus, documents, long_words, prepared, token_files
 from jaxfrontier.errors import FlagError
 
 EOT_CANDIDATES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')  # first found is used
 TRAINED_EOT = '<|endoftext|>'
 MAX_VOCAB = 1 << 32  # token ids must fit uint32
-TOKENIZER_SUFFIX = '.tokenizer.json'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,81 +200,26 @@ def encoded_batches(batches: Iterator[list[corpus.Piece]], tokenizer: Any, token
             workers, multiprocessing.get_context('spawn'),  # spawn: no fork of the library's threads
             initializer=_init_worker, initargs=(tokenizer_json, eot_id, dtype, threads))
         encode = _encode_in_worker
+    yield from in_order(executor, encode, batches, lambda batch: ([p.text for p in batch],
+                                                                 [p.end_of_document for p in batch]),
+                        2 * max(workers, 2))
+
+
+def in_order(executor: concurrent.futures.Executor, fn: Callable[..., Any], batches: Iterator[Any],
+             args_of: Callable[[Any], tuple[Any, ...]], limit: int) -> Iterator[tuple[Any, Any]]:
+    """(batch, fn(*args_of(batch))) for each batch, in input order, with at most `limit` batches
+    submitted to `executor` at once (memory stays bounded); shuts the executor down at the end."""
     with executor:
-        in_flight: collections.deque[tuple[list[corpus.Piece], Any]] = collections.deque()
+        in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
         for batch in itertools.chain(batches, [None]):
             if batch is not None:
-                in_flight.append((batch, executor.submit(encode, [p.text for p in batch],
-                                                         [p.end_of_document for p in batch])))
-            while in_flight and (batch is None or len(in_flight) >= 2 * max(workers, 2)):
+                in_flight.append((batch, executor.submit(fn, *args_of(batch))))
+            while in_flight and (batch is None or len(in_flight) >= limit):
                 done, future = in_flight.popleft()
                 yield done, future.result()
 
 
 # --------------------------------------------------------------------------- output
-
-
-def output_paths(output: str, parts: tuple[str, ...] = ('',)) -> dict[str, str]:
-    """The files of output DIR/NAME: tokenizer, and bin and header of each part.
-
-    Part '' is NAME.bin / NAME.json (keys 'bin', 'header'); a split's parts 'train' and 'val'
-    are NAME_train.bin / NAME_train.json ('train_bin', ...) and NAME_val.*, sharing NAME.tokenizer.json.
-    """
-    root = token_files.token_paths(output)[0][:-len('.bin')]
-    paths = {'tokenizer': root + TOKENIZER_SUFFIX}
-    for part in parts:
-        key, name = (f'{part}_', f'{root}_{part}') if part else ('', root)
-        paths.update({key + 'bin': name + '.bin', key + 'header': name + '.json'})
-    return paths
-
-
-def _remove_stale_temporaries(paths: dict[str, str]) -> None:
-    """Deletes `*.tmp-<pid>` files of these outputs left by runs that are no longer alive."""
-    for final in paths.values():
-        for tmp in glob.glob(glob.escape(final) + '.tmp-*'):
-            match = re.fullmatch(r'.*\.tmp-(\d+)', tmp)
-            if match and not distributed.pid_alive(int(match.group(1))):
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-
-
-def _write_small(path: str, text: str) -> None:
-    with open(path, 'w', encoding='utf-8') as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _open_output(output: str, parts: tuple[str, ...],
-                 shuffled_or_split: bool) -> tuple[dict[str, str], dict[str, str], Any]:
-    """(final paths, temporary paths, the open temporary .bin); checks the directory is writable."""
-    if os.path.isdir(output) or output.endswith(os.sep):  # NAME.bin would land beside the directory
-        raise FlagError('output', output, 'is a directory; --output is DIR/NAME (writes NAME.bin, NAME.json and '
-                        'NAME.tokenizer.json in DIR)', f'pass --output={os.path.join(output, "NAME")}')
-    paths = output_paths(output, parts)
-    directory = os.path.dirname(os.path.abspath(paths['tokenizer']))
-    stream = paths['tokenizer'][:-len(TOKENIZER_SUFFIX)] + '.stream.bin'  # split or shuffle: the corpus in order
-    tmp = {key: f'{path}.tmp-{os.getpid()}' for key, path in {**paths, 'stream': stream}.items()}
-    try:
-        os.makedirs(directory, exist_ok=True)
-        _remove_stale_temporaries({**paths, 'stream': stream})
-        return paths, tmp, open(tmp['stream'] if shuffled_or_split else tmp['bin'], 'wb')
-    except OSError as e:
-        raise FlagError('output', output, f'cannot write in {directory} ({e.strerror or e})',
-                        'pass an --output=DIR/NAME whose DIR you can write') from None
-
-
-def _publish(paths: dict[str, str], tmp: dict[str, str], tokenizer_json: str, headers: dict[str, Any]) -> None:
-    """Renames the temporaries into place: the old headers go first, the new ones come last."""
-    _write_small(tmp['tokenizer'], tokenizer_json)
-    keys = [f'{part}_' if part else '' for part in headers]
-    for key, header in zip(keys, headers.values()):
-        _write_small(tmp[key + 'header'], json.dumps(header, indent=1) + '\n')
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(paths[key + 'header'])
-    for key in [k + 'bin' for k in keys] + ['tokenizer'] + [k + 'header' for k in keys]:
-        os.chmod(tmp[key], 0o644)
-        os.replace(tmp[key], paths[key])
 
 
 def _write_stream(batches: Iterator[tuple[list[corpus.Piece], tuple[bytes, np.ndarray]]], bin_file: Any, dtype: str,
@@ -298,25 +237,6 @@ def _write_stream(batches: Iterator[tuple[list[corpus.Piece], tuple[bytes, np.nd
         if progress:
             progress(sum(p.num_bytes for p in batch), num_tokens)
     return num_tokens, lengths
-
-
-def _split_stream(tmp: dict[str, str], dtype: str, lengths: np.ndarray,
-                  split: documents.Split) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """Copies the in-order stream tmp['stream'] into each part's temporary .bin (documents.plan); removes it."""
-    parts = documents.plan(len(lengths), split)
-    files = {part: open(tmp[f'{part}_bin' if part else 'bin'], 'wb') for part in parts}
-    try:
-        tokens = np.memmap(tmp['stream'], dtype=np.dtype(token_files.NUMPY_DTYPES[dtype]), mode='r')
-        written = documents.write_parts(tokens, lengths, parts, files)
-        del tokens
-        for f in files.values():
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
-        for f in files.values():
-            f.close()
-    os.remove(tmp['stream'])
-    return parts, written
 
 
 # --------------------------------------------------------------------------- prepare
@@ -355,7 +275,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_v
     if not input_bytes:
         raise FlagError('input', ','.join(inputs), 'the corpus is empty (its files hold 0 bytes)',
                         'pass files that hold text')
-    paths, tmp, bin_file = _open_output(output, ('train', 'val') if split.splits else ('',), split.active)
+    out, bin_file, _ = prepared.open_output(output, ('train', 'val') if split.splits else ('',), split.active)
     try:
         with bin_file:
             if tokenizer_path:
@@ -375,22 +295,29 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = '', train_v
                                 'pass files that hold text (check --text_field)')
             bin_file.flush()
             os.fsync(bin_file.fileno())
-        common = {'format': token_files.FORMAT, 'version': token_files.VERSION, 'dtype': dtype,
-                  'vocab_size': vocab_size, 'tokenizer': os.path.basename(paths['tokenizer']), 'eot_token': eot,
-                  'eot_id': eot_id, 'source': 'jaxfrontier.prepare', 'num_input_files': len(files),
-                  'input_bytes': input_bytes}
-        lengths_d = np.frombuffer(lengths, np.int64)
-        if split.active:
-            parts, written = _split_stream(tmp, dtype, lengths_d, split)
-        else:
-            parts, written = {'': np.arange(len(lengths_d))}, {'': num_tokens}
+        common = header_common(out, dtype, vocab_size, eot, eot_id, files, input_bytes)
+        parts, written = split_or_keep(out, dtype, np.frombuffer(lengths, np.int64), num_tokens, split)
         headers = {part: {**common, 'num_tokens': written[part], 'num_documents': len(ids),
                           **documents.header_fields(split, part, parts)} for part, ids in parts.items()}
         seconds = time.perf_counter() - start
-        _publish(paths, tmp, tokenizer_json, headers)
+        prepared.publish(out, tokenizer_json, headers)
     except BaseException:
-        for path in tmp.values():
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        prepared.discard(out)
         raise
-    return Result({part: paths[f'{part}_bin' if part else 'bin'] for part in parts}, headers, seconds, input_bytes)
+    return Result({part: out.paths[prepared.part_key(part) + 'bin'] for part in parts}, headers, seconds, input_bytes)
+
+
+def header_common(out: prepared.Output, dtype: str, vocab_size: int, eot: str, eot_id: int, files: list[str],
+                  input_bytes: int) -> dict[str, Any]:
+    """The header fields every part of a prepared output shares (docs/data.md)."""
+    return {'format': token_files.FORMAT, 'version': token_files.VERSION, 'dtype': dtype, 'vocab_size': vocab_size,
+            'tokenizer': os.path.basename(out.paths['tokenizer']), 'eot_token': eot, 'eot_id': eot_id,
+            'source': 'jaxfrontier.prepare', 'num_input_files': len(files), 'input_bytes': input_bytes}
+
+
+def split_or_keep(out: prepared.Output, dtype: str, lengths: np.ndarray, num_tokens: int,
+                  split: documents.Split) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """(document ids, tokens) of each part: the streams split by documents, or the one file as written."""
+    if split.active:
+        return prepared.split_streams(out, dtype, lengths, split)
+    return {'': np.arange(len(lengths))}, {'': num_tokens}

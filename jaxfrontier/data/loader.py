@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 
 from jaxfrontier.config import DATA_KINDS
-from jaxfrontier.data import sampling
+from jaxfrontier.data import loss_mask, sampling
 from jaxfrontier.data.builtin import BYTE_VOCAB, builtin_corpus
 from jaxfrontier.data.sources import TRAIN, VAL, Source, SyntheticSource, TokenSource
 from jaxfrontier.data.token_files import (TokenFile, open_token_file, read_header, run_token_path, token_paths,
@@ -49,11 +49,12 @@ def _open_checked(c: ml_collections.ConfigDict, path: str) -> tuple[TokenFile, i
     return token_file, _split_boundary(c, token_file)
 
 
-def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str) -> ConfigError:
-    """A data.path error about one file of data.blend, renamed to data.blend."""
+def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str, field: str = 'data.blend') -> ConfigError:
+    """A data.path error about one file of data.blend (or of `field`, e.g. data.val_path), renamed to it."""
     problem = str(e).split('. Fix: ')[0][len(f'config.{e.field} = {e.value!r}: '):]
     fix = str(e).split('. Fix: ', 1)[1] if '. Fix: ' in str(e) else 'check the path'
-    return ConfigError('data.blend', c.data.blend, f'{path}: {problem}' if path not in problem else problem, fix)
+    problem = f'{path}: {problem}' if path not in problem else problem
+    return ConfigError(field, c.data[field.split('.')[1]], problem, fix)
 
 
 def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[int], list[str], list[tuple[TokenFile, int]]]:
@@ -167,6 +168,57 @@ def resolve_eot(c: ml_collections.ConfigDict) -> None:
         c.data.eot_id = int(header_eot)
 
 
+def _run_token_files(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+    """(field, path) of every token file the run reads: data.path or the files of data.blend, then
+    those of data.val_path."""
+    blend, val_path = c.data.get('blend', ''), c.data.get('val_path', '')
+    files = ([('data.blend', p) for _, p in sampling.parse_blend(blend)] if blend else
+             [('data.path', c.data.path)] if c.data.path else []) if c.data.kind == 'tokens' else []
+    return files + ([('data.val_path', p) for _, p in val_entries(val_path)] if val_path else [])
+
+
+def resolve_loss_mask(c: ml_collections.ConfigDict) -> None:
+    """`data.loss_mask='auto'`: 'on' when a token file of the run carries a loss mask (its header's
+    `loss_mask`: python -m jaxfrontier.prepare --sft), else 'off'; 'on' needs such a file.
+
+    With 'on' the loader flags the tokens whose prediction does not count (data/loss_mask.py) and
+    the steps count them out; a file without a mask counts every prediction.
+
+    Raises:
+      ConfigError: 'on' but no file of the run has a mask, or the vocabulary reaches the flag bit.
+    """
+    setting = c.data.get('loss_mask', 'off')
+    if setting not in ('auto', 'on'):
+        return  # 'off', or a value config.validate names
+    masked = []
+    for field, path in _run_token_files(c):
+        bin_path, header_path = token_paths(path)
+        if not (os.path.isfile(bin_path) and os.path.isfile(header_path)):
+            continue  # check_data names what is missing
+        try:
+            header = read_header(path, header_path)
+        except ConfigError as e:
+            raise (e if field == 'data.path' else _as_blend_error(c, e, path, field)) from None
+        masked += [bin_path] if header.get('loss_mask') is not None else []
+    if setting == 'on' and not masked:
+        raise ConfigError('data.loss_mask', 'on', "none of the run's token files carries a loss mask (a header "
+                          '"loss_mask")', "set data.loss_mask='auto' (use a file's mask if it has one) or 'off', or "
+                          'write the data with python -m jaxfrontier.prepare --sft')
+    c.data.loss_mask = 'on' if masked else 'off'
+    if masked and c.model.vocab_size > loss_mask.MAX_VOCAB:
+        raise ConfigError('model.vocab_size', c.model.vocab_size, f'a loss mask ({masked[0]}) travels as bit 30 of '
+                          f'each token, so the vocabulary must stay below {loss_mask.MAX_VOCAB:,}',
+                          "set data.loss_mask='off' to train on every token, or use a smaller vocabulary")
+
+
+def resolve_headers(c: ml_collections.ConfigDict) -> None:
+    """What the config takes from the token file headers: `model.vocab_size=0`, packing's
+    `data.eot_id=-1` and `data.loss_mask='auto'` (resolve_vocab, resolve_eot, resolve_loss_mask)."""
+    resolve_vocab(c)
+    resolve_eot(c)
+    resolve_loss_mask(c)
+
+
 def check_data(c: ml_collections.ConfigDict) -> None:
     """Validates the data config cheaply and writes nothing; for kind=tokens, checks the file(s).
 
@@ -231,12 +283,17 @@ def _val_files(c: ml_collections.ConfigDict, train: list[TokenFile]) -> list[Tok
     return opened
 
 
+def _mask(c: ml_collections.ConfigDict, token_file: TokenFile):
+    """The file's loss mask when the run uses masks (data.loss_mask resolved to 'on'), else None."""
+    return token_file.mask if c.data.get('loss_mask', 'off') == 'on' else None
+
+
 def _splits(c: ml_collections.ConfigDict, token_file: TokenFile, boundary: int,
             name: str) -> tuple[TokenSource, TokenSource]:
-    m, seed = c.model, c.seed
-    return (TokenSource(token_file.tokens, 0, boundary, m.seq_len, seed, TRAIN, f'{name} train'),
+    m, seed, mask = c.model, c.seed, _mask(c, token_file)
+    return (TokenSource(token_file.tokens, 0, boundary, m.seq_len, seed, TRAIN, f'{name} train', mask),
             TokenSource(token_file.tokens, boundary, token_file.num_tokens, m.seq_len, seed, VAL,
-                        f'{name} val'))
+                        f'{name} val', mask))
 
 
 def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, Source]:
@@ -272,8 +329,8 @@ def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, S
 def _val_source(c: ml_collections.ConfigDict, train: list[TokenFile]) -> Source:
     """The held-out files of data.val_path, each read whole: one TokenSource, or a BlendSource of them."""
     files, entries = _val_files(c, train), val_entries(c.data.val_path)
-    sources = tuple(TokenSource(f.tokens, 0, f.num_tokens, c.model.seq_len, c.seed, VAL, f'held-out {f.path}')
-                    for f in files)
+    sources = tuple(TokenSource(f.tokens, 0, f.num_tokens, c.model.seq_len, c.seed, VAL, f'held-out {f.path}',
+                                _mask(c, f)) for f in files)
     if len(sources) == 1 and entries[0][0] == 1.0 and c.data.val_path == entries[0][1]:
         return sources[0]
     weights = tuple(w for w, _ in entries)

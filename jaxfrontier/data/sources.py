@@ -3,6 +3,8 @@
 A TokenSource reads windows of one split of a token file, drawn without replacement within
 an epoch (sampling.py: a seeded permutation of the split's windows per epoch); a
 SyntheticSource generates random tokens; sampling.BlendSource mixes several TokenSources.
+A TokenSource given the file's loss mask flags the tokens whose prediction does not count
+(data/loss_mask.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxfrontier.data import sampling
+from jaxfrontier.data import loss_mask, sampling
 
 TRAIN, VAL = 0, 1  # split ids, part of every sampling seed
 
@@ -42,6 +44,7 @@ class TokenSource:
     seed: int
     split_id: int  # TRAIN or VAL
     name: str
+    mask: np.ndarray | None = None  # [num_tokens] uint8, memory-mapped: sets loss_mask.NOT_COUNTED where 0
 
     @property
     def num_windows(self) -> int:
@@ -63,6 +66,8 @@ class TokenSource:
         out_rl = np.empty((len(offsets), self.seq_len + 1), np.int32)
         for i, offset in enumerate(offsets):
             out_rl[i] = self.tokens[offset:offset + self.seq_len + 1]
+            if self.mask is not None:
+                out_rl[i] = loss_mask.mark(out_rl[i], self.mask[offset:offset + self.seq_len + 1])
         return out_rl
 
     def read_rows(self, step: int, rows: np.ndarray, global_batch: int) -> np.ndarray:
@@ -78,7 +83,7 @@ class TokenSource:
 
     def describe(self) -> str:
         return (f'{self.name}: tokens [{self.start:,}, {self.stop:,}) of {len(self.tokens):,}, '
-                f'{self.num_windows:,} windows per epoch')
+                f'{self.num_windows:,} windows per epoch' + (', with its loss mask' if self.mask is not None else ''))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 On disk (docs/data.md) a dataset is `<name>.bin`, raw little-endian uint16 or uint32 tokens,
 with a small JSON header `<name>.json` beside it. Token files are memory-mapped, never loaded;
-a file is checked against the model's vocabulary when it is opened.
+a file is checked against the model's vocabulary when it is opened. A file may carry a loss
+mask (supervised fine-tuning: data/loss_mask.py): `<name>.mask.bin`, one uint8 per token (1:
+the prediction of this token counts, 0: it does not), named by the header's `loss_mask`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jaxfrontier.errors import ConfigError
 FORMAT = 'jaxfrontier-tokens'
 VERSION = 1
 NUMPY_DTYPES = {'uint16': '<u2', 'uint32': '<u4'}  # header dtype -> explicit little-endian
+MASK_SUFFIX = '.mask.bin'  # the loss mask beside NAME.bin: NAME.mask.bin
 _SCAN_CHUNK_TOKENS = 1 << 24
 _WRITE_CHUNK_TOKENS = 1 << 24
 
@@ -56,12 +59,17 @@ def _atomic_write(path: str, chunks: Iterable[bytes]) -> None:
         raise
 
 
+def mask_path_of(bin_path: str) -> str:
+    """The loss mask's path beside a token file's .bin: NAME.bin -> NAME.mask.bin."""
+    return bin_path[:-len('.bin')] + MASK_SUFFIX
+
+
 def write_token_file(path: str | os.PathLike, tokens: Any, vocab_size: int, dtype: str | None = None,
-                     *, metadata: dict[str, Any] | None = None) -> str:
+                     *, metadata: dict[str, Any] | None = None, mask: Any = None) -> str:
     """Writes a token file (docs/data.md) atomically and returns its .bin path.
 
     The old header is removed first and the new one written last, each file by temp file and
-    rename, so at every moment the header is either absent or describes the .bin beside it.
+    rename, so at every moment the header is either absent or describes the .bin (and mask) beside it.
 
     Args:
       path: the .bin path (or base path) to write; its directory is created if needed.
@@ -69,9 +77,12 @@ def write_token_file(path: str | os.PathLike, tokens: Any, vocab_size: int, dtyp
       vocab_size: the tokenizer's vocabulary size, recorded in the header.
       dtype: 'uint16' or 'uint32'; None picks uint16 when vocab_size <= 65536.
       metadata: extra JSON-serialisable header fields (e.g. where the tokens came from).
+      mask: optional loss mask, one 0/1 per token (1: the prediction of this token counts),
+        written to NAME.mask.bin and named in the header (`loss_mask`).
 
     Raises:
-      ValueError: the tokens are not 1-D integers in [0, vocab_size), or dtype cannot hold them.
+      ValueError: the tokens are not 1-D integers in [0, vocab_size), or dtype cannot hold them, or
+        the mask is not one 0 or 1 per token.
     """
     bin_path, header_path = token_paths(path)
     tokens_n = np.asarray(tokens)
@@ -87,11 +98,20 @@ def write_token_file(path: str | os.PathLike, tokens: Any, vocab_size: int, dtyp
         raise ValueError(f'tokens must be in [0, {vocab_size}), got [{tokens_n.min()}, {tokens_n.max()}]')
     header = {**(metadata or {}), 'format': FORMAT, 'version': VERSION, 'dtype': dtype,
               'num_tokens': int(tokens_n.size), 'vocab_size': int(vocab_size)}
+    header.pop('loss_mask', None)
+    if mask is not None:
+        mask_n = np.asarray(mask)
+        if mask_n.shape != tokens_n.shape or (mask_n.size and not np.isin(mask_n, (0, 1)).all()):
+            raise ValueError(f'the mask must be one 0 or 1 per token ({tokens_n.size}), got {mask_n.dtype} '
+                             f'{mask_n.shape}')
+        header['loss_mask'] = os.path.basename(mask_path_of(bin_path))
     os.makedirs(os.path.dirname(os.path.abspath(bin_path)), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(header_path)
     _atomic_write(bin_path, (tokens_n[i:i + _WRITE_CHUNK_TOKENS].astype(np_dtype).tobytes()
                              for i in range(0, tokens_n.size, _WRITE_CHUNK_TOKENS)))
+    if mask is not None:
+        _atomic_write(mask_path_of(bin_path), [mask_n.astype(np.uint8).tobytes()])
     _atomic_write(header_path, [json.dumps(header, indent=1).encode() + b'\n'])
     return bin_path
 
@@ -106,6 +126,7 @@ class TokenFile:
     path: str  # the .bin path
     header: dict[str, Any]
     tokens: np.ndarray  # [num_tokens] '<u2' or '<u4', memory-mapped read-only
+    mask: np.ndarray | None = None  # [num_tokens] uint8 loss mask (1: counts), memory-mapped; None: all count
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +183,46 @@ def _max_token(bin_path: str, tokens: np.ndarray) -> tuple[int, int]:
     return _MAX_TOKEN_MEMO[key]
 
 
+_BAD_MASK_MEMO: dict[tuple[Any, ...], int] = {}
+
+
+def _first_bad_mask_value(mask_path: str, mask: np.ndarray) -> int:
+    """Position of the first mask byte that is neither 0 nor 1 (-1: none), scanned in chunks; memoized."""
+    st = os.stat(mask_path)
+    key = (os.path.realpath(mask_path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _BAD_MASK_MEMO:
+        _BAD_MASK_MEMO[key] = -1
+        for start in range(0, mask.shape[0], _SCAN_CHUNK_TOKENS):
+            bad = np.flatnonzero(np.asarray(mask[start:start + _SCAN_CHUNK_TOKENS]) > 1)
+            if bad.size:
+                _BAD_MASK_MEMO[key] = start + int(bad[0])
+                break
+    return _BAD_MASK_MEMO[key]
+
+
+def _open_mask(path: Any, bin_path: str, header: dict[str, Any]) -> np.ndarray | None:
+    """The loss mask the header names (`loss_mask`, relative to the .bin), memory-mapped; None without one."""
+    name = header.get('loss_mask')
+    if name is None:
+        return None
+    fix = 'rewrite the file with python -m jaxfrontier.prepare --sft, or drop "loss_mask" from its header'
+    if not isinstance(name, str) or not name:
+        _bad(path, f'invalid header: "loss_mask" is {name!r}, not the name of the mask file beside the .bin', fix)
+    mask_path = os.path.join(os.path.dirname(os.path.abspath(bin_path)), name)
+    if not os.path.isfile(mask_path):
+        _bad(path, f'the loss mask {mask_path} its header names is missing', fix)
+    num_tokens, size_bytes = header['num_tokens'], os.path.getsize(mask_path)
+    if size_bytes != num_tokens:
+        _bad(path, f'the loss mask {mask_path} has {size_bytes:,} bytes but the file holds {num_tokens:,} tokens '
+             '(one byte per token; truncated or partly written)', fix)
+    mask = np.memmap(mask_path, dtype=np.uint8, mode='r', shape=(num_tokens,)) if num_tokens else np.zeros(0, np.uint8)
+    bad = _first_bad_mask_value(mask_path, mask) if num_tokens else -1
+    if bad >= 0:
+        _bad(path, f'the loss mask {mask_path} holds {int(mask[bad])} at position {bad:,}; each byte is 0 (the '
+             'prediction of that token does not count) or 1 (it counts)', fix)
+    return mask
+
+
 def open_token_file(path: str | os.PathLike, vocab_size: int, *, seq_len: int | None = None) -> TokenFile:
     """Opens and validates a token file, memory-mapping its tokens.
 
@@ -175,8 +236,8 @@ def open_token_file(path: str | os.PathLike, vocab_size: int, *, seq_len: int | 
 
     Raises:
       ConfigError: naming data.path, if the .bin or header is missing, the header is invalid,
-        the .bin size disagrees with the header, a token is >= vocab_size, or the file is too
-        short for one sequence.
+        the .bin size disagrees with the header, a token is >= vocab_size, the file is too
+        short for one sequence, or the loss mask the header names is missing or invalid.
     """
     bin_path, header_path = token_paths(path)
     if not os.path.isfile(bin_path):
@@ -199,7 +260,7 @@ def open_token_file(path: str | os.PathLike, vocab_size: int, *, seq_len: int | 
              f'vocabulary is model.vocab_size = {vocab_size} (the header says {header["vocab_size"]})',
              f"set model.vocab_size to the tokenizer's vocabulary (at least {max_token + 1}), "
              'or re-tokenize the data')
-    return TokenFile(bin_path, header, tokens)
+    return TokenFile(bin_path, header, tokens, _open_mask(path, bin_path, header))
 
 
 def tokenizer_path(token_file: TokenFile) -> str | None:

@@ -7,7 +7,9 @@ every token after the first is predicted exactly once, with the context of its o
 the summed loss (in bits) by the UTF-8 bytes the scored tokens stand for (text.py). A run
 trained with packed documents (its saved data.pack_documents) is scored with its documents kept
 apart, and without the predictions from an end-of-text token unless it counted them
-(data.boundary_loss; model/packing.py).
+(data.boundary_loss; model/packing.py). A run trained with a loss mask (its resolved
+data.loss_mask 'on') scores only the predictions the evaluated file's mask counts, where the file
+has one (docs/data.md); `loss_mask` in the result says whether it did.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ def windows(tokens: np.ndarray, start: int, stop: int, seq_len: int):
 
 
 def run_packing(run_config: dict) -> packing_lib.Packing | None:
-    """The packed documents the run trained with (its saved data.pack_documents, resolved data.eot_id), or None."""
+    """The packed documents (its saved data.pack_documents, resolved data.eot_id) and loss mask (its
+    resolved data.loss_mask) the run trained with, or None for neither."""
     data = run_config.get('data', {})
+    masked = data.get('loss_mask') == 'on'
     if not data.get('pack_documents') or data.get('eot_id', -1) < 0:
-        return None
-    return packing_lib.Packing(int(data['eot_id']), bool(data.get('boundary_loss', False)))
+        return packing_lib.Packing(None, loss_mask=True) if masked else None
+    return packing_lib.Packing(int(data['eot_id']), bool(data.get('boundary_loss', False)), masked)
 
 
 def make_nll_step(layout, packing: packing_lib.Packing | None = None):
@@ -56,19 +60,23 @@ def make_nll_step(layout, packing: packing_lib.Packing | None = None):
     caller weighs the predictions training did not count 0 (`counted`)."""
     def nll(params, tokens_bt, weights_bt):
         inputs, targets = tokens_bt[:, :-1], tokens_bt[:, 1:]
-        seq = None if packing is None else packing_lib.documents(inputs, packing.eot_id)
+        seq = None if packing is None or packing.eot_id is None else packing_lib.documents(inputs, packing.eot_id)
         logp_n, _ = scoring.target_logprobs(layout.model_def.bind(params), inputs, targets, seq)
         w_n = weights_bt.reshape(-1)
         return -jnp.sum(logp_n * w_n), jnp.sum(w_n)
     return jax.jit(nll)
 
 
-def counted(row: np.ndarray, scored: int, packing: packing_lib.Packing | None) -> np.ndarray:
+def counted(row: np.ndarray, scored: int, packing: packing_lib.Packing | None,
+            mask_row: np.ndarray | None = None) -> np.ndarray:
     """Which of a window's predictions [S] are scored: its first `scored`, less (with packing and no
-    boundary loss) those from an end-of-text token, which training did not count either."""
+    boundary loss) those from an end-of-text token, which training did not count either, and less
+    those of the targets the file's loss mask `mask_row` [S + 1] (1: counts) leaves out."""
     keep = np.arange(len(row) - 1) < scored
-    if packing is not None and not packing.boundary_loss:
+    if packing is not None and packing.eot_id is not None and not packing.boundary_loss:
         keep &= row[:-1] != packing.eot_id
+    if mask_row is not None:
+        keep &= mask_row[1:] == 1
     return keep
 
 
@@ -114,11 +122,13 @@ def evaluate(c: ml_collections.ConfigDict, workdir: str, eval_path: str) -> dict
     loaded = load_lib.load(c, workdir)
     c, layout = loaded.config, loaded.layout
     path, start, stop, codec = _range(loaded, eval_path, workdir)
-    tokens = token_files.open_token_file(path, c.model.vocab_size).tokens
+    token_file = token_files.open_token_file(path, c.model.vocab_size)
     byte_lengths = codec.byte_lengths(c.model.vocab_size)
     seq_len, batch = c.model.seq_len, c.train.global_batch
     sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
     packing = run_packing(loaded.run_config)
+    mask = token_file.mask if packing is not None and packing.loss_mask else None
+    mask_rows = (m for m, _ in windows(mask, start, stop, seq_len)) if mask is not None else None
     step = make_nll_step(layout, packing)
     total, count, num_bytes, num_windows = 0.0, 0.0, 0, 0
     rows, weights = [], []
@@ -134,9 +144,9 @@ def evaluate(c: ml_collections.ConfigDict, workdir: str, eval_path: str) -> dict
         weights.clear()
 
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
-        for row, scored in windows(tokens, start, stop, seq_len):
+        for row, scored in windows(token_file.tokens, start, stop, seq_len):
             rows.append(row)
-            keep = counted(row, scored, packing)
+            keep = counted(row, scored, packing, None if mask_rows is None else next(mask_rows))
             weights.append(keep.astype(np.float32))
             num_bytes += int(byte_lengths[row[1:][keep]].sum())
             num_windows += 1
@@ -147,7 +157,8 @@ def evaluate(c: ml_collections.ConfigDict, workdir: str, eval_path: str) -> dict
     loss = total / max(count, 1.0)
     return {'loss': loss, 'perplexity': math.exp(min(loss, 700.0)),
             'bits_per_byte': total / math.log(2) / max(num_bytes, 1), 'tokens': int(count), 'bytes': num_bytes,
-            'windows': num_windows, 'path': path, 'first_token': start, 'step': loaded.step, 'source': loaded.source}
+            'windows': num_windows, 'path': path, 'first_token': start, 'step': loaded.step, 'source': loaded.source,
+            'loss_mask': mask is not None}
 
 
 def report(result: dict[str, float]) -> str:

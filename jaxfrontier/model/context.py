@@ -76,7 +76,9 @@ class TokenOrder:
     holds the r-th contiguous part). With packed documents (`packing`, model/packing.py) the
     documents, their restarting positions and the loss weights are found on the window in its
     natural order and then permuted with the tokens, so packing and balancing compose. Without
-    either, the blocks see plain sequences, as without context.
+    either, the blocks see plain sequences, as without context. With a loss mask
+    (`packing.loss_mask`, data/loss_mask.py) the flag is stripped from inputs, targets and the
+    tokens packing reads, and weighs the flagged targets' predictions 0.
     """
 
     def __init__(self, seq_len: int, context: int = 1, balance: bool = True,
@@ -99,8 +101,8 @@ class TokenOrder:
         """What the blocks know of the micro-batch (model/sequence.py): T, or T with the tokens'
         positions (the permutation; per document when packed) and documents."""
         rows = tokens_bt1.shape[0]
-        if self.packing is not None:
-            docs = packing_lib.documents(tokens_bt1[:, :-1], self.packing.eot_id)
+        if self.packing is not None and self.packing.eot_id is not None:
+            docs = packing_lib.documents(packing_lib.token_ids(tokens_bt1[:, :-1], self.packing), self.packing.eot_id)
             return Seq(self.seq_len, self.permute(docs.positions_bt), self.permute(docs.segments_bt))
         if self.order is None:
             return self.seq_len
@@ -113,18 +115,17 @@ class TokenOrder:
         return None if isinstance(seq, int) else seq.positions_bt
 
     def inputs(self, tokens_bt1: jax.Array) -> jax.Array:
-        """A micro-batch's input tokens [B, T] from its windows [B, T + 1], in this order."""
-        return self.permute(tokens_bt1[:, :-1])
+        """A micro-batch's input tokens [B, T] from its windows [B, T + 1], in this order (ids: without
+        the loss mask's flag)."""
+        return self.permute(packing_lib.token_ids(tokens_bt1[:, :-1], self.packing))
 
     def targets(self, tokens_bt1: jax.Array) -> jax.Array:
-        """The next tokens [B, T] of the windows [B, T + 1], in this order."""
-        return self.permute(tokens_bt1[:, 1:])
+        """The next tokens [B, T] of the windows [B, T + 1], in this order (ids, as `inputs`)."""
+        return self.permute(packing_lib.token_ids(tokens_bt1[:, 1:], self.packing))
 
     def weights(self, tokens_bt1: jax.Array) -> jax.Array | None:
-        """The predictions' loss weights [B, T] in this order (packing's; None: all count)."""
-        if self.packing is None:
-            return None
-        weights_bt = packing_lib.loss_weights(tokens_bt1[:, :-1], self.packing)
+        """The predictions' loss weights [B, T] in this order (packing's times the loss mask's; None: all count)."""
+        weights_bt = packing_lib.prediction_weights(tokens_bt1, self.packing)
         return None if weights_bt is None else self.permute(weights_bt)
 
     def loss(self, model, tokens_bt1: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:

@@ -14,7 +14,8 @@ from jaxfrontier.run.observe import wandb_log
 
 
 def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
-    """Resolves `model.vocab_size=0` (and packing's `data.eot_id=-1`) from the token file header, then checks the config and its data.
+    """Resolves `model.vocab_size=0`, packing's `data.eot_id=-1` and `data.loss_mask='auto'` from the token
+    file headers (data.loader.resolve_headers), then checks the config and its data.
 
     `n_devices`: the devices present, where known (None before JAX starts: then
     `train_and_evaluate(..., validated=True)` checks only the device count,
@@ -23,8 +24,7 @@ def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> 
     Raises:
       ConfigError: naming the field, the value and the fix (also: W&B asked for, `wandb` not installed).
     """
-    data_lib.resolve_vocab(c)
-    data_lib.resolve_eot(c)
+    data_lib.resolve_headers(c)
     config_lib.validate(c, n_devices)
     data_lib.check_data(c)
     wandb_log.check_installed(c)  # a missing optional extra: one line before JAX starts

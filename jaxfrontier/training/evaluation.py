@@ -28,15 +28,15 @@ _counted_share = jax.jit(packing_lib.counted_share, static_argnums=1)
 def _mean_loss(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
     """Mean loss over config.train.eval_batches fixed batches of one source (dispatched async).
 
-    With packed documents each batch's loss is a mean over its counted predictions, and batches
-    count different numbers: they are weighed by their counted share (model/packing.py), so the
-    result is the mean over every counted prediction, not a mean of means.
+    With packed documents or a loss mask each batch's loss is a mean over its counted predictions,
+    and batches count different numbers: they are weighed by their counted share
+    (model/packing.py), so the result is the mean over every counted prediction, not a mean of means.
     """
     batches = [data_lib.make_global_batch(source, i, batch_sharding, c.train.global_batch)
                for i in range(c.train.eval_batches)]
     losses = jnp.stack([eval_step(params, batch) for batch in batches])
     packing = packing_lib.from_config(c)
-    if packing is None or packing.boundary_loss:
+    if packing is None or not packing.uncounted:
         return jnp.mean(losses)
     shares = jnp.stack([_counted_share(batch, packing) for batch in batches])
     return jnp.sum(losses * shares) / jnp.maximum(jnp.sum(shares), 1e-30)

@@ -109,3 +109,55 @@ def check_prepare(case):
 def test_prepare_run(budget):
     fuzz('prepare (whole run)', st.tuples(inputs, fields), check_prepare, budget, deadline_ms=10_000,
          examples=[(('.parquet', PARQUET.replace(b'another one', b'\x9enother one')), 'text')])
+
+
+# --------------------------------------------------------------------------- prepare --sft: conversations
+
+_CHAT_DIR = tempfile.mkdtemp(prefix='fuzz-chat-tokenizer-')
+
+
+def _chat_tokenizer() -> str:
+    from data.test_prepare_sft import make_tokenizer  # pylint: disable=import-outside-toplevel
+    return make_tokenizer(os.path.join(_CHAT_DIR, 'chatml'))
+
+
+MESSAGE = {'role': 'user', 'content': 'hello world'}
+CONVERSATION = {'messages': [MESSAGE, {'role': 'assistant', 'content': 'hi there'}], 'tools': []}
+messages = st.lists(st.one_of(mutated_dict(MESSAGE), st.sampled_from([MESSAGE, {'role': 'assistant', 'content': 'ok'}]),
+                              json_values), max_size=4)
+records = st.one_of(mutated_dict(CONVERSATION), messages.map(lambda m: {'messages': m}),
+                    st.tuples(st.one_of(st.text(max_size=20), messages), st.one_of(st.text(max_size=20), messages)).map(
+                        lambda pc: {'prompt': pc[0], 'completion': pc[1]}), json_values)
+conversation_files = st.one_of(st.lists(records, max_size=4).map(
+    lambda rs: b'\n'.join(json.dumps(r, allow_nan=True).encode() for r in rs)),
+    mutated_bytes(json.dumps(CONVERSATION).encode() + b'\n'))
+
+
+def check_prepare_sft(case):
+    data, max_tokens = case
+    from jaxfrontier.data import sft  # pylint: disable=import-outside-toplevel
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, 'in.jsonl')
+        with open(path, 'wb') as f:
+            f.write(data)
+        os.makedirs(os.path.join(d, 'out'))
+        before = snapshot(d)
+        out = user_error_or(lambda: sft.prepare([path], os.path.join(d, 'out', 'NAME'),
+                                                tokenizer_path=_chat_tokenizer(),
+                                                options=sft.Options(max_tokens=max_tokens)))
+        after = snapshot(d)
+        assert {k: v for k, v in after.items() if not k.startswith(os.path.join(d, 'out'))} == before
+        written = sorted(os.listdir(os.path.join(d, 'out')))
+        if isinstance(out, encode.Result):  # the token file with its mask, readable, and nothing else
+            assert written == ['NAME.bin', 'NAME.json', 'NAME.mask.bin', 'NAME.tokenizer.json'], written
+            opened = data_lib.open_token_file(out.bin_paths[''], out.headers['']['vocab_size'])
+            assert opened.mask is not None and opened.mask.sum() == out.headers['']['counted_tokens'] > 0
+            del opened
+        else:
+            assert written == [], written
+
+
+@tiers(fast=60, slow=400)
+def test_prepare_sft_run(budget):
+    fuzz('prepare --sft (whole run)', st.tuples(conversation_files, st.sampled_from([0, 6, 12])), check_prepare_sft,
+         budget, deadline_ms=10_000)

@@ -47,3 +47,31 @@ def test_token_file(budget):
     fuzz('token file (header + .bin)', cases, check, budget,
          examples=[(b'[' * 100_000, TOKENS.tobytes(), 256, None),
                    (json.dumps(HEADER | {'dtype': []}).encode(), TOKENS.tobytes(), 256, None)])
+
+
+MASK = (np.arange(40) % 3 == 0).astype(np.uint8)
+MASKED_HEADER = HEADER | {'loss_mask': 'f.mask.bin'}
+masked_headers = st.one_of(mutated_dict(MASKED_HEADER, ['loss_mask', 'num_tokens']).map(
+    lambda h: json.dumps(h, allow_nan=True).encode()), st.just(json.dumps(MASKED_HEADER).encode()))
+masks = st.one_of(st.just(MASK.tobytes()), mutated_bytes(MASK.tobytes()), st.binary(max_size=60), st.none())
+
+
+def check_masked(case):
+    header, data, mask = case
+    with tempfile.TemporaryDirectory() as d:
+        for name, content in (('f.json', header), ('f.bin', data), ('f.mask.bin', mask)):
+            if content is not None:
+                with open(os.path.join(d, name), 'wb') as f:
+                    f.write(content)
+        before = snapshot(d)
+        out = user_error_or(lambda: data_lib.open_token_file(os.path.join(d, 'f.bin'), 256))
+        assert snapshot(d) == before
+        if isinstance(out, data_lib.TokenFile) and out.mask is not None:  # one 0 or 1 per token
+            assert len(out.mask) == out.num_tokens and set(np.unique(out.mask)) <= {0, 1}
+            del out
+
+
+@tiers()
+def test_token_file_with_a_loss_mask(budget):
+    fuzz('token file with a loss mask (header + .bin + .mask.bin)', st.tuples(masked_headers, bins, masks),
+         check_masked, budget)
