@@ -27,4 +27,4 @@ def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> 
     data_lib.resolve_eot(c)
     config_lib.validate(c, n_devices)
     data_lib.check_data(c)
-    wandb_log.check_installed(c)  # a missing optional extra: one line before JAX starts
+    wandb_log.check_installed(c.train)  # a missing optional extra: one line before JAX starts
