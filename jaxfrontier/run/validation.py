@@ -1,7 +1,10 @@
 """Every check of a training run's config, once, before anything is written or compiled.
 
 Imports no JAX: `main` runs it before JAX starts (and before the process joins a
-multi-process job), so a mistake is one line at once, on every process alike.
+multi-process job), so a mistake is one line at once, on every process alike. After it neither
+the memory preflight (`plan/preflight.check(..., validated=True)`) nor the loop
+(`train_and_evaluate(..., validated=True)`) validates again; a library caller that passes no
+`validated` gets the config validated there.
 """
 
 from __future__ import annotations
