@@ -101,7 +101,7 @@ def main():
     rows.append({'tier': 'persistent', 'dir': root, **time_tier(persistent_save, persistent.wait, state, repeats)})
     persistent.close()
 
-    fast = tiers.FastTier(c, layout.mesh)
+    fast = tiers.FastTier(c.checkpoint, layout.mesh)
 
     def fast_save(step, s, metrics):
         fast.save(step, s, metrics)

@@ -175,7 +175,8 @@ def main(argv: list[str]) -> int:
                 logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
             run_files.check_not_hf_export(_WORKDIR.value)  # training would overwrite the export's config.json
             from jaxfrontier.plan import preflight  # pylint: disable=g-import-not-at-top
-            preflight.check(config)  # the planner's bytes per device vs. a device's, before any allocation
+            # The planner's bytes per device vs. a device's, before any allocation; the config was validated above.
+            preflight.check(config, validated=True)
             from jaxfrontier.run import loop  # pylint: disable=g-import-not-at-top
             startup['preflight'] = time.perf_counter() - t0
             loop.train_and_evaluate(config, _WORKDIR.value, validated=True, startup=startup, started=_STARTED)

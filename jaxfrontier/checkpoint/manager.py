@@ -121,6 +121,12 @@ class Checkpointer(restore.Restoring):
     Saves are asynchronous (config.checkpoint.async_save): `save` returns once the arrays
     are copied off the devices, so the state may then be donated to the next step. With
     config.checkpoint.enabled False every method is a no-op and nothing is restored.
+
+    It takes the run's whole resolved config, not only its `checkpoint` section (which alone
+    decides when and how it saves): the config is saved whole in every step's `meta`, with the
+    data position (seed, data source, global batch), and a restore compares the saved model,
+    optimizer and data position with it (restore.py), as `init_params_from` converts parameters
+    for its model.
     """
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):

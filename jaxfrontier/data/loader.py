@@ -11,6 +11,7 @@ JAX is imported only inside `make_global_batch`: importing this module starts no
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -26,51 +27,69 @@ from jaxfrontier.data.token_files import (TokenFile, open_token_file, read_heade
 from jaxfrontier.errors import ConfigError
 
 
-def _split_boundary(c: ml_collections.ConfigDict, token_file: TokenFile) -> int:
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """What the data needs of the run besides its own `data` section: every step reads `global_batch`
+    windows of `seq_len + 1` token ids below `vocab_size`, in the order `seed` draws."""
+
+    seq_len: int
+    vocab_size: int
+    global_batch: int
+    seed: int
+
+    @classmethod
+    def of(cls, c: ml_collections.ConfigDict) -> BatchSpec:
+        """From a run's config: model.seq_len, model.vocab_size (resolved), train.global_batch, seed."""
+        return cls(c.model.seq_len, c.model.vocab_size, c.train.global_batch, c.seed)
+
+
+def _split_boundary(d: ml_collections.ConfigDict, spec: BatchSpec, token_file: TokenFile) -> int:
     """First validation token: the last data.val_fraction of the stream is validation (all trains with data.val_path)."""
-    num_tokens, needed = token_file.num_tokens, c.model.seq_len + 1
-    if c.data.get('val_path', ''):
+    num_tokens, needed = token_file.num_tokens, spec.seq_len + 1
+    if d.get('val_path', ''):
         return num_tokens
-    num_val = int(num_tokens * c.data.val_fraction)
+    num_val = int(num_tokens * d.val_fraction)
     if num_val < needed:
         problem = (f'the validation split gets {num_val:,} of the {num_tokens:,} tokens of '
                    f'{token_file.path}, fewer than one sequence (model.seq_len + 1 = {needed})')
         if num_tokens <= 2 * needed:  # no val_fraction < 0.5 can help
             raise ConfigError('data.path', token_file.path, problem,
                               'use a longer token file or a smaller model.seq_len')
-        raise ConfigError('data.val_fraction', c.data.val_fraction, problem,
+        raise ConfigError('data.val_fraction', d.val_fraction, problem,
                           f'raise data.val_fraction to at least {needed / num_tokens:.4g}, use a '
                           'longer token file, or lower model.seq_len')
     return num_tokens - num_val
 
 
-def _open_checked(c: ml_collections.ConfigDict, path: str) -> tuple[TokenFile, int]:
-    token_file = open_token_file(path, c.model.vocab_size, seq_len=c.model.seq_len)
-    return token_file, _split_boundary(c, token_file)
+def _open_checked(d: ml_collections.ConfigDict, spec: BatchSpec, path: str) -> tuple[TokenFile, int]:
+    token_file = open_token_file(path, spec.vocab_size, seq_len=spec.seq_len)
+    return token_file, _split_boundary(d, spec, token_file)
 
 
-def _as_blend_error(c: ml_collections.ConfigDict, e: ConfigError, path: str, field: str = 'data.blend') -> ConfigError:
-    """A data.path error about one file of data.blend (or of `field`, e.g. data.val_path), renamed to it."""
+def _as_blend_error(value: str, e: ConfigError, path: str, field: str = 'data.blend') -> ConfigError:
+    """A data.path error about one file of data.blend (or of `field`, e.g. data.val_path, whose value is
+    `value`), renamed to it."""
     problem = str(e).split('. Fix: ')[0][len(f'config.{e.field} = {e.value!r}: '):]
     fix = str(e).split('. Fix: ', 1)[1] if '. Fix: ' in str(e) else 'check the path'
     problem = f'{path}: {problem}' if path not in problem else problem
-    return ConfigError(field, c.data[field.split('.')[1]], problem, fix)
+    return ConfigError(field, value, problem, fix)
 
 
-def _blend_files(c: ml_collections.ConfigDict) -> tuple[list[int], list[str], list[tuple[TokenFile, int]]]:
+def _blend_files(d: ml_collections.ConfigDict,
+                 spec: BatchSpec) -> tuple[list[int], list[str], list[tuple[TokenFile, int]]]:
     """Parses data.blend, opens and checks every file: (rows per step of each, paths, [(file, boundary)])."""
-    entries = sampling.parse_blend(c.data.blend)
+    entries = sampling.parse_blend(d.blend)
     weights, paths = [w for w, _ in entries], [p for _, p in entries]
     opened = []
     for path in paths:
         try:
-            opened.append(_open_checked(c, path))
+            opened.append(_open_checked(d, spec, path))
         except ConfigError as e:
             if e.field != 'data.path':
                 raise
-            raise _as_blend_error(c, e, path) from None
-    _check_same_tokenizer(c.data.blend, [f for f, _ in opened])
-    return sampling.check_blend_counts(c.data.blend, paths, weights, c.train.global_batch), paths, opened
+            raise _as_blend_error(d.blend, e, path) from None
+    _check_same_tokenizer(d.blend, [f for f, _ in opened])
+    return sampling.check_blend_counts(d.blend, paths, weights, spec.global_batch), paths, opened
 
 
 def _tokenizer_bytes(token_file: TokenFile) -> bytes | None:
@@ -125,7 +144,7 @@ def resolve_vocab(c: ml_collections.ConfigDict) -> None:
         try:
             vocabs.append(read_header(p, header_path)['vocab_size'])
         except ConfigError as e:
-            raise (_as_blend_error(c, e, p) if blend else e) from None
+            raise (_as_blend_error(blend, e, p) if blend else e) from None
     if len(set(vocabs)) > 1:
         i = next(i for i, v in enumerate(vocabs) if v != vocabs[0])
         raise ConfigError('data.blend', blend, f'{paths[0]} has vocab_size {vocabs[0]} but {paths[i]} has '
@@ -198,7 +217,8 @@ def resolve_loss_mask(c: ml_collections.ConfigDict) -> None:
         try:
             header = read_header(path, header_path)
         except ConfigError as e:
-            raise (e if field == 'data.path' else _as_blend_error(c, e, path, field)) from None
+            value = c.data[field.split('.')[1]]
+            raise (e if field == 'data.path' else _as_blend_error(value, e, path, field)) from None
         masked += [bin_path] if header.get('loss_mask') is not None else []
     if setting == 'on' and not masked:
         raise ConfigError('data.loss_mask', 'on', "none of the run's token files carries a loss mask (a header "
@@ -233,14 +253,15 @@ def check_data(c: ml_collections.ConfigDict) -> None:
         raise ConfigError('model.vocab_size', c.model.vocab_size,
                           f'the built-in corpus is byte-level ({BYTE_VOCAB} tokens)',
                           f'set model.vocab_size to at least {BYTE_VOCAB}')
-    if c.data.kind == 'tokens' and c.data.get('blend', ''):
-        train = [f for f, _ in _blend_files(c)[2]]
-    elif c.data.kind == 'tokens':
-        train = [_open_checked(c, c.data.path)[0]]
+    d, spec = c.data, BatchSpec.of(c)
+    if d.kind == 'tokens' and d.get('blend', ''):
+        train = [f for f, _ in _blend_files(d, spec)[2]]
+    elif d.kind == 'tokens':
+        train = [_open_checked(d, spec, d.path)[0]]
     else:
         train = []
-    if c.data.get('val_path', ''):
-        _val_files(c, train[:1])
+    if d.get('val_path', ''):
+        _val_files(d, spec, train[:1])
 
 
 def val_entries(val_path: str) -> list[tuple[float, str]]:
@@ -260,15 +281,15 @@ def val_entries(val_path: str) -> list[tuple[float, str]]:
                           "write data.val_path as a .bin path or 'WEIGHT:PATH,WEIGHT:PATH'") from None
 
 
-def _val_files(c: ml_collections.ConfigDict, train: list[TokenFile]) -> list[TokenFile]:
+def _val_files(d: ml_collections.ConfigDict, spec: BatchSpec, train: list[TokenFile]) -> list[TokenFile]:
     """Opens and checks the files of data.val_path: each a sequence long, each the training tokenizer's.
 
     `train`: the training data's first file (its tokenizer is the blend's), none for builtin.
     """
-    val_path, opened = c.data.val_path, []
+    val_path, opened = d.val_path, []
     for _, path in val_entries(val_path):
         try:
-            opened.append(open_token_file(path, c.model.vocab_size, seq_len=c.model.seq_len))
+            opened.append(open_token_file(path, spec.vocab_size, seq_len=spec.seq_len))
         except ConfigError as e:
             problem = str(e).split('. Fix: ')[0][len(f'config.{e.field} = {e.value!r}: '):]
             fix = str(e).split('. Fix: ', 1)[1].replace('data.path', 'data.val_path') if '. Fix: ' in str(e) else ''
@@ -283,60 +304,59 @@ def _val_files(c: ml_collections.ConfigDict, train: list[TokenFile]) -> list[Tok
     return opened
 
 
-def _mask(c: ml_collections.ConfigDict, token_file: TokenFile):
+def _mask(d: ml_collections.ConfigDict, token_file: TokenFile):
     """The file's loss mask when the run uses masks (data.loss_mask resolved to 'on'), else None."""
-    return token_file.mask if c.data.get('loss_mask', 'off') == 'on' else None
+    return token_file.mask if d.get('loss_mask', 'off') == 'on' else None
 
 
-def _splits(c: ml_collections.ConfigDict, token_file: TokenFile, boundary: int,
+def _splits(d: ml_collections.ConfigDict, spec: BatchSpec, token_file: TokenFile, boundary: int,
             name: str) -> tuple[TokenSource, TokenSource]:
-    m, seed, mask = c.model, c.seed, _mask(c, token_file)
-    return (TokenSource(token_file.tokens, 0, boundary, m.seq_len, seed, TRAIN, f'{name} train', mask),
-            TokenSource(token_file.tokens, boundary, token_file.num_tokens, m.seq_len, seed, VAL,
+    mask = _mask(d, token_file)
+    return (TokenSource(token_file.tokens, 0, boundary, spec.seq_len, spec.seed, TRAIN, f'{name} train', mask),
+            TokenSource(token_file.tokens, boundary, token_file.num_tokens, spec.seq_len, spec.seed, VAL,
                         f'{name} val', mask))
 
 
-def make_datasets(c: ml_collections.ConfigDict, workdir: str) -> tuple[Source, Source]:
-    """Returns (train, validation) sources for `c.data.kind`.
+def make_datasets(d: ml_collections.ConfigDict, workdir: str, spec: BatchSpec) -> tuple[Source, Source]:
+    """Returns (train, validation) sources of the run's `data` section `d` (`d.kind`).
 
-    builtin: the stdlib corpus, cached in `<workdir>/data_cache`; tokens: `c.data.path`, or
-    the files of `c.data.blend` mixed with their weights (each split per file);
+    builtin: the stdlib corpus, cached in `<workdir>/data_cache`; tokens: `d.path`, or
+    the files of `d.blend` mixed with their weights (each split per file);
     synthetic: random tokens, no file. Token files split into train (first part) and
-    validation (the last `c.data.val_fraction`); no window crosses the boundary. `c` has passed
+    validation (the last `d.val_fraction`); no window crosses the boundary. The config has passed
     `check_data` (run/validation.py runs it once per run, before anything is written).
     """
-    m, seed = c.model, c.seed
-    if c.data.kind == 'synthetic':
-        return (SyntheticSource(m.vocab_size, m.seq_len, seed, TRAIN),
-                SyntheticSource(m.vocab_size, m.seq_len, seed, VAL))
-    if c.data.kind == 'tokens' and c.data.get('blend', ''):
-        counts, paths, opened = _blend_files(c)
-        splits = [_splits(c, f, boundary, f'tokens {f.path}') for f, boundary in opened]
+    if d.kind == 'synthetic':
+        return (SyntheticSource(spec.vocab_size, spec.seq_len, spec.seed, TRAIN),
+                SyntheticSource(spec.vocab_size, spec.seq_len, spec.seed, VAL))
+    if d.kind == 'tokens' and d.get('blend', ''):
+        counts, paths, opened = _blend_files(d, spec)
+        splits = [_splits(d, spec, f, boundary, f'tokens {f.path}') for f, boundary in opened]
         names = tuple(sampling.source_names(paths))
-        weights = tuple(w for w, _ in sampling.parse_blend(c.data.blend))
-        train, val = (sampling.BlendSource(tuple(s[i] for s in splits), tuple(counts), names, weights, seed, i)
+        weights = tuple(w for w, _ in sampling.parse_blend(d.blend))
+        train, val = (sampling.BlendSource(tuple(s[i] for s in splits), tuple(counts), names, weights, spec.seed, i)
                       for i in (TRAIN, VAL))
         first = opened[0][0]
     else:
-        path = builtin_corpus(os.path.join(workdir, 'data_cache')) if c.data.kind == 'builtin' else c.data.path
-        first, boundary = _open_checked(c, path)
-        train, val = _splits(c, first, boundary, f'{c.data.kind} {first.path}')
-    if c.data.get('val_path', ''):
-        val = _val_source(c, [first] if c.data.kind == 'tokens' else [])
+        path = builtin_corpus(os.path.join(workdir, 'data_cache')) if d.kind == 'builtin' else d.path
+        first, boundary = _open_checked(d, spec, path)
+        train, val = _splits(d, spec, first, boundary, f'{d.kind} {first.path}')
+    if d.get('val_path', ''):
+        val = _val_source(d, spec, [first] if d.kind == 'tokens' else [])
     return train, val
 
 
-def _val_source(c: ml_collections.ConfigDict, train: list[TokenFile]) -> Source:
+def _val_source(d: ml_collections.ConfigDict, spec: BatchSpec, train: list[TokenFile]) -> Source:
     """The held-out files of data.val_path, each read whole: one TokenSource, or a BlendSource of them."""
-    files, entries = _val_files(c, train), val_entries(c.data.val_path)
-    sources = tuple(TokenSource(f.tokens, 0, f.num_tokens, c.model.seq_len, c.seed, VAL, f'held-out {f.path}',
-                                _mask(c, f)) for f in files)
-    if len(sources) == 1 and entries[0][0] == 1.0 and c.data.val_path == entries[0][1]:
+    files, entries = _val_files(d, spec, train), val_entries(d.val_path)
+    sources = tuple(TokenSource(f.tokens, 0, f.num_tokens, spec.seq_len, spec.seed, VAL, f'held-out {f.path}',
+                                _mask(d, f)) for f in files)
+    if len(sources) == 1 and entries[0][0] == 1.0 and d.val_path == entries[0][1]:
         return sources[0]
     weights = tuple(w for w, _ in entries)
-    counts = tuple(sampling.blend_counts(list(weights), c.train.global_batch))
+    counts = tuple(sampling.blend_counts(list(weights), spec.global_batch))
     return sampling.BlendSource(sources, counts, tuple(sampling.source_names([p for _, p in entries])), weights,
-                                c.seed, VAL)
+                                spec.seed, VAL)
 
 
 def make_global_batch(source: Source, step: int, sharding: Any, global_batch: int) -> Any:
@@ -365,7 +385,7 @@ def make_global_batch(source: Source, step: int, sharding: Any, global_batch: in
     return jax.make_array_from_callback((global_batch, source.seq_len + 1), sharding, callback, dtype=np.int32)
 
 
-def tail_split_warning(c: ml_collections.ConfigDict) -> str | None:
+def tail_split_warning(d: ml_collections.ConfigDict) -> str | None:
     """A warning when evaluation reads the tail of token files whose documents were not shuffled, else None.
 
     The last data.val_fraction of a stream in corpus order (files sorted by name, a crawl site by
@@ -373,10 +393,10 @@ def tail_split_warning(c: ml_collections.ConfigDict) -> str | None:
     records `documents_shuffled` in the header; a file without it (older, hand-written) is
     unknown and warned about too. The built-in corpus (a fixed smoke-test stream) is not.
     """
-    if c.data.kind != 'tokens' or c.data.get('val_path', ''):
+    if d.kind != 'tokens' or d.get('val_path', ''):
         return None
-    blend = c.data.get('blend', '')
-    paths = [p for _, p in sampling.parse_blend(blend)] if blend else [c.data.path]
+    blend = d.get('blend', '')
+    paths = [p for _, p in sampling.parse_blend(blend)] if blend else [d.path]
     unshuffled, sibling = [], None
     for path in paths:
         header = read_header(path, token_paths(path)[1])
@@ -394,5 +414,5 @@ def tail_split_warning(c: ml_collections.ConfigDict) -> str | None:
            'split held-out documents at random with python -m jaxfrontier.prepare ... --val_fraction=0.01 '
            '(or --val_documents=N) and train with data.path=NAME_train.bin data.val_path=NAME_val.bin, '
            'or set data.val_path to held-out text')
-    return (f'the validation split is the last {c.data.val_fraction:g} of {", ".join(unshuffled)}: a tail of '
+    return (f'the validation split is the last {d.val_fraction:g} of {", ".join(unshuffled)}: a tail of '
             f'an unshuffled stream, whose eval loss may say little about held-out text. Fix: {fix}')

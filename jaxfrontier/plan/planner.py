@@ -161,9 +161,15 @@ def plan_layout(shape: config_lib.ModelShape, layout: layout_lib.Layout, hw: hw_
     return Plan(name, layout, hw, shape, work.num_params, work.memory, work.flops, transfers, time, notes)
 
 
-def plan(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi250x', name: str = '') -> Plan:
-    """The plan of config `c` on a hardware description (a name from `hardware.NAMES`)."""
-    config_lib.validate(c)
+def plan(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi250x', name: str = '', *,
+         validated: bool = False) -> Plan:
+    """The plan of config `c` on a hardware description (a name from `hardware.NAMES`).
+
+    `validated`: `config.validate` already ran on `c` (a training run's preflight: main validates once,
+    before JAX starts); otherwise it runs here.
+    """
+    if not validated:
+        config_lib.validate(c)
     hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.get(hardware)
     layout = layout_lib.Layout.from_config(c)
     p = plan_layout(config_lib.model_shape(c), layout, hw, rules=c.sharding.rules, name=name)

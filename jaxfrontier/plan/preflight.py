@@ -1,4 +1,4 @@
-"""Refuse a training run that cannot fit, before anything is allocated (issue 28).
+"""Refuse a training run that cannot fit, before anything is allocated (the memory preflight of --mode=train).
 
 `run/observe/memory_check.py` compares the compiled step's memory analysis with the device's,
 which comes after the state is built and the step compiled: a model far too big for the host
@@ -76,12 +76,14 @@ def _suggestion(c: ml_collections.ConfigDict, hw: hw_lib.Hardware, num_devices: 
             'more memory (or more of them: --mode=plan --search --search_devices=N), or train a smaller model')
 
 
-def check(c: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) -> None:
+def check(c: ml_collections.ConfigDict, devices: Sequence[Any] | None = None, *, validated: bool = False) -> None:
     """Raises UserError when the planner's bytes per device exceed what a device has.
 
     Args:
-      c: a validated training config.
+      c: a training config.
       devices: this process's devices (default: jax.local_devices()).
+      validated: `c` passed `config.validate` already (main's run/validation.validate_run, before JAX
+        started), so the planner does not check it again; otherwise it does (ConfigError).
     """
     if c.train.ignore_memory_check:
         return
@@ -91,7 +93,7 @@ def check(c: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) ->
     capacity, source = hw_lib.device_capacity(devices)
     hw = local_hardware(devices, capacity)
     try:
-        p = planner.plan(c, hw)
+        p = planner.plan(c, hw, validated=validated)
     except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
         if isinstance(e, UserError):
             raise

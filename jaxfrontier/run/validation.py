@@ -1,7 +1,10 @@
 """Every check of a training run's config, once, before anything is written or compiled.
 
 Imports no JAX: `main` runs it before JAX starts (and before the process joins a
-multi-process job), so a mistake is one line at once, on every process alike.
+multi-process job), so a mistake is one line at once, on every process alike. After it neither
+the memory preflight (`plan/preflight.check(..., validated=True)`) nor the loop
+(`train_and_evaluate(..., validated=True)`) validates again; a library caller that passes no
+`validated` gets the config validated there.
 """
 
 from __future__ import annotations
@@ -27,4 +30,4 @@ def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> 
     data_lib.resolve_headers(c)
     config_lib.validate(c, n_devices)
     data_lib.check_data(c)
-    wandb_log.check_installed(c)  # a missing optional extra: one line before JAX starts
+    wandb_log.check_installed(c.train)  # a missing optional extra: one line before JAX starts

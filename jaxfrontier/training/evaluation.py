@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.data import sampling
@@ -25,28 +24,39 @@ from jaxfrontier.model import packing as packing_lib
 _counted_share = jax.jit(packing_lib.counted_share, static_argnums=1)
 
 
-def _mean_loss(eval_step, params, source, c: ml_collections.ConfigDict, batch_sharding) -> jax.Array:
-    """Mean loss over config.train.eval_batches fixed batches of one source (dispatched async).
+def _mean_loss(eval_step, params, source, batch_sharding, eval_batches: int, global_batch: int,
+               packing: packing_lib.Packing | None) -> jax.Array:
+    """Mean loss over `eval_batches` fixed batches of one source (dispatched async).
 
     With packed documents or a loss mask each batch's loss is a mean over its counted predictions,
     and batches count different numbers: they are weighed by their counted share
     (model/packing.py), so the result is the mean over every counted prediction, not a mean of means.
     """
-    batches = [data_lib.make_global_batch(source, i, batch_sharding, c.train.global_batch)
-               for i in range(c.train.eval_batches)]
+    batches = [data_lib.make_global_batch(source, i, batch_sharding, global_batch) for i in range(eval_batches)]
     losses = jnp.stack([eval_step(params, batch) for batch in batches])
-    packing = packing_lib.from_config(c)
     if packing is None or not packing.uncounted:
         return jnp.mean(losses)
     shares = jnp.stack([_counted_share(batch, packing) for batch in batches])
     return jnp.sum(losses * shares) / jnp.maximum(jnp.sum(shares), 1e-30)
 
 
-def evaluate(eval_step, params, source: Any, c: ml_collections.ConfigDict, batch_sharding) -> dict[str, jax.Array]:
-    """`{'eval/loss': overall}`, plus `eval/loss/<file>` per file of a blend; device arrays, not fetched."""
+def evaluate(eval_step, params, source: Any, batch_sharding, *, eval_batches: int, global_batch: int,
+             packing: packing_lib.Packing | None) -> dict[str, jax.Array]:
+    """`{'eval/loss': overall}`, plus `eval/loss/<file>` per file of a blend; device arrays, not fetched.
+
+    Args:
+      eval_step: (params, batch) -> the batch's mean loss (training/step.py's, compiled).
+      params: the parameters to evaluate.
+      source: the validation source (data/loader.py's `make_datasets`).
+      batch_sharding: the sharding of a global batch.
+      eval_batches: batches per file (`train.eval_batches`).
+      global_batch: rows per batch (`train.global_batch`).
+      packing: the run's document packing (`model.packing.from_config`), None without.
+    """
+    fields = (batch_sharding, eval_batches, global_batch, packing)
     if not isinstance(source, sampling.BlendSource):
-        return {'eval/loss': _mean_loss(eval_step, params, source, c, batch_sharding)}
-    per_file = {f'eval/loss/{name}': _mean_loss(eval_step, params, s, c, batch_sharding)
+        return {'eval/loss': _mean_loss(eval_step, params, source, *fields)}
+    per_file = {f'eval/loss/{name}': _mean_loss(eval_step, params, s, *fields)
                 for name, s in zip(source.names, source.sources)}
     total = sum(source.weights)
     overall = sum(w / total * loss for w, loss in zip(source.weights, per_file.values()))

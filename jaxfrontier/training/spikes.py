@@ -190,8 +190,9 @@ class SpikeGuard:
     the loop's 0-based steps; messages and the record name metrics.jsonl's rows (step + 1).
     """
 
-    def __init__(self, c: ml_collections.ConfigDict, workdir: str, checkpoint_skips: list | None = None):
-        self.t, self.on = c.train, enabled(c)
+    def __init__(self, t: ml_collections.ConfigDict, workdir: str, checkpoint_skips: list | None = None):
+        """`t`: the run's `train` section (spike_*); `checkpoint_skips`: the restored checkpoint's `data.skips`."""
+        self.t, self.on = t, bool(t.spike_skip)
         self.record = SkipRecord(workdir, checkpoint_skips) if self.on else None
         self.recent: list[int] = []  # skipped steps within the window, oldest first
         self.seen = -1  # the newest step observed

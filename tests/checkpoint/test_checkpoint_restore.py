@@ -83,7 +83,7 @@ def test_training_continues_on_other_mesh(runs, name):
     """After the restore, step 4 has the loss it had on the original layout, to fp32 rounding."""
     c, layout, state = restore_on(runs, name)
     train_step, _, batch_sharding = step_lib.compile_steps(c, layout)
-    source, _ = data_lib.make_datasets(c, '')
+    source, _ = data_lib.make_datasets(c.data, '', data_lib.BatchSpec.of(c))
     batch = data_lib.make_global_batch(source, 3, batch_sharding, c.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         _, metrics = train_step(state, batch)
@@ -137,7 +137,7 @@ def test_padded_zero1_state_restores_and_continues(tmp_path):
         assert np.count_nonzero(saved[name]) == np.count_nonzero(cut), name  # the padding was zero
 
     train_step, _, batch_sharding = step_lib.compile_steps(single, layout)
-    source, _ = data_lib.make_datasets(single, '')
+    source, _ = data_lib.make_datasets(single.data, '', data_lib.BatchSpec.of(single))
     batch = data_lib.make_global_batch(source, 3, batch_sharding, single.train.global_batch)
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         _, metrics = train_step(state, batch)

@@ -66,7 +66,7 @@ def healthy(loss=1.0):
 
 def test_round_trip_keeps_the_newest_and_skips_a_corrupt_step(tmp_path, mesh, caplog):
     caplog.set_level(logging.INFO)
-    fast = tiers.FastTier(config(tmp_path, fast_keep=2), mesh)
+    fast = tiers.FastTier(config(tmp_path, fast_keep=2).checkpoint, mesh)
     states = {s: make_state(mesh, s) for s in (1, 2, 3)}
     for s, state in states.items():
         assert fast.save(s, state, healthy())
@@ -97,7 +97,7 @@ def test_round_trip_keeps_the_newest_and_skips_a_corrupt_step(tmp_path, mesh, ca
 
 
 def test_a_non_finite_state_is_never_written(tmp_path, mesh):
-    fast = tiers.FastTier(config(tmp_path), mesh)
+    fast = tiers.FastTier(config(tmp_path).checkpoint, mesh)
     assert not fast.save(4, make_state(mesh, 4), healthy(loss=math.nan))
     fast.close()
     assert fast_files.steps(fast_files.process_root(str(tmp_path), 0)) == []
@@ -105,11 +105,11 @@ def test_a_non_finite_state_is_never_written(tmp_path, mesh):
 
 def test_another_mesh_is_not_read_and_discard_after(tmp_path, mesh, caplog):
     caplog.set_level(logging.INFO)
-    fast = tiers.FastTier(config(tmp_path), mesh)
+    fast = tiers.FastTier(config(tmp_path).checkpoint, mesh)
     fast.save(5, make_state(mesh, 5))
     fast.wait()
     other = mesh_lib.make_mesh({'data': 4, 'tensor': 2})
-    again = tiers.FastTier(config(tmp_path), other)
+    again = tiers.FastTier(config(tmp_path).checkpoint, other)
     state = {'step': jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(other, P())),
              'params': {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(other, P()))
                         for name, (shape, dtype, _) in LEAVES.items()}}

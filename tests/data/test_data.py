@@ -151,7 +151,7 @@ def test_too_few_tokens_for_one_sequence(tmp_path):
 
 def test_token_source_rows_are_windows_and_deterministic(tmp_path):
     c = _config(path=_positions_file(tmp_path), vocab_size=5003)
-    train, val = loader.make_datasets(c, str(tmp_path / 'work'))
+    train, val = loader.make_datasets(c.data, str(tmp_path / 'work'), loader.BatchSpec.of(c))
     rows = np.arange(BATCH)
     batch_bl = train.read_rows(3, rows, BATCH)
     assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
@@ -163,17 +163,18 @@ def test_token_source_rows_are_windows_and_deterministic(tmp_path):
     np.testing.assert_array_equal(batch_bl[:, 0], offsets)
     assert len(set(offsets.tolist())) == BATCH  # without replacement
     np.testing.assert_array_equal(train.read_rows(3, rows, BATCH), batch_bl)
-    again, _ = loader.make_datasets(c, str(tmp_path / 'work'))
+    again, _ = loader.make_datasets(c.data, str(tmp_path / 'work'), loader.BatchSpec.of(c))
     np.testing.assert_array_equal(again.read_rows(3, rows, BATCH), batch_bl)
     assert not np.array_equal(train.read_rows(4, rows, BATCH), batch_bl)
-    other_seed, _ = loader.make_datasets(_config(path=c.data.path, vocab_size=5003, seed=1), '')
+    cfg = _config(path=c.data.path, vocab_size=5003, seed=1)
+    other_seed, _ = loader.make_datasets(cfg.data, '', loader.BatchSpec.of(cfg))
     assert not np.array_equal(other_seed.read_rows(3, rows, BATCH), batch_bl)
     assert not np.array_equal(val.read_rows(3, rows, BATCH), batch_bl)
 
 
 def test_train_and_val_windows_never_cross_the_boundary(tmp_path):
     c = _config(path=_positions_file(tmp_path, 1000), vocab_size=1000, val_fraction=0.05)
-    train, val = loader.make_datasets(c, '')
+    train, val = loader.make_datasets(c.data, '', loader.BatchSpec.of(c))
     boundary = 1000 - 50
     assert (train.start, train.stop, val.start, val.stop) == (0, boundary, boundary, 1000)
     train_bl = np.concatenate([train.read_rows(s, np.arange(64), 64) for s in range(20)])
@@ -194,7 +195,7 @@ def test_validation_split_too_small(tmp_path):
 @pytest.mark.parametrize('kind', ['tokens', 'synthetic'])
 def test_subset_of_rows_equals_full_batch_rows(tmp_path, kind):
     c = _config(kind=kind, path=_positions_file(tmp_path), vocab_size=5003)
-    train, _ = loader.make_datasets(c, '')
+    train, _ = loader.make_datasets(c.data, '', loader.BatchSpec.of(c))
     full_bl = train.read_rows(5, np.arange(BATCH), BATCH)
     for rows in (np.array([6, 1]), np.arange(4, 8), np.array([], np.int64)):
         np.testing.assert_array_equal(train.read_rows(5, rows, BATCH), full_bl[rows])
@@ -202,12 +203,13 @@ def test_subset_of_rows_equals_full_batch_rows(tmp_path, kind):
 
 def test_synthetic_is_deterministic_and_in_vocab():
     c = _config(kind='synthetic', vocab_size=97)
-    train, val = loader.make_datasets(c, '/nonexistent')
+    train, val = loader.make_datasets(c.data, '/nonexistent', loader.BatchSpec.of(c))
     rows = np.arange(BATCH)
     batch_bl = train.read_rows(2, rows, BATCH)
     assert batch_bl.shape == (BATCH, SEQ_LEN + 1) and batch_bl.dtype == np.int32
     assert batch_bl.min() >= 0 and batch_bl.max() < 97 and len(np.unique(batch_bl)) > 50
-    np.testing.assert_array_equal(loader.make_datasets(c, '')[0].read_rows(2, rows, BATCH), batch_bl)
+    fresh, _ = loader.make_datasets(c.data, '', loader.BatchSpec.of(c))
+    np.testing.assert_array_equal(fresh.read_rows(2, rows, BATCH), batch_bl)
     assert not np.array_equal(train.read_rows(3, rows, BATCH), batch_bl)
     assert not np.array_equal(val.read_rows(2, rows, BATCH), batch_bl)
     assert not np.array_equal(train.read_rows(2, rows + 1, BATCH), batch_bl)
@@ -236,7 +238,7 @@ class _CountingSource:
 ])
 def test_make_global_batch_matches_numpy_batch(tmp_path, kind, mesh_shape, batch_axes):
     c = _config(kind=kind, path=_positions_file(tmp_path), vocab_size=5003)
-    train, _ = loader.make_datasets(c, '')
+    train, _ = loader.make_datasets(c.data, '', loader.BatchSpec.of(c))
     devices = np.array(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape)
     sharding = NamedSharding(Mesh(devices, ('data', 'fsdp', 'tensor')), P(batch_axes, None))
     source = _CountingSource(train)
@@ -292,7 +294,8 @@ def test_builtin_datasets_split_disjoint(builtin_path, tmp_path):
     os.makedirs(workdir / 'data_cache')
     for src in token_files.token_paths(builtin_path):  # reuse the module's cache instead of rebuilding
         os.link(src, workdir / 'data_cache' / os.path.basename(src))
-    train, val = loader.make_datasets(_config(kind='builtin', vocab_size=256, seq_len=64), str(workdir))
+    cfg = _config(kind='builtin', vocab_size=256, seq_len=64)
+    train, val = loader.make_datasets(cfg.data, str(workdir), loader.BatchSpec.of(cfg))
     assert train.stop == val.start and val.stop == len(train.tokens)
     assert val.stop - val.start == int(len(train.tokens) * 0.1)
     train_bl = train.read_rows(0, np.arange(16), 16)

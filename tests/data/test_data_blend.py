@@ -52,7 +52,8 @@ def test_permute_is_a_permutation_and_depends_on_the_key(size):
 
 
 def test_one_epoch_reads_every_window_once_and_the_next_epoch_reorders(tmp_path):
-    train, _ = loader.make_datasets(_config(_positions(tmp_path, 'a', 0, 1000)), '')
+    cfg = _config(_positions(tmp_path, 'a', 0, 1000))
+    train, _ = loader.make_datasets(cfg.data, '', loader.BatchSpec.of(cfg))
     w = train.num_windows
     assert w == (900 - 1) // SEQ_LEN  # 900 training tokens at stride seq_len
     steps = -(-2 * w // BATCH) + 1  # past two epochs; w is not a multiple of BATCH, so a step straddles
@@ -67,7 +68,8 @@ def test_one_epoch_reads_every_window_once_and_the_next_epoch_reorders(tmp_path)
 
 
 def test_epoch_metric(tmp_path):
-    train, val = loader.make_datasets(_config(_positions(tmp_path, 'a', 0, 1000)), '')
+    cfg = _config(_positions(tmp_path, 'a', 0, 1000))
+    train, val = loader.make_datasets(cfg.data, '', loader.BatchSpec.of(cfg))
     assert train.epochs(0, BATCH) == {'data/epoch': BATCH / train.num_windows}
     assert train.num_windows == 128
     assert train.epochs(11, BATCH)['data/epoch'] == pytest.approx(120 / 128)  # still epoch 0
@@ -82,7 +84,8 @@ def test_epoch_metric(tmp_path):
                                           ('2:{b},8:{a}', (2, 8)), ('1:{a},2:{b}', (3, 7))])
 def test_blend_rows_per_step_are_exact(two_files, blend, counts):
     a, b = two_files
-    train, val = loader.make_datasets(_config(blend=blend.format(a=a, b=b)), '')
+    cfg = _config(blend=blend.format(a=a, b=b))
+    train, val = loader.make_datasets(cfg.data, '', loader.BatchSpec.of(cfg))
     assert train.counts == counts and val.counts == counts and sum(counts) == BATCH
     from_a = 0 if blend.index('{a}') < blend.index('{b}') else 1
     for step in range(30):
@@ -96,13 +99,14 @@ def test_blend_rows_per_step_are_exact(two_files, blend, counts):
 def test_blend_is_deterministic_resumable_and_per_file_epochs(two_files):
     a, b = two_files
     c = _config(blend=f'0.7:{a},0.3:{b}')
-    train, _ = loader.make_datasets(c, '')
+    train, _ = loader.make_datasets(c.data, '', loader.BatchSpec.of(c))
     continuous = [train.read_rows(s, np.arange(BATCH), BATCH) for s in range(200)]
     for k in (0, 1, 57, 128, 199):  # a fresh source (a restarted run) at step k reads the same batch
-        fresh, _ = loader.make_datasets(c, '')
+        fresh, _ = loader.make_datasets(c.data, '', loader.BatchSpec.of(c))
         np.testing.assert_array_equal(fresh.read_rows(k, np.arange(BATCH), BATCH), continuous[k])
         np.testing.assert_array_equal(fresh.read_rows(k, np.array([9, 2, 4]), BATCH), continuous[k][[9, 2, 4]])
-    other, _ = loader.make_datasets(_config(blend=f'0.7:{a},0.3:{b}', seed=1), '')
+    cfg = _config(blend=f'0.7:{a},0.3:{b}', seed=1)
+    other, _ = loader.make_datasets(cfg.data, '', loader.BatchSpec.of(cfg))
     assert not np.array_equal(other.read_rows(3, np.arange(BATCH), BATCH), continuous[3])
     # file i's rows of step s are its windows k = s * n_i + [0, n_i); each file runs its own epochs
     for step in (0, 17, 18, 150):

@@ -1,4 +1,4 @@
-"""Held-out data that means something (issue 25 item 1), through the command lines a user types.
+"""Held-out data whose loss says something about unseen text, through the command lines a user types.
 
 prepare splits a corpus by documents at random (seeded, reproducible to the byte) and can
 shuffle them; training evaluates on `data.val_path` (a file or a blend), reports each file's loss,
@@ -160,12 +160,13 @@ def test_val_path_errors_through_main_are_one_line_and_exit_2(prepared, tmp_path
 
 
 def test_tail_split_warning(prepared, tmp_path):
-    warning = loader.tail_split_warning(_config(path=f'{prepared}/c_train.bin'))
+    warning = loader.tail_split_warning(_config(path=f'{prepared}/c_train.bin').data)
     assert 'documents in corpus order' in warning and f'data.val_path={prepared}/c_val.bin' in warning
-    assert loader.tail_split_warning(_config(path=f'{prepared}/whole.bin')) is None  # shuffled
-    assert loader.tail_split_warning(_config(path=f'{prepared}/c_train.bin', val_path=f'{prepared}/c_val.bin')) is None
+    assert loader.tail_split_warning(_config(path=f'{prepared}/whole.bin').data) is None  # shuffled
+    held_out = _config(path=f'{prepared}/c_train.bin', val_path=f'{prepared}/c_val.bin')
+    assert loader.tail_split_warning(held_out.data) is None
     old = token_files.write_token_file(tmp_path / 'old.bin', np.arange(500) % 300, vocab_size=300)
-    warning = loader.tail_split_warning(_config(blend=f'1:{prepared}/whole.bin,1:{old}'))
+    warning = loader.tail_split_warning(_config(blend=f'1:{prepared}/whole.bin,1:{old}').data)
     assert 'old.bin (documents of unknown order)' in warning and 'whole.bin' not in warning
     assert 'prepare ... --val_fraction' in warning and 'data.val_path' in warning
 
@@ -175,10 +176,11 @@ def test_blend_evaluates_each_file_and_weighs_the_overall_loss(prepared):
     c = _config(path=f'{prepared}/c_train.bin', val_path=f'3:{prepared}/c_val.bin,1:{prepared}/d_val.bin')
     c.train.update(global_batch=8, eval_batches=2)
     validation.validate_run(c)
-    _, val = loader.make_datasets(c, '')
+    _, val = loader.make_datasets(c.data, '', loader.BatchSpec.of(c))
     assert val.names == ('c_val', 'd_val') and val.weights == (3.0, 1.0)
     sharding = NamedSharding(jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,)), P('data'))
-    result = evaluation.evaluate(lambda params, batch: batch.astype(np.float32).mean(), None, val, c, sharding)
+    result = evaluation.evaluate(lambda params, batch: batch.astype(np.float32).mean(), None, val, sharding,
+                                 eval_batches=c.train.eval_batches, global_batch=c.train.global_batch, packing=None)
     expected = {name: np.mean([s.read_rows(i, np.arange(8), 8).mean() for i in range(2)])
                 for name, s in zip(val.names, val.sources)}
     np.testing.assert_allclose(float(result['eval/loss/c_val']), expected['c_val'], rtol=1e-6)

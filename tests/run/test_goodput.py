@@ -196,4 +196,4 @@ def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch):
     c = config_lib.base_config()
     c.train.wandb_mode = 'online'
     with pytest.raises(errors.ConfigError, match='W&B could not start the run: .*Fix: log in'):
-        wandb_log.WandbSink(c, str(tmp_path))
+        wandb_log.WandbSink(c.train, str(tmp_path), {})

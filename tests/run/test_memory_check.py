@@ -49,7 +49,7 @@ def layout():
 def test_step_that_does_not_fit_is_refused(layout):
     c, lay = layout
     with pytest.raises(UserError) as info:
-        memory_check.check_fits(FakeCompiled(temp=5 * GIB), c, lay.abstract_state, lay.state_shardings,
+        memory_check.check_fits(FakeCompiled(temp=5 * GIB), c.train, lay.abstract_state, lay.state_shardings,
                                 devices=[FakeDevice()])
     message = str(info.value)
     for text in ('needs 5.25 GiB per device but a device has 4.00 GiB', 'gpu allocator limit',
@@ -60,11 +60,11 @@ def test_step_that_does_not_fit_is_refused(layout):
 
 def test_step_that_fits_and_the_override_pass(layout):
     c, lay = layout
-    memory_check.check_fits(FakeCompiled(temp=3 * GIB), c, lay.abstract_state, lay.state_shardings,
+    memory_check.check_fits(FakeCompiled(temp=3 * GIB), c.train, lay.abstract_state, lay.state_shardings,
                             devices=[FakeDevice()])
     c = good_config()
     c.train.ignore_memory_check = True
-    memory_check.check_fits(FakeCompiled(temp=50 * GIB), c, lay.abstract_state, lay.state_shardings,
+    memory_check.check_fits(FakeCompiled(temp=50 * GIB), c.train, lay.abstract_state, lay.state_shardings,
                             devices=[FakeDevice()])
 
 

@@ -44,7 +44,7 @@ def test_tiny_config_learns_below_unigram_entropy(tmp_path, caplog):
                 'perf/megatron_hw_tflops_per_device', 'perf/step_time_s'):
         assert key in lines[-1], key
     assert 'eval/loss' in lines[-1] and 'eval/loss' not in lines[0]
-    # Each start-up phase timed once, with the first row (issue 27).
+    # Each start-up phase timed once, with the first row.
     assert {k for k in lines[0] if k.startswith('startup/')} == {
         'startup/lock_and_mesh_s', 'startup/data_s', 'startup/init_s', 'startup/compile_s'}
     assert not any(k.startswith('startup/') for k in lines[1])
@@ -80,12 +80,15 @@ def test_pipelined_training_runs_end_to_end(tmp_path):
 
 def test_the_last_step_is_always_reported(tmp_path):
     """A run stopped between logged steps (SIGTERM) still writes its last step: the `done:` line and
-    metrics.jsonl end at the step its final checkpoint holds (issue 28: `done:` said 150, 160 committed)."""
+    metrics.jsonl end at the step its final checkpoint holds (they had said 150 while step 160 was committed)."""
+    from jaxfrontier.model import registry as model_registry  # pylint: disable=g-import-not-at-top
     from jaxfrontier.run.observe import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+    from jaxfrontier.run.observe import report  # pylint: disable=g-import-not-at-top
     c = tiny(10)
     c.train.log_every = 4
     writer = metrics_lib.MetricsWriter(str(tmp_path), c.train.steps, enabled=True, progress=False, initial_step=0)
-    reporter = loop._Reporter(c, writer, 8)  # pylint: disable=protected-access
+    reporter = report.Reporter(c.train, writer, 8, seq_len=c.model.seq_len, dtype=c.model.dtype,
+                               flops=model_registry.flops_per_step_from_config(c))
     for step in (1, 2, 3):
         reporter.report(step, {'train/loss': 1.0}, None, last=step == 3)
     writer.close()

@@ -100,7 +100,7 @@ def test_thread_writes_every_stack_and_ends_the_process(tmp_path):
         messages.append(message)
         ended.set()
 
-    dog = watchdog.Watchdog(c, str(tmp_path), 3, on_hang=on_hang,
+    dog = watchdog.Watchdog(c.train, str(tmp_path), 3, on_hang=on_hang,
                             native=lambda pid, out: out.write(f'native of {pid}\n'))
     try:
         assert ended.wait(120), 'the watchdog never reported'  # a bound on the test, not a timing assertion
@@ -120,7 +120,7 @@ def test_stacks_that_cannot_be_written_still_end_the_process(tmp_path):
     c.train.hang_timeout_s, c.train.hang_min_s = 0.2, 0.1
     (tmp_path / 'hang').write_text('a file where the directory would go')
     ended, messages = threading.Event(), []
-    dog = watchdog.Watchdog(c, str(tmp_path), 0, on_hang=lambda m: (messages.append(m), ended.set()))
+    dog = watchdog.Watchdog(c.train, str(tmp_path), 0, on_hang=lambda m: (messages.append(m), ended.set()))
     try:
         assert ended.wait(120), 'the watchdog never reported'
     finally:

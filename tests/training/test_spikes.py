@@ -133,7 +133,7 @@ def test_skips_map_train_steps_to_data_steps_and_survive_without_their_file(tmp_
 
 def test_no_save_while_a_spike_is_open_and_the_one_due_is_made_when_it_closes(tmp_path):
     """The guard as the loop drives it: step s - 1 reported, then the save after step s decided."""
-    guard = spikes.SpikeGuard(small(), str(tmp_path))  # a window of 5 steps, 3 skipped ones roll back
+    guard = spikes.SpikeGuard(small().train, str(tmp_path))  # a window of 5 steps, 3 skipped ones roll back
     skipped = {15, 27}
     saves = []
     for step in range(30):
@@ -195,7 +195,7 @@ def _decisions(c, batches, devices):
 def test_eight_devices_skip_the_same_steps_as_one(tmp_path):
     """data 4 x tensor 2 and one device: the same skip decisions (taken from globally reduced values)."""
     c8, c1 = small(data=4, tensor=2), small(data=1, tensor=1)
-    train, _ = data_lib.make_datasets(c8, str(tmp_path))
+    train, _ = data_lib.make_datasets(c8.data, str(tmp_path), data_lib.BatchSpec.of(c8))
     batches = [train.read_rows(s, np.arange(8), 8) for s in range(18)]
     batches[15] = corrupt(batches[15])
     one = _decisions(c1, batches, jax.devices()[:1])

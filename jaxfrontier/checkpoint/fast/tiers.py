@@ -91,14 +91,14 @@ class FastTier:
 
     Usage, beside manager.Checkpointer (run/loop.py):
 
-        fast = FastTier(config, mesh)
+        fast = FastTier(config.checkpoint, mesh)
         restored = fast.restore(target, checkpointer.latest_step())   # None: restore as before
         ...  fast.save(step, state, metrics)  (when fast.due(step))
         fast.close()
     """
 
-    def __init__(self, c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
-        cc = c.checkpoint
+    def __init__(self, cc: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+        """`cc`: the run's `checkpoint` section (enabled, fast_dir, fast_every_steps, fast_keep, restore_step)."""
         self.enabled = bool(cc.enabled and cc.fast_dir)
         self.every, self.keep, self.restore_step = cc.fast_every_steps, cc.fast_keep, cc.restore_step
         self.restored_meta: dict[str, Any] | None = None

@@ -76,8 +76,9 @@ class Limits:
     timeout_s: float
 
     @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict) -> Limits:
-        return cls(float(c.train.hang_factor), float(c.train.hang_min_s), float(c.train.hang_timeout_s))
+    def from_train(cls, t: ml_collections.ConfigDict) -> Limits:
+        """From the run's `train` section."""
+        return cls(float(t.hang_factor), float(t.hang_min_s), float(t.hang_timeout_s))
 
     @property
     def enabled(self) -> bool:
@@ -211,19 +212,19 @@ class Watchdog:
     """The thread. `beat(step)` after each step result, `relax()` before an unusual interval, `stop()`.
 
     Args:
-      c: the config (train.hang_*).
+      t: the run's `train` section (hang_*).
       workdir: where `hang/` is written.
       process: this process's index (the stack file's name).
       on_hang: what ends the process (tests replace it); default: one line on stderr, exit 5.
       native: writes the native stacks of a pid to a file (tests replace it); default `native_stacks`.
     """
 
-    def __init__(self, c: ml_collections.ConfigDict, workdir: str, process: int,
+    def __init__(self, t: ml_collections.ConfigDict, workdir: str, process: int,
                  on_hang: Callable[[str], None] | None = None, native: Callable[[int, TextIO], None] = native_stacks):
-        self.limits = Limits.from_config(c)
+        self.limits = Limits.from_train(t)
         self.workdir, self.process = workdir, process
         self.on_hang = on_hang or _exit_hung
-        self.native = native if c.train.hang_native_stacks else _no_native_stacks
+        self.native = native if t.hang_native_stacks else _no_native_stacks
         self.inject_dir = os.environ.get(TEST_HANG_ENV)  # tests only: see the module docstring
         self._lock = threading.Lock()
         self._clock = StepClock(self.limits, time.monotonic())

@@ -13,13 +13,14 @@ line: the figure, the largest parts, and the fixes. `--config.train.ignore_memor
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_collections
 
 from jaxfrontier import hardware
 from jaxfrontier.errors import UserError
+from jaxfrontier.training import step as step_lib
 
 GIB = 2**30
 
@@ -54,10 +55,26 @@ def _describe(parts: dict[str, int]) -> str:
     return ', '.join(f'{name} {size / GIB:.2f} GiB' for name, size in list(parts.items())[:3])
 
 
-def check_fits(compiled: Any, c: ml_collections.ConfigDict, abstract_state: Any, shardings: Any,
+def summary(compiled: Any) -> dict[str, float]:
+    """The compiled step's `memory/peak_gib_per_device` and `memory/temp_gib_per_device` ({} without an analysis)."""
+    mem = step_lib.memory_bytes(compiled)
+    if not mem:
+        return {}
+    return {'memory/peak_gib_per_device': mem['total'] / GIB, 'memory/temp_gib_per_device': mem['temporaries'] / GIB}
+
+
+def measured_peak(devices: Sequence[Any]) -> dict[str, float]:
+    """`memory/measured_peak_gib_per_device`: the allocator's peak over `devices` (accelerators; {} on the CPU)."""
+    peaks = [p for p in (hardware.memory_stats(d).get('peak_bytes_in_use') for d in devices) if p is not None]
+    return {'memory/measured_peak_gib_per_device': max(peaks) / GIB} if peaks else {}
+
+
+def check_fits(compiled: Any, t: ml_collections.ConfigDict, abstract_state: Any, shardings: Any,
                devices: Sequence[Any] | None = None) -> None:
-    """Raises UserError when the compiled step needs more memory per device than a device has."""
-    if c.train.ignore_memory_check:
+    """Raises UserError when the compiled step needs more memory per device than a device has.
+
+    `t`: the run's `train` section (`ignore_memory_check` goes ahead anyway)."""
+    if t.ignore_memory_check:
         return
     found = needed_parts(compiled, abstract_state, shardings)
     if found is None:

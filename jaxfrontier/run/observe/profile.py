@@ -21,8 +21,9 @@ from absl import logging
 class StepProfiler:
     """Starts the trace before step `profile_start` is dispatched, stops it once the last traced step is done."""
 
-    def __init__(self, c: ml_collections.ConfigDict, workdir: str):
-        t, process = c.train, jax.process_index()
+    def __init__(self, t: ml_collections.ConfigDict, workdir: str):
+        """`t`: the run's `train` section (profile_start, profile_steps, profile_all_processes)."""
+        process = jax.process_index()
         self.start, self.stop = t.profile_start, t.profile_start + t.profile_steps
         self.enabled = t.profile_steps > 0 and (process == 0 or t.profile_all_processes)
         base = os.path.join(workdir, 'profile')

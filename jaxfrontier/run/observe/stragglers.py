@@ -74,9 +74,10 @@ def warning_line(step: int, own_s: list[float], slow: list[int], factor: float) 
 class Watch:
     """Exchanges the processes' step times every `train.log_every` steps (no-op with one process)."""
 
-    def __init__(self, c: ml_collections.ConfigDict, workdir: str, ledger: goodput.Ledger):
-        self.on = jax.process_count() > 1 and c.train.straggler_factor > 0
-        self.every, self.factor, self.ledger = c.train.log_every, float(c.train.straggler_factor), ledger
+    def __init__(self, t: ml_collections.ConfigDict, workdir: str, ledger: goodput.Ledger):
+        """`t`: the run's `train` section (straggler_factor, log_every); `ledger`: the attempt's goodput ledger."""
+        self.on = jax.process_count() > 1 and t.straggler_factor > 0
+        self.every, self.factor, self.ledger = t.log_every, float(t.straggler_factor), ledger
         self.path = os.path.join(workdir, 'process_times.jsonl')
         self.process, self.count = jax.process_index(), jax.process_count()
         self._last = (0.0, 0.0, 0)  # step seconds, wait seconds, step count at the last round

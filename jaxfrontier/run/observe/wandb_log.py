@@ -14,7 +14,6 @@ traceback after the compile.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import secrets
 import string
@@ -28,20 +27,21 @@ from jaxfrontier import files
 ID_FILE = 'wandb_run_id'
 
 
-def enabled(c: ml_collections.ConfigDict) -> bool:
-    return c.train.wandb_mode != 'disabled'
+def enabled(t: ml_collections.ConfigDict) -> bool:
+    """Whether the run's `train` section asks for W&B logging."""
+    return t.wandb_mode != 'disabled'
 
 
-def check_installed(c: ml_collections.ConfigDict) -> None:
-    """Raises ConfigError naming the extra when W&B logging is asked for and `wandb` is missing."""
-    if enabled(c) and importlib.util.find_spec('wandb') is None:
-        raise ConfigError('train.wandb_mode', c.train.wandb_mode, 'needs the wandb package, which is not installed',
+def check_installed(t: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError naming the extra when the `train` section asks for W&B and `wandb` is missing."""
+    if enabled(t) and importlib.util.find_spec('wandb') is None:
+        raise ConfigError('train.wandb_mode', t.wandb_mode, 'needs the wandb package, which is not installed',
                           "pip install 'jaxfrontier[wandb]', or set --config.train.wandb_mode=disabled")
 
 
-def directory(c: ml_collections.ConfigDict, workdir: str) -> str:
+def directory(t: ml_collections.ConfigDict, workdir: str) -> str:
     """Where W&B writes its files (`train.wandb_dir`, default the workdir): `<it>/wandb/`."""
-    return c.train.wandb_dir or workdir
+    return t.wandb_dir or workdir
 
 
 def run_id(workdir: str) -> str:
@@ -60,13 +60,18 @@ def run_id(workdir: str) -> str:
 
 
 class WandbSink:
-    """A MetricsWriter sink that logs rows to one W&B run (process 0 builds it; no one else)."""
+    """A MetricsWriter sink that logs rows to one W&B run (process 0 builds it; no one else).
 
-    def __init__(self, c: ml_collections.ConfigDict, workdir: str):
+    Args:
+      t: the run's `train` section (wandb_*).
+      workdir: the run's workdir (the kept run id; W&B's files unless `train.wandb_dir`).
+      run_config: the resolved config as JSON data, the W&B run's config.
+    """
+
+    def __init__(self, t: ml_collections.ConfigDict, workdir: str, run_config: Mapping[str, Any]):
         import wandb  # pylint: disable=g-import-not-at-top
 
-        t = c.train
-        where = directory(c, workdir)
+        where = directory(t, workdir)
         os.makedirs(where, exist_ok=True)
         try:
             self.run = wandb.init(
@@ -78,7 +83,7 @@ class WandbSink:
                               'log in (`wandb login`, or set WANDB_API_KEY), or use --config.train.wandb_mode=offline '
                               'and `wandb sync` the run later') from None
         # After init: on resume a changed value (a raised train.steps) replaces the old one, no error.
-        self.run.config.update(json.loads(c.to_json_best_effort()), allow_val_change=True)
+        self.run.config.update(dict(run_config), allow_val_change=True)
         self.last_step = -1
 
     def write(self, step: int, values: Mapping[str, float], replayed: bool) -> None:
