@@ -74,7 +74,7 @@ def test_the_loader_flags_the_tokens_the_mask_leaves_out(tmp_path):
     c = _config(path=path)
     loader.resolve_headers(c)
     assert c.data.loss_mask == 'on'
-    train, val = loader.make_datasets(c, str(tmp_path))
+    train, val = loader.make_datasets(c.data, str(tmp_path), loader.BatchSpec.of(c))
     rows = train.read_rows(0, np.arange(4), 4)
     starts = train.offsets(0, 4)
     for row, start in zip(rows, starts):
@@ -82,7 +82,7 @@ def test_the_loader_flags_the_tokens_the_mask_leaves_out(tmp_path):
         np.testing.assert_array_equal(loss_mask.counted(row), mask[start:start + SEQ + 1] == 1)
     assert 'with its loss mask' in train.describe() and val.mask is not None
     c.data.loss_mask = 'off'  # the user's choice: every prediction counts, no flag
-    rows = loader.make_datasets(c, str(tmp_path))[0].read_rows(0, np.arange(4), 4)
+    rows = loader.make_datasets(c.data, str(tmp_path), loader.BatchSpec.of(c))[0].read_rows(0, np.arange(4), 4)
     assert np.all(loss_mask.counted(rows))
 
 
@@ -94,7 +94,7 @@ def test_auto_resolves_from_the_headers(tmp_path):
     c = _config(blend=f'1:{plain},1:{masked}')  # a blend of pre-training and SFT data: the mask where there is one
     loader.resolve_headers(c)
     assert c.data.loss_mask == 'on'
-    blend = loader.make_datasets(c, str(tmp_path))[0]
+    blend = loader.make_datasets(c.data, str(tmp_path), loader.BatchSpec.of(c))[0]
     assert blend.sources[0].mask is None and blend.sources[1].mask is not None
     c = _config(path=plain, val_path=masked)  # held-out conversations of a masked file
     loader.resolve_headers(c)

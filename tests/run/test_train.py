@@ -81,14 +81,13 @@ def test_pipelined_training_runs_end_to_end(tmp_path):
 def test_the_last_step_is_always_reported(tmp_path):
     """A run stopped between logged steps (SIGTERM) still writes its last step: the `done:` line and
     metrics.jsonl end at the step its final checkpoint holds (they had said 150 while step 160 was committed)."""
-    from jaxfrontier.model import registry as model_registry  # pylint: disable=g-import-not-at-top
     from jaxfrontier.run.observe import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
     from jaxfrontier.run.observe import report  # pylint: disable=g-import-not-at-top
     c = tiny(10)
     c.train.log_every = 4
     writer = metrics_lib.MetricsWriter(str(tmp_path), c.train.steps, enabled=True, progress=False, initial_step=0)
     reporter = report.Reporter(c.train, writer, 8, seq_len=c.model.seq_len, dtype=c.model.dtype,
-                               flops=model_registry.flops_per_step_from_config(c))
+                               flops=config_lib.flops_per_step(c))
     for step in (1, 2, 3):
         reporter.report(step, {'train/loss': 1.0}, None, last=step == 3)
     writer.close()
