@@ -26,6 +26,7 @@ from jaxfrontier.model.layers import cross_entropy
 from jaxfrontier.model.sequence import Seq
 
 EMBED_KEY_INDEX = 2**32 - 1  # dropout key of the embedding: an index no layer takes
+PIPELINED = 'blocks'  # the layer group a pipeline splits over its stages (pipeline/chunk.py)
 
 
 class Decoder(nnx.Module):
@@ -36,8 +37,7 @@ class Decoder(nnx.Module):
     `final_norm`.
     """
 
-    GROUPS: tuple[str, ...] = ('blocks',)  # the layer groups' attributes, in model order
-    PIPELINED = 'blocks'  # the group a pipeline splits over its stages
+    GROUPS: tuple[str, ...] = (PIPELINED,)  # the layer groups' attributes, in model order
 
     @property
     def dtype(self) -> jnp.dtype:

@@ -26,10 +26,10 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.model import auxiliary, stack
 from jaxfrontier.model.context import TokenOrder
+from jaxfrontier.model.decoder import PIPELINED
 from jaxfrontier.model.params import ModelDef
 
 AXIS = 'pipeline'
-PIPELINED = 'blocks'  # the layer group split over the stages (model/decoder.py's Decoder.PIPELINED)
 
 
 def data_local_scope(data_local_rules: mesh_lib.Rules | None):
@@ -121,9 +121,9 @@ class ChunkOps:
         self.loss_scale = loss_scale  # float16: the backward pass starts from this instead of 1
         self.aux_weight = aux_weight  # the weight of the aux's loss terms (step.make_loss_aux_and_grads)
         self.order = order or TokenOrder(seq_len)
-        self.stem = stem_groups(model_def)
-        self.first_block = sum(model_def.group_sizes()[g] for g in self.stem)  # global index of layer 0 of chunk 0
-        self.blocks_layers = model_def.group_sizes()[PIPELINED]
+        self.stem, sizes = stem_groups(model_def), model_def.group_sizes()
+        self.first_block = sum(sizes[g] for g in self.stem)  # global index of chunk 0's first layer
+        self.blocks_layers = sizes[PIPELINED]
         self.aux_avals = None  # {group: {name: [L_g, ...]}} once `probe_aux` ran
 
     def model(self, chunk, shared):
