@@ -57,6 +57,11 @@ def step0_gradients(c, mu, grad_norm: float, params):
 def run_layout_once(c):
     """(loss, grads) of step 0 and params after 3 steps, as numpy, like run_layout(c), from the
     train step alone (one compile instead of two)."""
+    return run_once(c)[0]
+
+
+def run_once(c):
+    """`run_layout_once(c)`'s result, and step 0's metrics (fetched: numpy)."""
     if c.optim.name not in MOMENTS:
         raise ValueError(f'optim.name {c.optim.name!r} keeps no first moment to read gradients from')
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
@@ -69,10 +74,12 @@ def run_layout_once(c):
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         step = jax.jit(step_lib.make_train_step(c, layout), donate_argnums=0)
         state, metrics = step(state, data[0])
-        loss, grad_norm = jax.device_get((metrics['train/loss'], metrics['train/grad_norm']))
+        metrics = jax.device_get(metrics)
+        loss, grad_norm = metrics['train/loss'], metrics['train/grad_norm']
         mu = jax.device_get(_first_moment(state['opt_state'], MOMENTS[c.optim.name][0]))
         grads = step0_gradients(c, mu, float(grad_norm), state['params'])
         for batch in data[1:]:
             state, _ = step(state, batch)
     # Interleaved pipelines store blocks as [V, L / V, ...]; compare in model order [L, ...].
-    return float(loss), params_lib.merge_virtual(grads), params_lib.merge_virtual(jax.device_get(state['params']))
+    result = (float(loss), params_lib.merge_virtual(grads), params_lib.merge_virtual(jax.device_get(state['params'])))
+    return result, metrics

@@ -128,9 +128,14 @@ class TokenOrder:
         weights_bt = packing_lib.prediction_weights(tokens_bt1, self.packing)
         return None if weights_bt is None else self.permute(weights_bt)
 
-    def loss(self, model, tokens_bt1: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """`model.loss` (model/decoder.py) of one micro-batch's windows [B, T + 1] in this order."""
+    def loss_and_aux(self, model, tokens_bt1: jax.Array, dropout_key: jax.Array | None = None):
+        """`model.loss_and_aux` (model/decoder.py) of one micro-batch's windows [B, T + 1] in this order:
+        (cross-entropy, aux {name: [L, ...]})."""
         seq = self.seq(tokens_bt1)
         positions, segments = (None, None) if isinstance(seq, int) else (seq.positions_bt, seq.segments_bt)
-        return model.loss(self.inputs(tokens_bt1), self.targets(tokens_bt1), dropout_key, positions, segments,
-                          self.weights(tokens_bt1))
+        return model.loss_and_aux(self.inputs(tokens_bt1), self.targets(tokens_bt1), dropout_key, positions,
+                                  segments, self.weights(tokens_bt1))
+
+    def loss(self, model, tokens_bt1: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """`model.loss` (model/decoder.py) of one micro-batch's windows [B, T + 1] in this order."""
+        return self.loss_and_aux(model, tokens_bt1, dropout_key)[0]

@@ -35,17 +35,30 @@ def forward(model: nnx.Module, tokens_bt: jax.Array, pos_bt: jax.Array, cache: C
     """Final hidden states [B, T, d] of `tokens_bt` at positions `pos_bt`, and the extended cache.
 
     A prefill passes the whole prompt at positions 0..T-1; a decode step one token per row at
-    that row's position. The layers are scanned with their caches, each running its block.
+    that row's position. The layers are scanned with their caches, each running its block (a
+    model with layer groups scans each group over its rows of the cache).
     """
     b, t = tokens_bt.shape
     x_nd = model.embed(tokens_bt, positions_bt=pos_bt)
-    graphdef, stacked = nnx.split(model.blocks)
 
-    def body(x_nd, xs):
-        layer_state, layer_cache = xs
-        return nnx.merge(graphdef, layer_state)(x_nd, t, None, layer_cache, pos_bt)
+    def run_group(x_nd, blocks, group_cache):
+        graphdef, stacked = nnx.split(blocks)
 
-    x_nd, cache = jax.lax.scan(body, x_nd, (stacked, cache))
+        def body(x_nd, xs):
+            layer_state, layer_cache = xs
+            return nnx.merge(graphdef, layer_state)(x_nd, t, None, layer_cache, pos_bt)
+
+        return jax.lax.scan(body, x_nd, (stacked, group_cache))
+
+    if len(model.GROUPS) == 1:
+        x_nd, cache = run_group(x_nd, getattr(model, model.GROUPS[0]), cache)
+    else:  # layer groups (model/decoder.py): each scans its own rows of the cache
+        first, caches = model.first_layers(), []
+        for name, size in model.group_sizes().items():
+            rows = {k: v[first[name]:first[name] + size] for k, v in cache.items()}
+            x_nd, rows = run_group(x_nd, getattr(model, name), rows)
+            caches.append(rows)
+        cache = {k: jnp.concatenate([rows[k] for rows in caches]) for k in cache}
     return x_nd.reshape(b, t, -1), cache  # [B, T, d]
 
 

@@ -37,9 +37,10 @@ class Block(nnx.Module):
         self.mlp = MLP(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
 
     def __call__(self, x_nd: jax.Array, seq: int | Seq, key: jax.Array | None, cache: KVCache | None = None,
-                 positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
-        """The block on `x_nd` [B*T, d] (`seq`: model/sequence.py); decoding passes this layer's KV
-        cache and the tokens' positions [B, T] and gets the extended cache back too."""
+                 positions_bt: jax.Array | None = None) -> tuple[jax.Array, dict | KVCache]:
+        """The block on `x_nd` [B*T, d] (`seq`: model/sequence.py): (output, aux), aux empty
+        (model/auxiliary.py); decoding passes this layer's KV cache and the tokens' positions
+        [B, T] and gets (output, the extended cache)."""
         k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
         if cache is None:
             y_nd = self.attn(self.ln1(x_nd), seq)
@@ -48,7 +49,7 @@ class Block(nnx.Module):
         x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
         x_nd = x_nd + dropout(self.mlp(self.ln2(x_nd)), self.dropout_rate, k_mlp)
         x_nd = mesh_lib.constrain(x_nd, ACT_ND)
-        return x_nd if cache is None else (x_nd, cache)
+        return (x_nd, {}) if cache is None else (x_nd, cache)  # training: no auxiliary outputs
 
 
 class GPT(Decoder):

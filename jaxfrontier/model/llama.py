@@ -80,9 +80,10 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
 
     def __call__(self, x_nd: jax.Array, seq: int | Seq, key: jax.Array | None, cache: KVCache | None = None,
-                 positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
-        """The block on `x_nd` [B*T, d] (`seq`: model/sequence.py); decoding passes this layer's KV
-        cache and the tokens' positions [B, T] and gets the extended cache back too. Training's
+                 positions_bt: jax.Array | None = None) -> tuple[jax.Array, dict | KVCache]:
+        """The block on `x_nd` [B*T, d] (`seq`: model/sequence.py): (output, aux), aux empty
+        (model/auxiliary.py); decoding passes this layer's KV cache and the tokens' positions
+        [B, T] and gets (output, the extended cache). Training's
         positions are the Seq's, or 0..T-1."""
         k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
         if positions_bt is None:
@@ -91,7 +92,7 @@ class Block(nnx.Module):
         x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
         x_nd = x_nd + dropout(self.mlp(self.mlp_norm(x_nd)), self.dropout_rate, k_mlp)
         x_nd = mesh_lib.constrain(x_nd, ACT_ND)
-        return x_nd if cache is None else (x_nd, new_cache)
+        return (x_nd, {}) if cache is None else (x_nd, new_cache)  # training: no auxiliary outputs
 
 
 class Llama(Decoder):

@@ -59,6 +59,15 @@ class ModelDef:
     def abstract_params(self) -> Params:
         return nnx.to_pure_dict(self.abstract_state)
 
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The model's layer groups in model order (model/decoder.py; one group: `('blocks',)`)."""
+        return nnx.merge(self.graphdef, self.abstract_state).GROUPS
+
+    def group_sizes(self) -> dict[str, int]:
+        """Layers of each group, in model order."""
+        return nnx.merge(self.graphdef, self.abstract_state).group_sizes()
+
 
 def init_params(shape: config_lib.ModelShape, key: jax.Array) -> Params:
     """The family's freshly initialised parameters for `shape` (a params dict)."""

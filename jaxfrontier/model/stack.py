@@ -5,8 +5,15 @@ axis) and applied with `jax.lax.scan` (`apply_stack`), so compile time does not 
 depth; per-layer activation checkpointing wraps the scanned body. `model.scan_unroll=k` trades
 compile time for step time: k layers per iteration of the loop (a scan over groups of k),
 every layer unrolled at k >= the layer count; `layer_bodies` counts the copies XLA compiles. A block is any NNX module
-called as `block(x_nd, seq, key)` on flat activations [B*T, d]; `seq` is the sequence length
-or a `model.sequence.Seq` (positions and documents), passed through unchanged.
+called as `block(x_nd, seq, key) -> (x_nd, aux)` on flat activations [B*T, d]; `seq` is the sequence
+length or a `model.sequence.Seq` (positions and documents), passed through unchanged; `aux` is a dict
+of small arrays (model/auxiliary.py), which every runner here returns stacked over the layers
+[L, ...]: the scan as its per-layer outputs, the unrolled loop stacked, `recompute_stack_vjp` seeding
+the `loss_` entries' cotangents.
+
+A model may hold several stacks (layer groups, model/decoder.py), each created here and run by its
+own call: `create(..., axis_name=STEM_LAYERS)` names the stacked axis of a group that a pipeline does
+not split over its stages (the rules map `layers`, not `stem_layers`, to `pipeline`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxfrontier.model import auxiliary
+
+LAYERS = 'layers'  # the stacked axis of the pipelined group (`params['blocks']`): split over `pipeline`
+STEM_LAYERS = 'stem_layers'  # the stacked axis of any other group: not mapped by the rules (replicated)
+
 REMAT_POLICIES = {
     'full': None,  # save only each layer's input, recompute everything inside it
     'save_dots': jax.checkpoint_policies.checkpoint_dots,
@@ -23,11 +35,11 @@ REMAT_POLICIES = {
 }
 
 
-def create(make_block, num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
-    """`num_layers` blocks `make_block(rngs)` as one module whose parameters lead with a `layers` axis."""
+def create(make_block, num_layers: int, rngs: nnx.Rngs, axis_name: str = LAYERS) -> nnx.Module:
+    """`num_layers` blocks `make_block(rngs)` as one module whose parameters lead with an `axis_name` axis."""
 
     @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis_name})
     def make_blocks(rngs: nnx.Rngs) -> nnx.Module:
         return make_block(rngs)
 
@@ -40,14 +52,16 @@ def layer_key(dropout_key: jax.Array | None, index: int | jax.Array) -> jax.Arra
 
 
 def apply_layer(graphdef: nnx.GraphDef, layer_state: nnx.State, x_nd: jax.Array, seq_len: int,
-                key: jax.Array | None) -> jax.Array:
+                key: jax.Array | None) -> tuple[jax.Array, auxiliary.Aux]:
     """One layer of a stack (its state without the layers axis) on `x_nd`: the per-layer function
-    the layer runner (`apply_stack`) and the pipeline's per-layer recomputation both call."""
-    return nnx.merge(graphdef, layer_state)(x_nd, seq_len, key)
+    the layer runner (`apply_stack`) and the pipeline's per-layer recomputation both call.
+    Returns the output and the layer's aux (fp32; reported entries without gradient)."""
+    x_nd, aux = nnx.merge(graphdef, layer_state)(x_nd, seq_len, key)
+    return x_nd, auxiliary.prepare(aux)
 
 
 def recompute_after_cotangent(layer_fn):
-    """`layer_fn(x, state, key)` with remat=full for a plain (unrolled) loop of layers.
+    """`layer_fn(x, state, key) -> (x, aux)` with remat=full for a plain (unrolled) loop of layers.
 
     Saves the layer's input and recomputes the layer in the backward pass, like
     `jax.checkpoint(policy=None)`, and makes the recomputation's input depend on the incoming
@@ -56,7 +70,8 @@ def recompute_after_cotangent(layer_fn):
     before the backward reaches the layer. Outside a scan, `jax.checkpoint` relies on
     optimization barriers (prevent_cse); XLA:CPU removes those before scheduling and runs every
     recomputation early, in the forward pass, so remat=full saved no memory there (issue 14).
-    A data dependency survives every backend's passes.
+    A data dependency survives every backend's passes. The aux's cotangents (a `loss_` term's
+    seed) enter the recomputation's pullback with the activation's.
     """
 
     @jax.custom_vjp
@@ -68,9 +83,10 @@ def recompute_after_cotangent(layer_fn):
 
     def bwd(res, g):
         x, state, key = res
-        x = jnp.where(jnp.isnan(g), jnp.array(jnp.nan, x.dtype), x)  # elementwise: no collective
+        g_x, g_aux = g
+        x = jnp.where(jnp.isnan(g_x), jnp.array(jnp.nan, x.dtype), x)  # elementwise: no collective
         _, vjp = jax.vjp(lambda x, state: layer_fn(x, state, key), x, state)
-        g_x, g_state = vjp(g)
+        g_x, g_state = vjp((g_x, g_aux))
         return g_x, g_state, None if key is None else np.zeros(key.shape, jax.dtypes.float0)  # keys: no tangent
 
     run.defvjp(fwd, bwd)
@@ -95,10 +111,10 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
 
     A pure function of the stacked block state: the model, and every pipeline executor on its
     chunk of layers (`first_layer` keeps dropout keys tied to the global layer index), call it.
-    Returns the output, or (output, each layer's input [layers, N, d]) with `keep_inputs`
-    (the lockstep pipeline's stash). `unroll` >= the layer count runs a plain loop; 0 always
-    scans (the pipeline's chunks, whatever their length); in between, a scan over groups of
-    `unroll` layers (and the remainder unrolled after it).
+    Returns (output, aux stacked over the layers [layers, ...]), and each layer's input
+    [layers, N, d] third with `keep_inputs` (the lockstep pipeline's stash). `unroll` >= the
+    layer count runs a plain loop; 0 always scans (the pipeline's chunks, whatever their
+    length); in between, a scan over groups of `unroll` layers (and the remainder unrolled after it).
     """
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
@@ -112,7 +128,8 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
 
     def body(x, xs):
         layer_state, index = xs
-        return run(x, layer_state, layer_key(dropout_key, index)), (x if keep_inputs else None)
+        y, aux = run(x, layer_state, layer_key(dropout_key, index))
+        return y, (aux, x if keep_inputs else None)
 
     if remat != 'none' and not late_full:
         # prevent_cse=False is safe only inside a scan, whose loop keeps XLA from merging the
@@ -123,24 +140,28 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=fully_unrolled)
     indices = first_layer + jnp.arange(num_layers)
     if fully_unrolled:  # a plain loop, no while loop around the layers
-        inputs = []
+        outs = []
         for i in range(num_layers):
-            x_nd, x_in = body(x_nd, (jax.tree.map(lambda a, i=i: a[i], stacked), indices[i]))
-            inputs.append(x_in)
-        return (x_nd, jnp.stack(inputs)) if keep_inputs else x_nd
-    x_nd, inputs = jax.lax.scan(body, x_nd, (stacked, indices), unroll=max(unroll, 1))
-    return (x_nd, inputs) if keep_inputs else x_nd
+            x_nd, out = body(x_nd, (jax.tree.map(lambda a, i=i: a[i], stacked), indices[i]))
+            outs.append(out)
+        aux = jax.tree.map(lambda *a: jnp.stack(a), *[layer_aux for layer_aux, _ in outs])
+        inputs = jnp.stack([x_in for _, x_in in outs]) if keep_inputs else None
+    else:
+        x_nd, (aux, inputs) = jax.lax.scan(body, x_nd, (stacked, indices), unroll=max(unroll, 1))
+    return (x_nd, aux, inputs) if keep_inputs else (x_nd, aux)
 
 
 def recompute_stack_vjp(graphdef: nnx.GraphDef, stacked: nnx.State, inputs_lnd: jax.Array, g_nd: jax.Array, *,
                         seq_len: int, dropout_key: jax.Array | None, first_layer: int | jax.Array = 0,
-                        fetch_input=lambda x: x) -> tuple[nnx.State, jax.Array]:
+                        fetch_input=lambda x: x, aux_seed: jax.Array | float = 1.0) -> tuple[nnx.State, jax.Array]:
     """The backward of `apply_stack` from each layer's stashed input (its `keep_inputs` output).
 
     Megatron's per-layer full recomputation: a reverse scan that recomputes one layer at a
     time under `jax.vjp` (`apply_layer`, the runner's own per-layer function) and pulls the
     cotangent through it, so one layer's residuals are live at a time. `fetch_input` brings a
     stashed input back just before its recomputation (the pipeline's all-gather over tensor).
+    `aux_seed`: the cotangent of each layer's `loss_` aux terms (d objective / d term; the
+    recomputed aux itself is not returned: the forward that stashed the inputs reported it).
     Not `jax.vjp(apply_stack)`: the stash comes from an earlier, separate forward unit, so
     that would run the forward a second time. Returns (gradients of `stacked`, of the input).
     """
@@ -148,8 +169,9 @@ def recompute_stack_vjp(graphdef: nnx.GraphDef, stacked: nnx.State, inputs_lnd: 
     def body(g_out, xs):
         layer_state, x, index = xs
         key = layer_key(dropout_key, index)
-        _, pull = jax.vjp(lambda ly, h: apply_layer(graphdef, ly, h, seq_len, key), layer_state, fetch_input(x))
-        g_layer, g_in = pull(g_out)
+        (_, aux), pull = jax.vjp(lambda ly, h: apply_layer(graphdef, ly, h, seq_len, key), layer_state,
+                                 fetch_input(x))
+        g_layer, g_in = pull((g_out, auxiliary.seeds(aux, aux_seed)))
         return g_in, g_layer
 
     indices = first_layer + jnp.arange(inputs_lnd.shape[0])

@@ -33,11 +33,12 @@ import jax.numpy as jnp
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import layout as layout_lib
+from jaxfrontier.model import auxiliary
 from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.model.layers.linear import CAST_PREFIXES
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
-from jaxfrontier.pipeline.chunk import (AXIS, ChunkOps, TokenSplit, f32_zeros, sum_over_stages,
+from jaxfrontier.pipeline.chunk import (AXIS, PIPELINED, ChunkOps, TokenSplit, f32_zeros, sum_over_stages,
                                          zero_activation)
 
 
@@ -51,11 +52,12 @@ def cast_chunk(chunk: dict[str, Any], dtype) -> dict[str, Any]:
 class Residuals:
     """A chunk's `jax.vjp` residuals as loop-carriable arrays, without the weights among them.
 
-    `fn(chunk, x, m, c, seq) -> y` is traced once abstractly (`probe`) to learn the closure's tree
-    structure and which residuals are the chunk's own weight arrays; `capture` runs the
-    forward and returns (y, the other residuals); `pullback` rebuilds the closure from those
-    and the weights. `seq` (the micro-batch's length, or its packed documents) is not
-    differentiated; its arrays travel among the residuals.
+    `fn(chunk, x, m, c, seq) -> (y, aux)` is traced once abstractly (`probe`) to learn the closure's
+    tree structure, which residuals are the chunk's own weight arrays, and the aux's shapes
+    (`aux_avals`); `capture` runs the forward and returns ((y, aux), the other residuals);
+    `pullback` rebuilds the closure from those and the weights (it takes the cotangents of y and
+    of the aux: model/auxiliary.py's seeds). `seq` (the micro-batch's length, or its packed
+    documents) is not differentiated; its arrays travel among the residuals.
     """
 
     def __init__(self, fn):
@@ -63,6 +65,7 @@ class Residuals:
         self.treedef = None
         self.weight_of: list[int] = []  # per residual: index of the weight it is, or -1 (carried)
         self.avals: list[jax.ShapeDtypeStruct] = []
+        self.aux_avals = {}  # the chunk's aux {name: [Lc, ...]}
 
     def _split(self, pull, chunk) -> tuple[list[int], list[jax.Array], Any]:
         leaves, treedef = jax.tree_util.tree_flatten(pull)
@@ -74,11 +77,11 @@ class Residuals:
         arrays = None if isinstance(seq, int) else seq  # a plain length stays a Python int
 
         def trace(chunk, x, m, c, arrays):
-            _, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c, seq if arrays is None else arrays), chunk, x)
+            (_, aux), pull = jax.vjp(lambda w, h: self.fn(w, h, m, c, seq if arrays is None else arrays), chunk, x)
             self.weight_of, carried, self.treedef = self._split(pull, chunk)
-            return carried
+            return carried, aux
 
-        self.avals = jax.eval_shape(trace, chunk, x, m, c, arrays)
+        self.avals, self.aux_avals = jax.eval_shape(trace, chunk, x, m, c, arrays)
 
     def zeros(self) -> list[jax.Array]:
         def zero(a):
@@ -88,12 +91,12 @@ class Residuals:
 
         return [zero(a) for a in self.avals]
 
-    def capture(self, chunk, x, m, c, seq) -> tuple[jax.Array, list[jax.Array]]:
-        y, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c, seq), chunk, x)
+    def capture(self, chunk, x, m, c, seq) -> tuple[tuple[jax.Array, Any], list[jax.Array]]:
+        out, pull = jax.vjp(lambda w, h: self.fn(w, h, m, c, seq), chunk, x)
         weight_of, carried, _ = self._split(pull, chunk)
         if weight_of != self.weight_of:
             raise AssertionError('the chunk vjp residuals changed between traces')
-        return y, carried
+        return out, carried
 
     def pullback(self, carried: list[jax.Array], chunk):
         weights, it = jax.tree.leaves(chunk), iter(carried)
@@ -105,8 +108,10 @@ class StaggeredOps:
     """The A and B branches of one half-slot (schedules.A_* / BS_* kinds), on explicit arrays.
 
     A (chunk, shared, tokens_f, tokens_r, stash, msg, res, g_self, m_f, m_r, slot_f, slot_r, c)
-      -> (y, stash, res, g_self, loss, g_shared);
+      -> (y, stash, res, g_self, loss, g_shared, aux);
     B (chunk, shared, tokens_b, msg, res, g_self, acc, m_b, c) -> (acc, g_shared, g_x).
+    `aux`: what the half-slot adds to the stage's aux sums (ChunkOps.aux_rows): a forward's, and
+    the last stage's fused forward-and-recomputation's; a recomputation from the stash adds nothing.
     """
 
     def __init__(self, ops: ChunkOps, dtype, remat: str):
@@ -123,28 +128,33 @@ class StaggeredOps:
     # ------------------------------------------------------------------ A: forward + recomputation
     def _forward_part(self, f_kind, chunk_w, shared, tokens, stash, msg, m, c, slot):
         if f_kind == 'none':
-            return jnp.zeros_like(msg), stash
+            return jnp.zeros_like(msg), stash, self.ops.aux_zeros()
+        stem_aux = None
         if f_kind == 'first':
-            x = self.ops.embed(chunk_w, shared, tokens, m).astype(self.dtype)
+            x, stem_aux = self.ops.embed(chunk_w, shared, tokens, m)
+            x = x.astype(self.dtype)
         else:
             x = self.tokens.gather(msg)
-        y = self._chunk_forward(chunk_w, x, m, c, self.ops.seq(tokens))
-        return self.tokens.split(y), stash.at[slot].set(self.tokens.split(x))
+        y, aux = self._chunk_forward(chunk_w, x, m, c, self.ops.seq(tokens))
+        return self.tokens.split(y), stash.at[slot].set(self.tokens.split(x)), self.ops.aux_rows(c, aux, stem_aux)
 
     def a_branch(self, f_kind: str, r_kind: str):
         def branch(chunk, shared, tokens_f, tokens_r, stash, msg, res, g_self, m_f, m_r, slot_f, slot_r, c):
             chunk_w = cast_chunk(chunk, self.dtype)
             zero_shared = jax.tree.map(jnp.zeros_like, shared)
             loss = jnp.zeros((), jnp.float32)
+            aux_r = self.ops.aux_zeros()
             seq_r = self.ops.seq(tokens_r)  # the recomputed micro-batch's documents (packing)
             if r_kind == 'stash':  # read before this half-slot's forward stores (a different slot)
                 _, res = self.res.capture(chunk_w, self.tokens.gather(stash[slot_r]), m_r, c, seq_r)
-            elif r_kind == 'last':
-                y, res = self.res.capture(chunk_w, self.tokens.gather(msg), m_r, c, seq_r)
+            elif r_kind == 'last':  # the last chunk's forward is this recomputation: its aux counts
+                (y, aux), res = self.res.capture(chunk_w, self.tokens.gather(msg), m_r, c, seq_r)
                 loss, zero_shared, g_y = self.ops.loss_vjp(chunk, shared, y, tokens_r)
                 g_self = g_y.astype(g_self.dtype)
-            y_send, stash = self._forward_part(f_kind, chunk_w, shared, tokens_f, stash, msg, m_f, c, slot_f)
-            return y_send, stash, res, g_self, loss, zero_shared
+                aux_r = self.ops.aux_rows(c, aux)
+            y_send, stash, aux_f = self._forward_part(f_kind, chunk_w, shared, tokens_f, stash, msg, m_f, c, slot_f)
+            aux = jax.tree.map(jnp.add, aux_r, aux_f)
+            return y_send, stash, res, g_self, loss, zero_shared, aux
 
         return branch
 
@@ -157,12 +167,13 @@ class StaggeredOps:
                 return acc, jax.tree.map(jnp.zeros_like, shared), jnp.zeros_like(msg)
             chunk_w = cast_chunk(chunk, self.dtype)
             g = g_self if kind == 'last' else self.tokens.gather(msg)
-            g_w, g_x = self.res.pullback(res, chunk_w)(g.astype(self.dtype))
+            g_aux = auxiliary.seeds(auxiliary.zeros_like(self.res.aux_avals), self.ops.aux_seed)
+            g_w, g_x = self.res.pullback(res, chunk_w)((g.astype(self.dtype), g_aux))
             acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g_w)
             g_shared = jax.tree.map(jnp.zeros_like, shared)
             if kind == 'first':
-                _, pull = self.ops.embed_vjp(chunk, shared, tokens_b, m_b)
-                (g_shared,) = pull(g_x.astype(self.dtype))
+                _, _, pull = self.ops.embed_vjp(chunk, shared, tokens_b, m_b)
+                g_shared = pull(g_x.astype(self.dtype))
                 return acc, g_shared, jnp.zeros_like(msg)
             return acc, g_shared, self.tokens.split(g_x)
 
@@ -181,14 +192,15 @@ _B_KINDS = {schedules.BS_NONE: 'none', schedules.BS_FIRST: 'first', schedules.BS
 
 
 def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_def: ModelDef,
-                schedule: schedules.Staggered, dropout_key_fn, loss_scale=None, packing=None):
-    """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, grads); pipeline/__init__.py's contract."""
+                schedule: schedules.Staggered, dropout_key_fn, loss_scale=None, packing=None, aux_weight=None):
+    """The per-stage half-slot loop: (local blocks, shared, micro tokens) -> (loss, aux sums, grads);
+    pipeline/__init__.py's contract."""
     p_size = schedule.num_stages
-    lc = shape.num_layers // p_size
+    lc = model_def.group_sizes()[PIPELINED] // p_size
     dtype = jnp.dtype(shape.dtype)
     ops = StaggeredOps(ChunkOps(model_def, shape.seq_len, lc, schedule.num_micro, dropout_key_fn,
                                 TokenSplit(layout.shard_activations), loss_scale,
-                                TokenOrder.of(layout, shape.seq_len, packing)), dtype, layout.remat)
+                                TokenOrder.of(layout, shape.seq_len, packing), aux_weight), dtype, layout.remat)
     a_ops = [ops.a_branch(*_A_KINDS[k]) for k in range(len(_A_KINDS))]
     b_ops = [ops.b_branch(_B_KINDS[k]) for k in range(len(_B_KINDS))]
     a_table, b_table = jnp.asarray(schedule.a_table), jnp.asarray(schedule.b_table)
@@ -199,13 +211,14 @@ def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_d
         ops.bind_shared(shared)
         x_zero = zero_activation(micro_tokens, shape.d_model, dtype)
         ops.res.probe(cast_chunk(blocks, dtype), x_zero, jnp.int32(0), jnp.int32(0), ops.ops.seq(micro_tokens[0]))
+        ops.ops.probe_aux(blocks, shared, micro_tokens)
         chunk_index = stage  # one chunk per stage
 
         def half_slot(carry, s, h):
-            stash, msg, res, g_self, g_blocks, g_shared, loss_sum = carry
+            stash, msg, res, g_self, g_blocks, g_shared, loss_sum, aux_sum = carry
             a_kind, m_f, m_r, slot_f, slot_r = a_table[s, stage]
             b_kind, m_b = b_table[s, stage]
-            y, stash, res_a, g_self, loss, gs_a = jax.lax.switch(
+            y, stash, res_a, g_self, loss, gs_a, aux = jax.lax.switch(
                 a_kind, a_ops, blocks, shared, micro_tokens[m_f], micro_tokens[m_r], stash, msg, res, g_self,
                 m_f, m_r, slot_f, slot_r, chunk_index)
             g_blocks, gs_b, g_x = jax.lax.switch(b_kind, b_ops, blocks, shared, micro_tokens[m_b], msg, res, g_self,
@@ -215,7 +228,8 @@ def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_d
             if pairs[h]:  # P = 2 has nothing to exchange after odd half-slots
                 a_stage = (s - stage) % 2 == 0
                 msg = jax.lax.ppermute(jnp.where(a_stage, y, g_x).astype(dtype), AXIS, pairs[h])
-            return (stash, msg, res_a, g_self, g_blocks, g_shared, loss_sum + loss)
+            return (stash, msg, res_a, g_self, g_blocks, g_shared, loss_sum + loss,
+                    jax.tree.map(jnp.add, aux_sum, aux))
 
         def iteration(carry, i):
             carry = half_slot(carry, 2 * i, 0)
@@ -223,8 +237,9 @@ def make_engine(layout: layout_lib.Layout, shape: config_lib.ModelShape, model_d
 
         carry = (ops.tokens.split(jnp.zeros((schedule.act_slots, *x_zero.shape), dtype)),
                  ops.tokens.split(x_zero), ops.res.zeros(), x_zero,
-                 f32_zeros(blocks), f32_zeros(shared), jnp.zeros((), jnp.float32))
-        (*_, g_blocks, g_shared, loss_sum), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.num_half_slots // 2))
-        return sum_over_stages(loss_sum, g_blocks, g_shared)
+                 f32_zeros(blocks), f32_zeros(shared), jnp.zeros((), jnp.float32), ops.ops.aux_zeros())
+        (*_, g_blocks, g_shared, loss_sum, aux_sum), _ = jax.lax.scan(iteration, carry,
+                                                                      jnp.arange(schedule.num_half_slots // 2))
+        return sum_over_stages(loss_sum, aux_sum, g_blocks, g_shared)
 
     return engine

@@ -30,21 +30,23 @@ AXIS = layout_lib.DATA
 
 
 def data_local(fn, rules: mesh_lib.Rules):
-    """`fn(params, micro_abt, step[, scale]) -> (loss, grads)` run per data-parallel replica, reduced once.
+    """`fn(params, micro_abt, step, scale, aux_weight) -> (loss, aux, grads)` run per data-parallel
+    replica, reduced once.
 
     micro_abt's rows are split over `data` (each replica keeps the rows it already holds:
-    step.split_micro_batches lays rows out data-major); loss and gradients are averaged over
-    the replicas with one `pmean` each.
+    step.split_micro_batches lays rows out data-major); loss, aux (per-micro-batch means over
+    tokens, model/auxiliary.py) and gradients are averaged over the replicas with one `pmean` each.
+    `scale` (float16's loss scale) and `aux_weight` may be None.
     """
     inner_rules = mesh_lib.without_axis(rules, AXIS)  # inside, `data` is no longer an automatic axis
 
-    def local(params, micro_abt, step, *scale):
+    def local(params, micro_abt, step, scale, aux_weight):
         with mesh_lib.use_rules(inner_rules):
-            loss, grads = fn(params, micro_abt, step, *scale)
-        return jax.lax.pmean(loss, AXIS), jax.lax.pmean(grads, AXIS)
+            loss, aux, grads = fn(params, micro_abt, step, scale, aux_weight)
+        return jax.lax.pmean(loss, AXIS), jax.lax.pmean(aux, AXIS), jax.lax.pmean(grads, AXIS)
 
-    def run(params, micro_abt, step, *scale):  # `scale`: float16's loss scale, when there is one
-        return jax.shard_map(local, in_specs=(P(), P(None, AXIS), P()) + (P(),) * len(scale),
-                             out_specs=(P(), P()), axis_names={AXIS}, check_vma=False)(params, micro_abt, step, *scale)
+    def run(params, micro_abt, step, scale=None, aux_weight=None):
+        return jax.shard_map(local, in_specs=(P(), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P()),
+                             axis_names={AXIS}, check_vma=False)(params, micro_abt, step, scale, aux_weight)
 
     return run

@@ -23,6 +23,7 @@ from jaxfrontier.errors import ConfigError
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.checkpoint import target as target_lib
+from jaxfrontier.model import auxiliary
 from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.training import loss_scale
@@ -57,50 +58,60 @@ def dropout_keys(c: ml_collections.ConfigDict):
 
 
 def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_specs):
-    """`(params, micro_abt, step[, scale]) -> (mean loss, mean grads)` over the micro-batches (no pipeline).
+    """`(params, micro_abt, step, scale=None, aux_weight=None) -> (mean loss, mean aux, mean grads)`
+    over the micro-batches (no pipeline); the contract of `make_loss_aux_and_grads`' `micro_fn`.
 
-    The running sum is held in fp32 with `grad_specs` (where gradients live inside the loop).
+    Each micro-batch's gradient is that of its objective, the cross-entropy plus `aux_weight` x
+    its aux's loss terms (model/auxiliary.py); the loss returned is the cross-entropy, the aux
+    each entry's mean over the micro-batches. The running gradient sum is held in fp32 with
+    `grad_specs` (where gradients live inside the loop).
     """
     accum, model_def, dropout_key = layout.layout.accum_steps, layout.model_def, dropout_keys(c)
     order = TokenOrder.of(layout.layout, layout.shape.seq_len, packing_lib.from_config(c))
 
-    def micro_loss(params, tokens_bt, key):
-        return order.loss(model_def.bind(params), tokens_bt, key)
+    def micro_objective(params, tokens_bt, key, aux_weight):
+        loss, aux = order.loss_and_aux(model_def.bind(params), tokens_bt, key)
+        return auxiliary.objective(loss, aux, aux_weight), (loss, aux)
 
-    value_and_grad = jax.value_and_grad(micro_loss)
+    value_and_grad = jax.value_and_grad(micro_objective, has_aux=True)
 
-    def grad_fn(params, tokens_bt, key, scale):
+    def grad_fn(params, tokens_bt, key, scale, aux_weight):
         if scale is None:
-            return value_and_grad(params, tokens_bt, key)
+            (_, (loss, aux)), grads = value_and_grad(params, tokens_bt, key, aux_weight)
+            return loss, aux, grads
         # Loss scaling (float16): the backward pass starts from `scale`, not 1; the loss is unscaled.
-        loss, pull = jax.vjp(lambda p: micro_loss(p, tokens_bt, key), params)
-        return loss, pull(scale.astype(loss.dtype))[0]
+        _, pull, (loss, aux) = jax.vjp(lambda p: micro_objective(p, tokens_bt, key, aux_weight), params,
+                                       has_aux=True)
+        return loss, aux, pull(scale.astype(loss.dtype))[0]
 
     constrain = lambda tree: jax.lax.with_sharding_constraint(tree, grad_specs)  # noqa: E731
 
-    def accumulate(params, micro_abt, step, scale=None):
+    def accumulate(params, micro_abt, step, scale=None, aux_weight=None):
         if accum == 1:
-            return grad_fn(params, micro_abt[0], dropout_key(step, 0), scale)
+            return grad_fn(params, micro_abt[0], dropout_key(step, 0), scale, aux_weight)
 
         def body(carry, xs):
             loss_sum, grad_sum = carry
             tokens_bt, index = xs
-            loss, grads = grad_fn(params, tokens_bt, dropout_key(step, index), scale)
-            return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), None
+            loss, aux, grads = grad_fn(params, tokens_bt, dropout_key(step, index), scale, aux_weight)
+            return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), aux
 
         zeros = constrain(jax.tree.map(jnp.zeros_like, params))
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                               (micro_abt, jnp.arange(accum)))
-        return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
+        (loss_sum, grad_sum), aux_a = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                                   (micro_abt, jnp.arange(accum)))
+        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), aux_a)  # [A, L, ...] -> [L, ...]
+        return loss_sum / accum, aux, jax.tree.map(lambda g: g / accum, grad_sum)
 
     return accumulate
 
 
-def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
-    """Returns `loss_and_grads(params, tokens, step, scale=None) -> (loss, grads)` over the accumulation steps.
+def make_loss_aux_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
+    """Returns `loss_aux_and_grads(params, tokens, step, scale=None) -> (loss, aux, grads)` over the accumulation steps.
 
-    The loss is the mean over all tokens of the global batch (over the counted ones with packed
-    documents: model/packing.py); gradients are averaged over the micro-batches in fp32 and laid
+    The loss is the mean cross-entropy over all tokens of the global batch (over the counted ones
+    with packed documents: model/packing.py); `aux` the layers' auxiliary outputs `{name: [L, ...]}`
+    averaged over the micro-batches (model/auxiliary.py); the gradients those of the objective
+    (cross-entropy plus the aux's loss terms), averaged over the micro-batches in fp32 and laid
     out like the optimizer state (`layout.update_shardings`).
     Where `Layout.reduce_once` holds, each data-parallel replica accumulates its own rows'
     gradients and they cross the `data` axis once per step (jaxfrontier/training/reduction.py).
@@ -119,13 +130,27 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement)
         if once:
             micro_fn = reduction.data_local(micro_fn, layout.rules)
 
-    def loss_and_grads(params, tokens_gt, step, scale=None):
-        scaled = () if scale is None else (scale,)  # float16: gradients come back multiplied by `scale`
-        loss, grads = micro_fn(params, split_micro_batches(tokens_gt, accum, dp), step, *scaled)
+    def loss_aux_and_grads(params, tokens_gt, step, scale=None):
+        # float16: gradients come back multiplied by `scale`. Packed documents: the gradients are
+        # multiplied by count_scale below, so the aux's loss terms enter divided by it (aux_weight).
+        scale_n = None if packing is None else packing_lib.count_scale(tokens_gt, packing)
+        aux_weight = None if packing is None or packing.boundary_loss else 1.0 / scale_n
+        loss, aux, grads = micro_fn(params, split_micro_batches(tokens_gt, accum, dp), step, scale, aux_weight)
         if packing is not None:  # the mean over all predictions -> over the counted ones (model/packing.py)
-            scale_n = packing_lib.count_scale(tokens_gt, packing)
             loss, grads = loss * scale_n, jax.tree.map(lambda g: g * scale_n, grads)
-        return loss, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
+        return loss, aux, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
+
+    return loss_aux_and_grads
+
+
+def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
+    """Returns `loss_and_grads(params, tokens, step, scale=None) -> (loss, grads)`: `make_loss_aux_and_grads`
+    without the aux (the planner, verify, benchmarks)."""
+    loss_aux_and_grads = make_loss_aux_and_grads(c, layout)
+
+    def loss_and_grads(params, tokens_gt, step, scale=None):
+        loss, _, grads = loss_aux_and_grads(params, tokens_gt, step, scale)
+        return loss, grads
 
     return loss_and_grads
 
@@ -133,12 +158,12 @@ def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement)
 def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     """Returns the pure `train_step(state, tokens) -> (state, metrics)` for this layout."""
     tx, lr_schedule = layout.tx, layout.lr_schedule
-    loss_and_grads = make_loss_and_grads(c, layout)
+    loss_aux_and_grads = make_loss_aux_and_grads(c, layout)
 
     def train_step(state: State, tokens_gt: jax.Array) -> tuple[State, dict[str, jax.Array]]:
         params, scale_state = state['params'], state.get('loss_scale')
         scale = None if scale_state is None else scale_state['scale']
-        loss, grads = loss_and_grads(params, tokens_gt, state['step'], scale)
+        loss, aux, grads = loss_aux_and_grads(params, tokens_gt, state['step'], scale)
         if scale_state is not None:
             grads = loss_scale.unscale(c, scale_state, grads)
         updates, opt_state = tx.update(grads, state['opt_state'], params)
@@ -156,15 +181,17 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
             extra = {**extra, **spike_metrics}
         metrics = {'train/loss': loss, 'train/grad_norm': grad_norm,
                    'train/param_norm': optax.tree.norm(new_state['params']), 'train/lr': lr_schedule(state['step']),
-                   **extra}
+                   **extra, **auxiliary.metrics(aux)}
         return new_state, metrics
 
     return train_step
 
 
-def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
-    """Returns `eval_step(params, tokens) -> mean loss`, micro-batched like training (with packed
-    documents, the mean over the batch's counted predictions; training/evaluation.py weighs batches)."""
+def make_eval_loss_and_aux(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
+    """Returns `eval_loss_and_aux(params, tokens) -> (mean loss, mean aux)`, micro-batched like training
+    (with packed documents, the mean over the batch's counted predictions; training/evaluation.py
+    weighs batches). The loss is the cross-entropy alone; the aux `{name: [L, ...]}` (model/auxiliary.py)
+    averaged over the micro-batches, as training reports it."""
     lay = layout.layout
     accum, dp = lay.accum_steps, lay.dp
     packing = packing_lib.from_config(c)
@@ -178,11 +205,24 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
         def mean_all(params, tokens_gt):
             model = layout.model_def.bind(params)
             micro_abt = split_micro_batches(tokens_gt, accum, dp)
-            return jnp.mean(jax.lax.map(lambda tokens_bt: order.loss(model, tokens_bt), micro_abt))
+            losses, aux = jax.lax.map(lambda tokens_bt: order.loss_and_aux(model, tokens_bt), micro_abt)
+            return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
 
     if packing is None:
         return mean_all
-    return lambda params, tokens_gt: mean_all(params, tokens_gt) * packing_lib.count_scale(tokens_gt, packing)
+
+    def counted(params, tokens_gt):
+        loss, aux = mean_all(params, tokens_gt)
+        return loss * packing_lib.count_scale(tokens_gt, packing), aux
+
+    return counted
+
+
+def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
+    """Returns `eval_step(params, tokens) -> mean loss`: `make_eval_loss_and_aux` without the aux (the
+    loop's evaluation reports the cross-entropy only)."""
+    eval_loss_and_aux = make_eval_loss_and_aux(c, layout)
+    return lambda params, tokens_gt: eval_loss_and_aux(params, tokens_gt)[0]
 
 
 def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):

@@ -7,6 +7,7 @@ import math
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from jaxfrontier import config as config_lib
@@ -157,6 +158,32 @@ def test_metrics_writer_writes_jsonl_and_tensorboard(tmp_path):
     ]
     events = glob.glob(os.path.join(tmp_path, 'tensorboard', 'events.out.tfevents.*'))
     assert events and os.path.getsize(events[0]) > 0
+
+
+def test_layer_arrays_go_to_jsonl_as_lists_and_not_to_tensorboard_or_sinks(tmp_path):
+    """The layers' aux (model/auxiliary.py: `aux/<name>/layers`, [L] or [L, E]) arrives from the step
+    as arrays: host_values turns them into lists, the JSON row keeps them (non-finite as null),
+    TensorBoard and the sinks get the scalars only."""
+    class Sink:
+        rows = []
+
+        def write(self, step, values, replayed):
+            self.rows.append(dict(values))
+
+    fetched = {'train/loss': np.float32(2.5), 'aux/loss_z': np.float32(0.5),
+               'aux/loss_z/layers': np.array([0.25, 0.75], np.float32),
+               'aux/counts/layers': np.array([[0.5, 0.5], [1.0, np.inf]], np.float32)}
+    values = metrics.host_values(fetched)
+    assert values == {'train/loss': 2.5, 'aux/loss_z': 0.5, 'aux/loss_z/layers': [0.25, 0.75],
+                      'aux/counts/layers': [[0.5, 0.5], [1.0, math.inf]]}
+    writer = metrics.MetricsWriter(str(tmp_path), total_steps=3, enabled=True, progress=False, sinks=(Sink(),))
+    writer.write(1, values)
+    writer.close()
+    row = json.loads((tmp_path / 'metrics.jsonl').read_text(),
+                     parse_constant=lambda c: pytest.fail(f'non-strict JSON {c}'))
+    assert row == {'step': 1, 'train/loss': 2.5, 'aux/loss_z': 0.5, 'aux/loss_z/layers': [0.25, 0.75],
+                   'aux/counts/layers': [[0.5, 0.5], [1.0, None]]}
+    assert Sink.rows == [{'train/loss': 2.5, 'aux/loss_z': 0.5}]
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

@@ -13,6 +13,7 @@ import sys
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 
 from jaxfrontier import errors
 
@@ -48,6 +49,19 @@ def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, mod
 # --------------------------------------------------------------------------- writer
 
 
+def host_values(fetched: Mapping[str, Any]) -> dict[str, Any]:
+    """Fetched step metrics as host values: scalars as floats, small arrays (the layers' aux,
+    `aux/<name>/layers`: model/auxiliary.py) as nested lists of floats."""
+    return {k: float(v) if np.ndim(v) == 0 else np.asarray(v, np.float64).tolist() for k, v in fetched.items()}
+
+
+def _finite_or_none(value: Any) -> Any:
+    """A value for strict JSON: a non-finite float as None, lists element by element."""
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value if math.isfinite(value) else None
+
+
 def last_logged_step(path: str) -> int:
     """The largest step in a metrics.jsonl (0 if there is none)."""
     last = 0
@@ -81,8 +95,9 @@ class MetricsWriter:
     log, a pipe, or the bar switched off) one plain line per written row (`progress_line`).
     Only an enabled writer on process 0 does anything; elsewhere every method is a no-op.
     Non-finite values are written to the JSON file as `null` so every line is strict JSON.
-    `sinks` get every row too (`write(step, values, replayed)`, `summary(values)`: W&B,
-    run/observe/wandb_log.py); their owner closes them.
+    Array values (lists: the layers' aux) go to the JSON file only; TensorBoard and the sinks
+    get the scalars. `sinks` get every row too (`write(step, values, replayed)`,
+    `summary(values)`: W&B, run/observe/wandb_log.py); their owner closes them.
     """
 
     def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool, initial_step: int = 0,
@@ -111,12 +126,14 @@ class MetricsWriter:
                               unit='step', dynamic_ncols=True)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> None:
-        """Appends `{'step': step, **scalars}` (values as floats) and logs them to TensorBoard."""
+        """Appends `{'step': step, **scalars}` (values as floats, lists as lists) and logs the scalars
+        to TensorBoard."""
         if not self.enabled:
             return
-        values = {k: float(v) for k, v in scalars.items()}
+        arrays = {k for k, v in scalars.items() if isinstance(v, list)}
+        values = {k: float(v) for k, v in scalars.items() if k not in arrays}
         row = {'step': int(step)}
-        row.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+        row.update({k: _finite_or_none(v if k in arrays else values[k]) for k, v in scalars.items()})
         if step <= self.replayed_until:
             row['replayed'] = True
         self._jsonl.write(json.dumps(row, allow_nan=False) + '\n')

@@ -66,7 +66,7 @@ class Reporter:
         step the final checkpoint holds. A step skipped as a loss spike (training/spikes.py) is always
         written, and its non-finite loss does not stop the run (its update was not applied). Returns the
         step's fetched metrics."""
-        scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        scalars = metrics_lib.host_values(jax.device_get(metrics))  # the layers' aux as lists
         # A spike limit is infinite until train.spike_warmup steps were seen: not written before.
         scalars = {k: v for k, v in scalars.items() if not (k.startswith('spike/') and v == float('inf'))}
         now = time.perf_counter()
