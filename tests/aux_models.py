@@ -12,8 +12,7 @@ the layers: GPT's blocks returning mean_y and loss_stem = COEF x mean(|y|^2) / 2
 (toy-aux blocks): `mean_y` spans both groups' rows, the other entries one group's; the groups'
 dropout indices; a pipeline's stem (the first group runs with the embedding on the first stage).
 
-`register_toy_families` is the one place that registers them (today model/registry.FAMILIES and
-config's MODEL_FAMILIES; a families registry's `register` later).
+`register_toy_families` is the one place that registers them (`families.register`, for the duration).
 """
 
 import contextlib
@@ -22,16 +21,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.config import checks
-from jaxfrontier.model import gpt, registry, stack
+from jaxfrontier import families
+from jaxfrontier.model import gpt, stack
 from jaxfrontier.model import params as params_lib
-from jaxfrontier.model.family import ParamSpec
+from jaxfrontier.families import ParamSpec
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
 from layout_check import LOSS_RTOL, TREE_ATOL, TREE_RTOL, batches, check_against_reference, without_key_bias
@@ -90,7 +88,7 @@ class ToyGroups(gpt.GPT):
 def groups_param_specs(s) -> tuple[ParamSpec, ...]:
     """GPT's table with the layers split into the two groups (paths under each group's key)."""
     out = []
-    for p in gpt.param_specs(s):
+    for p in families.get('gpt').param_specs(s):
         if not p.is_block:
             out.append(p)
             continue
@@ -99,18 +97,21 @@ def groups_param_specs(s) -> tuple[ParamSpec, ...]:
     return tuple(sorted(out, key=lambda p: p.path))
 
 
-TOY_AUX = dataclasses.replace(gpt.FAMILY, name='toy_aux', module=ToyAux)
-TOY_GROUPS = dataclasses.replace(gpt.FAMILY, name='toy_groups', module=ToyGroups, param_specs=groups_param_specs)
+TOY_AUX = dataclasses.replace(families.get('gpt'), name='toy_aux', module=f'{__name__}:ToyAux')
+TOY_GROUPS = dataclasses.replace(families.get('gpt'), name='toy_groups', module=f'{__name__}:ToyGroups',
+                                 param_specs=groups_param_specs)
 
 
 @contextlib.contextmanager
 def register_toy_families():
-    """The toy families registered for the duration (model/registry.py's table and config's names)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for family in (TOY_AUX, TOY_GROUPS):
-            mp.setitem(registry.FAMILIES, family.name, family)
-        mp.setattr(checks, 'MODEL_FAMILIES', (*checks.MODEL_FAMILIES, TOY_AUX.name, TOY_GROUPS.name))
+    """The toy families registered for the duration (`families.register`)."""
+    for family in (TOY_AUX, TOY_GROUPS):
+        families.register(family)
+    try:
         yield
+    finally:
+        for family in (TOY_AUX, TOY_GROUPS):
+            families.unregister(family.name)
 
 
 # --------------------------------------------------------------------------- layout checks with aux

@@ -24,7 +24,8 @@ from flax import nnx
 from aux_models import TOY_AUX, TOY_GROUPS, check_layout_with_aux, reference, register_toy_families
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
-from jaxfrontier.model import auxiliary, decode, registry
+from jaxfrontier import families
+from jaxfrontier.model import auxiliary, decode
 from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.model.context import TokenOrder
@@ -159,7 +160,7 @@ def test_groups_keep_one_group_models_and_extend_the_table():
                                jax.tree_util.tree_flatten_with_path(tree, **kw)[0]}
     abstract = flat(model_def.abstract_params())
     logical = flat(model_def.logical_specs(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    specs = registry.get(TOY_GROUPS.name).param_specs(shape)
+    specs = families.get(TOY_GROUPS.name).param_specs(shape)
     assert sorted(p.path for p in specs) == sorted(abstract)
     for p in specs:
         assert p.shape == abstract[p.path].shape and p.names == tuple(logical[p.path]), p.path
