@@ -95,6 +95,31 @@ def test_qwen3_without_head_dim_has_transformers_default():
     assert hf.model_fields(base | {'model_type': 'llama'}, 'l')['head_dim'] == 16
 
 
+# Qwen3-4B's config.json (the published dense model whose heads, 128 wide, are not 2560 / 32 = 80).
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters={'rope_type': 'default',
+                                                                              'rope_theta': 1000000.0})
+
+
+def test_qwen3_4b_parameters_and_plan(tmp_path):
+    """Our parameter table counts what transformers builds for Qwen3-4B (4,022,468,096: q and o 4096 wide),
+    and the planner plans it on 8 MI250X GCDs (tensor 8 splits the 8 kv heads) saying the heads' width."""
+    from jaxfrontier.plan import planner  # pylint: disable=import-outside-toplevel
+    config = transformers.Qwen3Config(**QWEN3_4B)
+    with torch.device('meta'):
+        theirs = sum(p.numel() for p in transformers.Qwen3ForCausalLM(config).parameters())
+    (tmp_path / 'config.json').write_text(json.dumps(config.to_dict()))
+    c = config_lib.base_config()
+    c.model.update(hf.model_fields(hf.read_hf_config(str(tmp_path)), str(tmp_path)), seq_len=4096)
+    c.train.global_batch, c.train.micro_batch = 1, 1
+    shape = config_lib.model_shape(c)  # tensor 1: the vocabulary is not padded (151,936 = 128 x 1187)
+    assert sum(p.size for p in families.get('llama').param_specs(shape)) == theirs == 4_022_468_096
+    c.mesh.tensor = 8
+    text = planner.format_plan(planner.plan(c, 'mi250x'))
+    assert 'llama: 36 layers, d 2560, 32 heads of 128 (8 k/v)' in text, text
+
+
 # --------------------------------------------------------------------------- tensors both ways
 
 

@@ -5,7 +5,8 @@ The layout model (QWEN3): width 64, 8 query heads of 12 (q 96 wide, not 64) shar
 over tensor 2) or one (MQA: replicated over tensor 2), QK-norm, no biases, RoPE theta 1e6, an untied
 head. Against one device (layout_check.py's tolerances): fast, data 2 x fsdp 2 x tensor 2 with the kv
 head replicated, step 0; slow, tensor 2 with the kv heads split and replicated, fsdp 8, a 1F1B pipeline
-with tensor 2 and context 2 (ring attention over heads 12 wide), over 3 optimizer steps. Also: the
+with tensor 2 and context 2 (ring attention over heads 12 wide), over 3 optimizer steps, the three
+kernels against each other, and a --mode=verify certificate of Qwen3-30B-A3B's attention shape. Also: the
 parameter table and FLOPs, the checks, the planner's proxy and sizes, and the verify shrink, which keeps
 the head width apart from d_model / num_heads. Numbers against transformers: tests/checkpoint/test_hf_qwen3.py.
 """
@@ -92,6 +93,22 @@ def test_flops_count_the_query_width():
         flops_lib.gated_gqa_flops_per_step(*args)
 
 
+@pytest.mark.slow
+def test_attention_kernels_agree_with_reference():
+    """blockwise (3 blocks of 8) and xla against the reference kernel on one device, heads of 14 with QK-norm."""
+    tokens = jax.random.randint(jax.random.key(2), (2, 25), 0, 97)  # 24 inputs: 3 blocks of 8
+    shapes = {impl: config_lib.model_shape(llama_config(attention=impl, attention_block_q=8, attention_block_kv=8))
+              for impl in ('reference', 'blockwise', 'xla')}
+    params = jax.jit(lambda key: params_lib.init_params(shapes['reference'], key))(jax.random.key(0))
+    loss_grads = lambda s: jax.jit(jax.value_and_grad(  # noqa: E731
+        lambda p: params_lib.ModelDef.create(s).bind(p).loss(tokens[:, :-1], tokens[:, 1:])))(params)
+    ref_loss, ref_grads = loss_grads(shapes['reference'])
+    for impl in ('blockwise', 'xla'):
+        loss, grads = loss_grads(shapes[impl])
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)
+        assert_trees_close(grads, ref_grads, f'{impl} grad')
+
+
 # --------------------------------------------------------------------------- the checks
 
 
@@ -151,6 +168,23 @@ def test_shrink_keeps_the_head_width_apart_on_its_side(head_dim, wider):
         assert small.head_dim % 2 == 0 and (small.head_dim * small.num_heads > small.d_model) == wider
         assert small.head_dim != small.d_model // small.num_heads
     config_lib.validate(shrink_lib.reference_config(s.config), 1)
+
+
+@pytest.mark.slow
+def test_verify_certificate_passes_for_a_qwen3_layout():
+    """--mode=verify's check of Qwen3-30B-A3B's attention shape (heads twice d / h wide, QK-norm) on tensor 2
+    x fsdp 2 x data 2: the shrunk model (heads still apart from d / h) against one device."""
+    from jaxfrontier.plan import verify  # pylint: disable=import-outside-toplevel
+    c = config_lib.base_config()
+    c.model.update(family='llama', num_layers=4, d_model=2048, num_heads=32, num_kv_heads=4, head_dim=128,
+                   qk_norm=True, mlp_dim=768, remat='full')
+    c.mesh.update(tensor=2, fsdp=2, data=2)
+    c.train.update(global_batch=16, micro_batch=2, accum_steps=2)
+    s = shrink_lib.shrink(c, max_devices=8)
+    small = config_lib.model_shape(s.config)
+    assert small.head_dim * small.num_heads == 2 * small.d_model and small.qk_norm
+    cert = verify.certificate('qwen3', s)
+    assert cert['passed'], verify.summary(cert)
 
 
 # --------------------------------------------------------------------------- layouts against one device
