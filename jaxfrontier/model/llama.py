@@ -5,8 +5,9 @@ own) decoders: grouped-query attention (`num_kv_heads` key/value heads shared by
 heads; 1 = multi-query), rotary position embeddings in Hugging Face's half-split convention
 (model/layers/rope.py; theta and Llama 3.1's frequency scaling configurable), a SwiGLU MLP, no
 biases by default, an untied head by default. The blocks, the head and the loss run as GPT's do
-(model/decoder.py, stack.py); one block serves training and KV-cached decoding. The family's declaration (fields, shape
-`LlamaShape`, parameter table, FLOPs, Hugging Face converter) is families/llama.py.
+(model/decoder.py, stack.py); one block serves training and KV-cached decoding. The family's
+declaration (fields, shape `LlamaShape`, parameter table, FLOPs, Hugging Face converter) is
+families/llama.py.
 
 Tensor parallelism (Megatron): q, gate and up column-parallel over heads / `mlp`, the output
 and down projections row-parallel; the g kv heads split over `tensor` where g divides it and
