@@ -8,7 +8,7 @@ No module here imports JAX: `main` reads the config before JAX starts, so that i
 the simulated CPU device count.
 """
 
-from jaxfrontier.config.checks import check_device_count, validate  # noqa: F401
+from jaxfrontier.config.checks import check_compiles, check_device_count, validate  # noqa: F401
 from jaxfrontier.config.rules import SEQUENCE_PARALLEL, resolve_rules, sequence_parallel, sharding_rules  # noqa: F401
 from jaxfrontier.config.schema import (  # noqa: F401
     ATTENTION_IMPLS,
