@@ -68,8 +68,9 @@ def test_in_branches_finds_collective_permutes_only_inside_conditionals():
     found = hlo_collectives.in_branches(HLO)
     assert len(found) == 1 and found[0].startswith('inner: ROOT %collective-permute.3 ='), found  # not ENTRY's
     assert hlo_collectives.in_branches(HLO, kinds=('all-reduce',))[0].startswith('branch_b: ROOT %all-reduce.1')
-    assert hlo_collectives.in_branches(HLO.replace('conditional', 'call').replace('branch_computations={%branch_a, '
-                                                                                  '%branch_b}', 'to_apply=%branch_a')) == []
+    called = HLO.replace('conditional', 'call').replace('branch_computations={%branch_a, %branch_b}',
+                                                        'to_apply=%branch_a')
+    assert hlo_collectives.in_branches(called) == []
 
 
 # --------------------------------------------------------------------------- slow: layouts against one device
