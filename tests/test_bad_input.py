@@ -9,8 +9,6 @@ that no traceback is printed.
 """
 
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -20,6 +18,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader, token_files
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.run import loop
+from tests import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -231,16 +230,13 @@ def test_misspelt_key_in_a_locked_config():
 
 
 def run_main(tmp_path, *args):
-    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
     workdir = tmp_path / 'wd'
-    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', f'--workdir={workdir}', *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    output = proc.stdout + proc.stderr
-    assert 'Traceback' not in output, output
+    proc = processes.run_main(f'--workdir={workdir}', *args, tiny=False, timeout=120,
+                              env=processes.subprocess_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'))
+    assert 'Traceback' not in proc.stdout, proc.stdout
+    line = processes.error_line(proc, code=None)  # one message
     assert not os.path.exists(workdir), os.listdir(workdir)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
-    assert len(errors) == 1, output  # one message
-    return proc.returncode, errors[0]
+    return proc.returncode, line
 
 
 @pytest.mark.parametrize('args,named,hint', [

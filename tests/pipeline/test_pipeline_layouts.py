@@ -19,8 +19,6 @@ command through `python -m jaxfrontier.main`, training (shrunk to a 64-token seq
 benchmarks/layout_sweep.py (docs/architecture.md, "Layouts that run").
 """
 
-import subprocess
-import sys
 
 import pytest
 
@@ -110,9 +108,7 @@ ISSUE = ('--config=configs/tiny.py', '--config.train.steps=3', '--config.model.s
 
 
 def _main(*args, tmp_path):
-    return subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *args, f'--workdir={tmp_path}'],
-                          cwd=processes.REPO, env=processes.subprocess_env(), capture_output=True, text=True,
-                          timeout=900)
+    return processes.run_main(*args, f'--workdir={tmp_path}', tiny=False, timeout=900)
 
 
 @pytest.mark.slow
