@@ -50,14 +50,18 @@ def test_save_refuses_a_nonfinite_step(tmp_path):
     checkpointer = ckpt_lib.Checkpointer(c, str(tmp_path))
     good = {'train/loss': np.float32(2.0), 'train/grad_norm': np.float32(1.0), 'train/param_norm': np.float32(5.0)}
     assert checkpointer.save(1, state, metrics=good)
-    for key in good:
-        with pytest.raises(errors.NonFiniteLossError, match=r'step 2 .*newest finite checkpoint is step 1 '
+    for key in ('train/grad_norm', 'train/param_norm'):
+        with pytest.raises(errors.NonFiniteLossError, match=r'step 2 .*newest healthy checkpoint is step 1 '
                                                                  r'.*--config\.optim\.lr='):
             checkpointer.save(2, state, metrics={**good, key: np.float32(np.nan)})
+    # Step 2's loss is computed on step 1's state: NaN there makes step 1 unhealthy too (checkpoint/verdict.py).
+    with pytest.raises(errors.NonFiniteLossError, match=r'step 2 .*no healthy checkpoint to resume from'):
+        checkpointer.save(2, state, metrics={**good, 'train/loss': np.float32(np.nan)})
+    assert checkpointer.health_ledger.reason(1) == "the next step's loss, computed on it, was nan"
     checkpointer.close()
     assert steps_of(str(tmp_path)) == [1]
     meta = ckpt_lib.Checkpointer(c, str(tmp_path)).read_meta(1)
-    assert meta['health'] == {'loss': 2.0, 'grad_norm': 1.0, 'param_norm': 5.0, 'finite': True}
+    assert meta['health'] == {'loss': 2.0, 'grad_norm': 1.0, 'param_norm': 5.0, 'finite': True, 'healthy': True, 'reason': ''}
 
 
 def test_restore_skips_nonfinite_checkpoints_of_older_versions(tmp_path):
@@ -113,7 +117,7 @@ def test_diverged_run_commits_only_finite_states(diverged):
     assert steps and all(params_finite(f'{workdir}/checkpoints/{s}') for s in steps), steps
     line = error_line(proc, code=3)
     good = steps[-1]
-    assert f'newest finite checkpoint is step {good} ({workdir}/checkpoints/{good})' in line, line
+    assert f'newest healthy checkpoint is step {good} ({workdir}/checkpoints/{good})' in line, line
     assert 'rerun the same command with a lower learning rate, e.g. --config.optim.lr=1000' in line, line
 
 
@@ -135,7 +139,7 @@ def test_rerun_with_lower_lr_resumes_from_newest_finite(diverged, tmp_path):
     steps = steps_of(str(tmp_path / 'run'))
     assert all(params_finite(f'{tmp_path}/run/checkpoints/{s}') for s in steps), steps
     if proc.returncode == 3:
-        assert f'newest finite checkpoint is step {steps[-1]} ' in error_line(proc, code=3)
+        assert f'newest healthy checkpoint is step {steps[-1]} ' in error_line(proc, code=3)
 
 
 @pytest.mark.slow
