@@ -226,6 +226,8 @@ class Checkpointer(restore.Restoring):
         """Step `step`'s metrics, reported (one step late): the reference of the next verdict, and the
         verdicts it gives (verdict.Watch.seen): (a step now known unhealthy, why, whether its
         parameters jumped), recorded in the ledger, or None."""
+        if 'train/loss' not in metrics or 'train/param_norm' not in metrics:  # a step that reports neither
+            return None
         loss, norm = (float(v) for v in jax.device_get((metrics['train/loss'], metrics['train/param_norm'])))
         found = self.watch.seen(step, loss, norm)
         if found is not None:
