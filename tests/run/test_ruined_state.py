@@ -36,7 +36,7 @@ def rows(workdir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow  # four runs: 25 s on a loaded CPU
+@pytest.mark.slow  # four runs: 26 s at load 0.5 on 2 cores (48 s at load 9)
 @pytest.mark.parametrize('spike_skip', [True, False])
 def test_a_ruined_state_is_not_committed_and_a_saner_rerun_resumes_before_it(tmp_path, spike_skip):
     workdir = str(tmp_path)
