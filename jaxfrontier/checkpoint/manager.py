@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio.base_events
 import json
+import math
 import logging as pylogging
 import os
 import sys
@@ -30,6 +31,7 @@ from jaxfrontier import logs
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import integrity
 from jaxfrontier.checkpoint import restore
+from jaxfrontier.checkpoint import verdict
 
 State = dict[str, Any]
 
@@ -137,6 +139,9 @@ class Checkpointer(restore.Restoring):
         self._last_saved: int | None = None
         self._last_good: int | None = None  # the newest step known finite (restored or saved)
         self._rolled_back_to: int | None = None  # checkpoint.restore_step this run resumed from
+        self.watch = verdict.Watch()  # the parameter norms a step's verdict compares with (verdict.py)
+        self.health_ledger = verdict.Ledger(os.path.dirname(self.directory))  # verdicts learned after a save
+        self._judged: tuple[Any, dict[str, Any]] | None = None
         if not self.enabled:
             return
         quiet_orbax_logs()
@@ -179,11 +184,17 @@ class Checkpointer(restore.Restoring):
         """
         if not (self.enabled and (force or self.due(step))) or self._last_saved == step:
             return False
-        health = {'finite': None} if metrics is None else integrity.health(metrics)
+        health = {'finite': None} if metrics is None else self.judge(step, metrics)
         if health['finite'] is False:
+            if not _finite(health.get('loss')):  # the loss of this step was computed on the previous state
+                self._mark_unhealthy(step - 1, f'the next step\'s loss, computed on it, was {health["loss"]}')
             error = errors.NonFiniteLossError(self.nonfinite_message(step, health))
             error.names_checkpoint = True
             raise error
+        if health.get('healthy') is False:
+            log(f'checkpoint: step {step} not saved: its state is unhealthy ({health["reason"]}); the newest '
+                f'healthy checkpoint stays {"step " + str(self._last_good) if self._last_good is not None else "none"}')
+            return False
         meta = {'format': format_lib.FORMAT, 'version': format_lib.VERSION, 'step': int(step),
                 'data': {'next_step': int(step), 'seed': self.c.seed, 'kind': self.c.data.kind,
                          'path': self.c.data.path, 'blend': self.c.data.get('blend', ''),
@@ -200,7 +211,44 @@ class Checkpointer(restore.Restoring):
         self._last_saved = step
         if health['finite']:
             self._last_good = step
+            self.watch.checkpoint(step, health.get('param_norm'))
         return True
+
+    def judge(self, step: int, metrics: dict[str, jax.Array]) -> dict[str, Any]:
+        """Step `step`'s health and verdict (verdict.judge; fetched once for both tiers' saves)."""
+        key = (step, id(metrics.get('train/loss')))
+        if self._judged is None or self._judged[0] != key:
+            self._judged = (key, verdict.judge(integrity.health(metrics), self.watch.previous_param_norm(step),
+                                               self.watch.tainted))
+        return self._judged[1]
+
+    def observe(self, step: int, metrics: dict[str, jax.Array]) -> tuple[int, str, bool] | None:
+        """Step `step`'s metrics, reported (one step late): the reference of the next verdict, and the
+        verdicts it gives (verdict.Watch.seen): (a step now known unhealthy, why, whether its
+        parameters jumped), recorded in the ledger, or None."""
+        if 'train/loss' not in metrics or 'train/param_norm' not in metrics:  # a step that reports neither
+            return None
+        loss, norm = (float(v) for v in jax.device_get((metrics['train/loss'], metrics['train/param_norm'])))
+        found = self.watch.seen(step, loss, norm)
+        if found is not None:
+            self._mark_unhealthy(*found[:2])
+        return found
+
+    def unhealthy_message(self, step: int, why: str) -> str:
+        """The one line of a run stopped by an unhealthy (finite) state, spike handling off."""
+        return (f'training diverged at step {step}: its state is unhealthy ({why}); stopping without saving it or '
+                f'anything trained from it. {self.resume_hint()}')
+
+    def _mark_unhealthy(self, step: int, why: str) -> None:
+        """Records in the ledger that the state after `step` is unhealthy, learned after it may have been saved."""
+        if not self.enabled or self.health_ledger.reason(step) is not None:
+            return
+        self.health_ledger.mark(step, why)
+        if self._last_good is not None and self._last_good >= step:
+            self._last_good = self.newest_step_at_most(step - 1)
+        if step == self._last_saved or step in self._mngr.all_steps():
+            log(f'checkpoint: step {step} is unhealthy ({why}); recorded in {self.health_ledger.path}: resume and '
+                'roll-back skip it')
 
     def saving(self) -> bool:
         """Whether an asynchronous save is still being written (a host-side flag, no sync)."""
@@ -216,6 +264,10 @@ class Checkpointer(restore.Restoring):
         if self._mngr is not None:
             self._mngr.close()
             self._mngr = None
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def layer_chunks(state: State, layer_dims: int) -> Any:

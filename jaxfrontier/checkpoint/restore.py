@@ -25,6 +25,7 @@ from jaxfrontier.checkpoint import saved_meta
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import integrity
 from jaxfrontier.checkpoint import reshard
+from jaxfrontier.checkpoint import verdict
 
 State = dict[str, Any]
 
@@ -42,6 +43,8 @@ class Restoring:
     _mngr: Any
     _last_good: int | None
     _rolled_back_to: int | None
+    watch: verdict.Watch
+    health_ledger: verdict.Ledger
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -106,6 +109,8 @@ class Restoring:
                 state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))['state']
         except Exception as e:  # noqa: BLE001
             raise format_lib.corrupted_error(self.directory, step, e, self._older_fix(step)) from e
+        self.watch.forget()  # a resume or roll-back: a new timeline from this step
+        self.watch.checkpoint(step, meta.get('health', {}).get('param_norm'))
         if 'checksums' not in meta:
             _log(f'warning: checkpoint {where} was written without checksums (before they were added); '
                  'its bytes were not verified')
@@ -141,22 +146,36 @@ class Restoring:
                     'pick an available step, or -1 for the newest finite checkpoint')
             state = self.restore(target, wanted)
             self._supersede([s for s in steps if s > wanted])
+            self.health_ledger.forget_after(wanted)
             self._rolled_back_to = wanted
             return state, wanted
         for step in sorted(steps, reverse=True):
             meta = self.read_meta(step)
-            finite = meta.get('health', {}).get('finite')
+            health = meta.get('health', {})
+            why = self.unhealthy(step, health)
+            if why:
+                _log(f'warning: checkpoint {self.directory}/{step} is unhealthy ({why}); skipping it')
+                continue
+            finite = health.get('finite')
             if finite is not False:
                 state = self.restore(target, step, meta)
                 if finite is True or integrity.all_finite(state):
                     self._supersede([s for s in steps if s > step])
+                    self.health_ledger.forget_after(step)
                     return state, step
                 del state
             _log(f'warning: checkpoint {self.directory}/{step} holds NaN/Inf values; skipping it')
         raise CheckpointError(
-            f'every checkpoint in {self.directory} holds NaN/Inf values (steps {", ".join(map(str, steps))}). '
-            'Fix: move that directory away to start from scratch, or continue from one anyway with '
-            '--config.checkpoint.restore_step=N.')
+            f'no checkpoint in {self.directory} is healthy (steps {", ".join(map(str, steps))}: NaN/Inf values or '
+            f'unhealthy, as logged above). Fix: move that directory away to start from scratch, or continue from '
+            'one anyway with --config.checkpoint.restore_step=N.')
+
+    def unhealthy(self, step: int, health: dict[str, Any] | None = None) -> str | None:
+        """Why checkpoint `step` is unhealthy (its saved verdict, else the ledger's), or None."""
+        if health is not None and health.get('healthy') is False:
+            return str(health.get('reason', 'unhealthy'))
+        why = self.health_ledger.reason(step)
+        return None if why is None else f'{why}; recorded in {self.health_ledger.path}'
 
     def _supersede(self, steps: list[int]) -> None:
         """Moves the step directories `steps` to <workdir>/checkpoints.superseded/ (process 0), then syncs."""
@@ -177,8 +196,9 @@ class Restoring:
         self._mngr.reload()
 
     def newest_step_at_most(self, step: int) -> int | None:
-        """The newest committed step <= `step` (None: there is none, or checkpointing is off)."""
-        steps = [s for s in self._mngr.all_steps() if s <= step] if self._mngr is not None else []
+        """The newest committed step <= `step` not known unhealthy (None: there is none, or checkpointing is off)."""
+        steps = [s for s in self._mngr.all_steps() if s <= step and self.health_ledger.reason(s) is None
+                 ] if self._mngr is not None else []
         return max(steps) if steps else None
 
     def rewind(self, target: State, step: int) -> State:
@@ -188,6 +208,7 @@ class Restoring:
         newer = [s for s in self._mngr.all_steps() if s > step]
         state = self.restore(target, step)
         self._supersede(newer)
+        self.health_ledger.forget_after(step)
         self._last_saved = self._last_good = step
         return state
 
@@ -227,8 +248,8 @@ class Restoring:
         """Where to resume from after a divergence: the newest finite checkpoint and the command."""
         lower = f'--config.optim.lr={self.c.optim.lr / 10:g}'
         if not self.enabled or self._last_good is None:
-            return f'No finite checkpoint was saved; rerun with a lower learning rate (e.g. {lower}).'
-        return (f'The newest finite checkpoint is step {self._last_good} ({self.directory}/{self._last_good}): '
+            return f'There is no healthy checkpoint to resume from; rerun with a lower learning rate (e.g. {lower}).'
+        return (f'The newest healthy checkpoint is step {self._last_good} ({self.directory}/{self._last_good}): '
                 f'rerun the same command with a lower learning rate, e.g. {lower}, to resume from it, or roll '
                 'back further with --config.checkpoint.restore_step=N.')
 
@@ -239,7 +260,7 @@ class Restoring:
         return errors.NonFiniteLossError(f'{error} {self.resume_hint()}')
 
     def nonfinite_message(self, step: int, health: dict[str, Any]) -> str:
-        values = ', '.join(f'{k} {v}' for k, v in health.items() if k != 'finite')
+        values = ', '.join(f'{k} {v}' for k, v in health.items() if k not in ('finite', 'healthy', 'reason'))
         return (f'training diverged at step {step} ({values}); stopping without saving that state. '
                 f'{self.resume_hint()} Also worth checking: the data (token ids below model.vocab_size), '
                 'and float32 compute (--config.model.dtype=float32) to rule out bf16/fp16 overflow.')

@@ -1,8 +1,9 @@
 """What follows each dispatched train step, decided in the loop's order (run/loop.py).
 
   report            the previous step's metrics, fetched while this step runs (its row, the spike
-                    guard's decision, the watchdog's beat)
-  save_or_roll_back a save of both checkpoint tiers when due (none while a loss spike is open), or the
+                    guard's decision, the verdict on the state it started from, the watchdog's beat)
+  save_or_roll_back a save of both checkpoint tiers when due and the state is healthy (checkpoint/verdict.py;
+                    none while a loss spike is open), or the
                     roll-back persistent spikes call for (training/spikes.py)
   should_stop       a preemption signal every process agrees on (run/control/preemption.py)
   evaluate_if_due   the evaluation every `train.eval_every` steps and after the last one
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import jax
 
+from jaxfrontier import errors
 from jaxfrontier.checkpoint import manager as checkpoint_lib
 from jaxfrontier.checkpoint.fast import tiers
 from jaxfrontier.run.control import preemption as preemption_lib
@@ -68,10 +70,24 @@ class AfterStep:
             return
         with self.ledger.span('wait'):
             jax.block_until_ready(pending[1])
+        found = self.checkpointer.observe(*pending[:2])  # before the report, which stops on a NaN loss
+        if found is not None:
+            self.fast.discard_after(found[0] - 1)  # that state's fast step and those trained from it
         seen = self.reporter.report(*pending, last=last)
         self.guard.observe(pending[0] - 1, seen.get('spike/skipped', 0.0) > 0, seen)
+        if found is not None and found[2]:
+            self._ruined(*found[:2])
         if not last:
             self.watchdog.beat(pending[0])
+
+    def _ruined(self, step: int, why: str) -> None:
+        """Step `step`'s update left an unhealthy state, parameters jumped (checkpoint/verdict.py): roll back
+        before it at once (train.spike_skip), else stop the run (exit 3) naming the checkpoint to resume from."""
+        if not self.guard.on:
+            error = errors.NonFiniteLossError(self.checkpointer.unhealthy_message(step, why))
+            error.names_checkpoint = True
+            raise error
+        self.guard.ruined(step - 1, why)
 
     def _skips(self) -> list[dict[str, Any]] | None:
         return self.guard.record and self.guard.record.as_json()
@@ -98,7 +114,7 @@ class AfterStep:
                 jax.block_until_ready(state)
             with self.ledger.span('checkpoint'):
                 saved = self.checkpointer.save(done, state, force=forced, metrics=metrics, data_skips=self._skips())
-                self.fast.save(done, state, metrics, self._skips())
+                self.fast.save(done, state, metrics, self._skips(), health=self.checkpointer.judge(done, metrics))
             if saved:
                 self.commits.started(done, state)
         self.commits.poll()

@@ -240,7 +240,7 @@ def _state(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
     fast = tiers.FastTier(c.checkpoint, mesh)  # node-local every few steps, with a peer's copy (docs/checkpoints.md)
     closing.callback(fast.close)
     target = target_lib.abstract_target(layout.abstract_state, layout.state_shardings)
-    fast_restored = fast.restore(target, checkpointer.latest_step())  # only when newer than the persistent tier's
+    fast_restored = fast.restore(target, checkpointer.latest_step(), checkpointer.health_ledger.unhealthy)  # only when newer than the persistent tier's
     state, origin = fast_restored or checkpointer.restore_or_init(
         target, lambda: ts.init_train_state(c, layout), init_from.load_params)
     if not fast_restored:

@@ -18,7 +18,9 @@ PaLM's recipe (Chowdhery et al. 2022, section 5.1): skip the steps, then restart
    than the first of them, and the data batches from that checkpoint through the last skipped step
    (at least `spike_skip_batches`) are skipped from then on: step s reads data step
    `s + sum of the skips recorded at or before s` (`SkipRecord.data_step`). At most
-   `spike_max_rollbacks` roll-backs, then the run stops (errors.LossSpikeError, exit 3). No checkpoint is
+   `spike_max_rollbacks` roll-backs, then the run stops (errors.LossSpikeError, exit 3). A roll-back skips
+   checkpoints known unhealthy (checkpoint/verdict.py) and any step rolled back to before: spikes that
+   recur after a roll-back walk back further instead of repeating it. No checkpoint is
    committed while a skipped step is within the window (a spike is open), so every checkpoint starts
    with an empty window and a resumed run decides like an uninterrupted one; a save that fell due
    meanwhile is made when the spike closes.
@@ -197,6 +199,7 @@ class SpikeGuard:
         self.recent: list[int] = []  # skipped steps within the window, oldest first
         self.seen = -1  # the newest step observed
         self.owed = False  # a save fell due while a spike was open
+        self.forced: tuple[int, str] | None = None  # (step, why): an unhealthy state rolls back now (`ruined`)
 
     def data_step(self, step: int) -> int:
         return self.record.data_step(step) if self.on else step
@@ -218,9 +221,16 @@ class SpikeGuard:
         """Whether a skipped step is within the window after step `step`: no checkpoint then."""
         return bool(self.on and any(s > step - self.t.spike_window for s in self.recent))
 
+    def ruined(self, step: int, why: str) -> None:
+        """Step `step`'s update left an unhealthy state (checkpoint/verdict.py): roll back before it now
+        (unless roll-backs are off), skipping its batch as a spike's."""
+        _log(f'spike: step {step + 1} left an unhealthy state ({why}); rolling back before it')
+        self.recent = sorted(set(self.recent) | {step})
+        self.forced = (step, why)
+
     def rollback_due(self) -> bool:
         n = self.t.spike_rollback_after
-        return bool(self.on and n and len(self.recent) >= n)
+        return bool(self.on and n and (self.forced is not None or len(self.recent) >= n))
 
     def save_decision(self, step: int, due: bool, skipped_flag) -> tuple[bool, bool]:
         """(save now, forced) after step `step`, whose save is `due`: none while a spike is open, a save
@@ -246,7 +256,8 @@ class SpikeGuard:
         """
         first, last, t = self.recent[0], self.recent[-1], self.t
         rows = ', '.join(str(s + 1) for s in self.recent)
-        what = f'{len(self.recent)} steps skipped as loss spikes within {t.spike_window} steps (steps {rows})'
+        what = (f'step {self.forced[0] + 1} left an unhealthy state ({self.forced[1]})' if self.forced else
+                f'{len(self.recent)} steps skipped as loss spikes within {t.spike_window} steps (steps {rows})')
         made = len(self.record.skips)
         if made >= t.spike_max_rollbacks:
             raise errors.LossSpikeError(
@@ -255,11 +266,17 @@ class SpikeGuard:
                 '--config.optim.lr) or check the data at those steps, allow more roll-backs with '
                 '--config.train.spike_max_rollbacks, or widen the margin with --config.train.spike_sigmas.')
         checkpointer.wait()
-        back_to = checkpointer.newest_step_at_most(first)
+        back_to = checkpointer.newest_step_at_most(first)  # committed and not known unhealthy
+        tried = {s.at_step for s in self.record.skips}
+        while back_to is not None and back_to in tried:  # spikes recurred after a roll-back to it: further back
+            _log(f'spike: step {back_to} was rolled back to before and spikes recurred after it; walking back further')
+            back_to = checkpointer.newest_step_at_most(back_to - 1)
         if back_to is None:
             raise errors.LossSpikeError(
-                f'{what}, and no committed checkpoint at or before step {first} to roll back to; stopping. '
-                'Fix: save more often (--config.checkpoint.every_steps), or skip without rolling back '
+                f'{what}, and no healthy committed checkpoint at or before step {first} that was not rolled back to '
+                f'already (steps {", ".join(map(str, sorted(tried))) or "none"}); stopping. Fix: lower the learning '
+                'rate (e.g. --config.optim.lr) and rerun to resume from the newest healthy checkpoint, save more '
+                'often (--config.checkpoint.every_steps), or skip without rolling back '
                 '(--config.train.spike_rollback_after=0).')
         data_from = self.data_step(back_to)
         data_to = max(self.data_step(last) + 1, data_from + t.spike_skip_batches)
@@ -268,5 +285,5 @@ class SpikeGuard:
         _log(f'spike: {what}; rolling back to step {back_to} (roll-back {made + 1} of at most '
              f'{t.spike_max_rollbacks}), skipping data steps [{data_from}, {data_to}); recorded in {self.record.path}')
         state = checkpointer.rewind(target, back_to)
-        self.recent, self.seen, self.owed = [], back_to - 1, False
+        self.recent, self.seen, self.owed, self.forced = [], back_to - 1, False, None
         return state, back_to, skip

@@ -155,21 +155,23 @@ class FastTier:
         return list(seen.values())
 
     def save(self, step: int, state: State, metrics: dict[str, jax.Array] | None = None,
-             data_skips: list[dict[str, Any]] | None = None, force: bool = False) -> bool:
+             data_skips: list[dict[str, Any]] | None = None, force: bool = False,
+             health: dict[str, Any] | None = None) -> bool:
         """Starts the fast save of `state` as `step` if due (or `force`); returns whether it did.
 
         Returns once this process's shards are on the host and the peer exchange is dispatched, so
         `state` may be donated right after; the disk writes continue on a background thread (the
         previous save's writes are waited for first, and their error, if any, raised here). With
-        `metrics`, a step whose loss, gradient or parameter norm is not finite is not saved.
+        `metrics`, a step whose loss, gradient or parameter norm is not finite is not saved; with
+        `health` (the persistent tier's verdict, checkpoint/verdict.py), neither is an unhealthy one.
         """
         if not (self.enabled and (force or self.due(step))):
             return False
-        if metrics is not None:
+        if health is None and metrics is not None:
             health = integrity.health(metrics)
-            if health['finite'] is False:
-                _log(f'fast tier: step {step} not saved: its state is not finite ({health})')
-                return False
+        if health is not None and (health['finite'] is False or health.get('healthy') is False):
+            _log(f'fast tier: step {step} not saved: its state is {health.get("reason") or "not finite"} ({health})')
+            return False
         self.wait()
         t0 = time.perf_counter()
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
@@ -283,8 +285,10 @@ class FastTier:
             return None, f'{directory}: {e}'
         return {name: {j: a for _, positions, a in groups for j in positions} for name, groups in shards.items()}, ''
 
-    def restore(self, target: State, persistent_step: int | None) -> tuple[State, str] | None:
-        """The newest complete fast step newer than `persistent_step`, on `target`'s shardings, or None.
+    def restore(self, target: State, persistent_step: int | None,
+                unhealthy: dict[int, str] | None = None) -> tuple[State, str] | None:
+        """The newest complete fast step newer than `persistent_step` and not in `unhealthy` (the
+        ledger's steps, checkpoint/verdict.py), on `target`'s shardings, or None.
 
         Collective: every process calls it at the same point. Returns (state, the origin line).
         """
@@ -304,6 +308,9 @@ class FastTier:
         helds = [set(r[1 + _KEEP_LISTED:].tolist()) - {-1} for r in table]
         holder = [(p + self.offset) % self.count for p in range(self.count)]
         for step, lacking in candidates(owns, helds, self.offset, persistent_step):
+            if unhealthy and step in unhealthy:
+                _log(f'fast tier: step {step} skipped: unhealthy ({unhealthy[step]})')
+                continue
             if lacking:
                 _log(f'fast tier: step {step} skipped: incomplete (no copy of the shards of processes {lacking[:8]})')
                 continue
