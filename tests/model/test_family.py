@@ -34,11 +34,20 @@ def test_unknown_family_is_a_config_error():
         families.get('llama9')
 
 
-@pytest.mark.parametrize('family', config_lib.MODEL_FAMILIES)
+# Mixture of experts (families/moe.py): 7 experts of width 11, 2 shared, a dense first layer, the router's bias.
+MOE = dict(family='llama', moe_experts=7, moe_top_k=2, moe_mlp_dim=11, moe_shared_experts=2, moe_first_dense=1,
+           moe_router='sigmoid', moe_router_bias=True)
+
+
+@pytest.mark.parametrize('family', config_lib.MODEL_FAMILIES + ('llama_moe', 'llama_moe_all'))
 @pytest.mark.parametrize('tied', [True, False])
 def test_param_specs_match_the_module(family, tied):
-    """Names, shapes and logical axes of the family's table are those of its module (eval_shape)."""
-    shape = shape_of(family=family, tied_embeddings=tied)
+    """Names, shapes and logical axes of the family's table are those of its module (eval_shape); MoE
+    models with a dense stem group (and every layer MoE, no shared experts, no bias)."""
+    model = {'llama_moe': MOE, 'llama_moe_all': dict(MOE, moe_first_dense=0, moe_shared_experts=0,
+                                                     moe_router_bias=False)}.get(family, {'family': family})
+    shape = shape_of(**model, tied_embeddings=tied)
+    family = model['family']
     model_def = params_lib.ModelDef.create(shape)
     flat = lambda tree, **kw: {'/'.join(k.key for k in path): leaf for path, leaf in
                                jax.tree_util.tree_flatten_with_path(tree, **kw)[0]}
