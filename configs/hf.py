@@ -3,16 +3,16 @@
   python -m jaxfrontier.main --config=configs/hf.py:path=/models/Llama-3.2-1B,seq_len=2048,fsdp=8 \
       --config.data.kind=tokens --config.data.path=data/mine.bin --workdir=workdirs/ft
 
-The directory (GPT-2, Llama, Mistral or Qwen2: config.json + model.safetensors, as
-transformers' save_pretrained writes it) gives model.*: the family, layers, width, heads and
-kv heads, MLP width, vocabulary, tied head, and for Llama the RMSNorm epsilon, RoPE theta and
-Llama 3.1 scaling, q/k/v biases (Qwen2). `checkpoint.init_params_from` is the same directory,
-so step 0 starts from its weights (checkpoint/interop/hf.py; a config the family cannot express is
-refused with one line). Tokenise your data with the directory's tokenizer
-(`python -m jaxfrontier.prepare --tokenizer=/models/Llama-3.2-1B`) so the token ids mean the
-same. `seq_len` (default the model's max_position_embeddings / n_positions) is the training
-context; a GPT-2 may not exceed its position table. Mesh: `data/fsdp/tensor/pipeline` (each 1
-unless given). Everything else is the base config's, overridable on the command line.
+The directory (GPT-2, Llama, Mistral, Qwen2 or Qwen3: config.json + model.safetensors, as
+transformers' save_pretrained writes it) gives model.*: the family, layers, width, heads and kv
+heads, MLP width, vocabulary, tied head, and for Llama the RMSNorm epsilon, RoPE theta and Llama 3.1
+scaling, q/k/v biases (Qwen2), QK-norm and the head width (Qwen3). `checkpoint.init_params_from` is
+the same directory, so step 0 starts from its weights (checkpoint/interop/hf.py; a config the family
+cannot express is refused with one line). Tokenise your data with the directory's tokenizer
+(`python -m jaxfrontier.prepare --tokenizer=/models/Llama-3.2-1B`) so the token ids mean the same.
+`seq_len` (default the model's max_position_embeddings / n_positions) is the training context; a
+GPT-2 may not exceed its position table. Mesh: `data/fsdp/tensor/pipeline` (each 1 unless given). Everything else
+is the base config's, overridable on the command line.
 """
 
 from jaxfrontier import config as config_lib

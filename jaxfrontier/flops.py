@@ -50,24 +50,28 @@ def megatron_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_
 
 
 def gated_gqa_flops_per_step(global_batch: int, seq_len: int, num_layers: int, d_model: int, vocab_size: int,
-                             kv_ratio: float, mlp_dim: int, recompute: bool) -> float:
+                             kv_ratio: float, mlp_dim: int, recompute: bool, query_projection_size: int = 0) -> float:
     """Megatron-LM's count for grouped-query attention and a gated (SwiGLU) MLP, same convention.
 
     As Megatron-LM's `num_floating_point_operations` (training.py) with query groups and
-    SwiGLU. Multiply-adds per token and pass: q and output projections 2 h^2, k and v
-    2 kv_ratio h^2, attention 2 s h (scores and values, counted in full), the MLP 3 h F; times
-    2 FLOPs, f passes (f = 4 with recomputation, else 3), B s tokens and l layers; the head's
-    2 h V per token at f/4 of 3 passes, as in `megatron_flops_per_step`. With kv_ratio = 1 and
-    F = 8h/3 (three matrices as wide as GPT's two 4h ones) it equals `megatron_flops_per_step`
-    (a test holds it).
+    SwiGLU. Multiply-adds per token and pass: q and output projections 2 h q, k and v
+    2 kv_ratio h q, attention 2 s q (scores and values, counted in full), the MLP 3 h F, where
+    q = heads x head width is the query projection's width (h, unless the heads' width is set
+    apart from h / heads: Megatron's `kv_channels`, its `query_projection_to_hidden_size_ratio`
+    q / h); times 2 FLOPs, f passes (f = 4 with recomputation, else 3), B s tokens and l layers;
+    the head's 2 h V per token at f/4 of 3 passes, as in `megatron_flops_per_step`. With
+    kv_ratio = 1, q = h and F = 8h/3 (three matrices as wide as GPT's two 4h ones) it equals
+    `megatron_flops_per_step` (a test holds it).
 
     Args:
       kv_ratio: key/value heads / query heads (1: multi-head; GQA below 1).
       mlp_dim: F, the MLP's width (three F x h matrices: gate, up, down).
+      query_projection_size: q, heads x head width; 0: d_model.
     """
     f = 4 if recompute else 3
     b, s, l, h, v, F = (float(x) for x in (global_batch, seq_len, num_layers, d_model, vocab_size, mlp_dim))
-    per_layer = 2.0 * h * h * (1.0 + kv_ratio) + 2.0 * s * h + 3.0 * h * F  # multiply-adds per token
+    q = float(query_projection_size or d_model)
+    per_layer = 2.0 * h * q * (1.0 + kv_ratio) + 2.0 * s * q + 3.0 * h * F  # multiply-adds per token
     return 2.0 * f * b * s * l * per_layer + 2.0 * f * b * s * h * v * 3.0 / 4.0
 
 

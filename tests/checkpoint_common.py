@@ -26,6 +26,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.run import loop
 from jaxfrontier.training import state as ts
+from tests import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 2e-6
@@ -116,16 +117,7 @@ def assert_trees_equal(a, b):
 
 def main(workdir, *overrides, mode='train'):
     """`python -m jaxfrontier.main` on the tiny test config, as a user runs it (output captured)."""
-    from processes import TINY, subprocess_env  # pylint: disable=g-import-not-at-top
-    cmd = [sys.executable, '-m', 'jaxfrontier.main', *TINY, f'--workdir={workdir}', f'--mode={mode}', *overrides]
-    return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-
-
-def error_line(proc):
-    """The one `error: ` line of a refused command (asserts there is exactly one)."""
-    lines = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
+    return processes.run_main(f'--workdir={workdir}', f'--mode={mode}', *overrides)
 
 
 def no_init():

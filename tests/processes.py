@@ -23,6 +23,26 @@ TINY = ('--config=configs/tiny.py', '--config.model.num_layers=1', '--config.mod
         '--config.train.eval_batches=1', '--config.train.progress=False', '--config.optim.decay_steps=100')
 
 
+def run_main(*args: str, tiny: bool = True, module: str = 'jaxfrontier.main', env: dict | None = None,
+             cwd: str = REPO, timeout: float = 600, text: bool = True) -> subprocess.CompletedProcess:
+    """`python -m jaxfrontier.main ARGS` (or another jaxfrontier module) as a user runs it, output captured.
+
+    `tiny` puts TINY's flags before ARGS (later flags win); the environment is `subprocess_env()`.
+    """
+    cmd = [sys.executable, '-m', module, *(TINY if tiny else ()), *args]
+    return subprocess.run(cmd, cwd=cwd, env=env or subprocess_env(), capture_output=True, text=text, timeout=timeout)
+
+
+def error_line(proc: subprocess.CompletedProcess, code: int | None = 2) -> str:
+    """The one `error:` line of a refused command: exit `code` (unless None), no traceback, exactly one line."""
+    stderr = proc.stderr if isinstance(proc.stderr, str) else proc.stderr.decode(errors='replace')
+    assert code is None or proc.returncode == code, (proc.returncode, stderr[-4000:])
+    assert 'Traceback' not in stderr, stderr[-4000:]
+    lines = [line for line in stderr.splitlines() if line.startswith('error:')]
+    assert len(lines) == 1, stderr[-4000:]
+    return lines[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))

@@ -19,17 +19,7 @@ from tests import processes
 
 
 def run(*args, env=None, module='jaxfrontier.main'):
-    proc = subprocess.run([sys.executable, '-m', module, *args], cwd=processes.REPO,
-                          env=env or processes.subprocess_env(), capture_output=True, text=True, timeout=300)
-    return proc
-
-
-def one_error_line(proc) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
+    return processes.run_main(*args, tiny=False, module=module, env=env, timeout=300)
 
 
 @pytest.mark.parametrize('source, expected', [
@@ -42,7 +32,7 @@ def one_error_line(proc) -> str:
 def test_broken_config_file(tmp_path, source, expected):
     path = tmp_path / 'broken.py'
     path.write_text(source)
-    line = one_error_line(run(f'--config={path}', '--mode=plan', f'--workdir={tmp_path / "wd"}'))
+    line = processes.error_line(run(f'--config={path}', '--mode=plan', f'--workdir={tmp_path / "wd"}'))
     assert line.startswith(f'error: {path}'), line
     assert 'the config has no field' not in line, line
     for text in expected:
@@ -51,7 +41,7 @@ def test_broken_config_file(tmp_path, source, expected):
 
 def test_platform_not_present(tmp_path):
     env = processes.subprocess_env(JAX_PLATFORMS='cuda', CUDA_VISIBLE_DEVICES='')
-    line = one_error_line(run('--config.train.steps=1', f'--workdir={tmp_path / "wd"}', env=env))
+    line = processes.error_line(run('--config.train.steps=1', f'--workdir={tmp_path / "wd"}', env=env))
     assert 'JAX_PLATFORMS=cuda' in line and 'installed JAX backends: cpu' in line, line
     assert 'GPUs visible on this host' in line, line
 
@@ -99,7 +89,7 @@ def test_ctrl_c_outside_the_training_loop_is_one_line():
                                              ('--config.optim.lr=nan', 'optim.lr'),
                                              ('--config.optim.name=sgd', 'optim.name')])
 def test_values_that_must_fail_validation(tmp_path, override, field):
-    line = one_error_line(run(override, '--config.train.steps=1', f'--workdir={tmp_path / "wd"}'))
+    line = processes.error_line(run(override, '--config.train.steps=1', f'--workdir={tmp_path / "wd"}'))
     assert f'config.{field} = ' in line and 'Fix:' in line, line
 
 

@@ -1,14 +1,12 @@
 """JAX's persistent compilation cache is on by default (train.compile_cache), shared and switchable off."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.errors import ConfigError
-from processes import REPO, TINY, subprocess_env
+from processes import run_main, subprocess_env
 
 
 def _config(setting):
@@ -38,9 +36,8 @@ def _train(tmp_path, *overrides):
     env = subprocess_env(HOME=str(tmp_path / 'home'))
     env.pop('JAX_COMPILATION_CACHE_DIR')
     env.pop('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS')
-    cmd = [sys.executable, '-m', 'jaxfrontier.main', *TINY, '--config.train.steps=2', '--config.checkpoint.enabled=False',
-           f'--workdir={tmp_path / "wd"}', *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_main('--config.train.steps=2', '--config.checkpoint.enabled=False', f'--workdir={tmp_path / "wd"}',
+                    *overrides, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -28,14 +28,7 @@ def run_dir(tmp_path_factory):
 
 
 def main(*args):
-    return subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *processes.TINY, *args], cwd=processes.REPO,
-                          env=processes.subprocess_env(), capture_output=True, text=True, timeout=300)
-
-
-def one_error(proc):
-    errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
-    assert proc.returncode == 2 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
-    return errors[0]
+    return processes.run_main(*args, timeout=300)
 
 
 def dead_pid():
@@ -47,7 +40,7 @@ def dead_pid():
 @pytest.mark.slow  # needs run_dir: a training run through the CLI
 def test_cli_hf_export_into_the_training_workdir_is_refused(run_dir):
     before = (run_dir / 'config.json').read_bytes()
-    line = one_error(main('--mode=export', '--export_format=hf', f'--workdir={run_dir}', f'--export_path={run_dir}'))
+    line = processes.error_line(main('--mode=export', '--export_format=hf', f'--workdir={run_dir}', f'--export_path={run_dir}'))
     assert 'is a training workdir' in line and 'config.json' in line and 'Fix:' in line
     assert (run_dir / 'config.json').read_bytes() == before
     assert not (run_dir / 'model.safetensors').exists()
@@ -67,7 +60,7 @@ def test_training_into_a_hugging_face_export_is_refused(run_dir, tmp_path):
     out = tmp_path / 'hf'
     hf.export_hf(str(run_dir), str(out))
     before = (out / 'config.json').read_bytes()
-    line = one_error(main('--config.train.steps=1', f'--workdir={out}'))
+    line = processes.error_line(main('--config.train.steps=1', f'--workdir={out}'))
     assert 'Hugging Face model directory' in line and 'init_params_from' in line
     assert (out / 'config.json').read_bytes() == before
 

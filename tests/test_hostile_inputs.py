@@ -12,8 +12,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -29,15 +27,7 @@ from test_hostile_finite import tiny_config, write_params
 
 
 def run(module, *args, cwd=processes.REPO):
-    proc = subprocess.run([sys.executable, '-m', f'jaxfrontier.{module}', *args], cwd=cwd,
-                          env=processes.subprocess_env(), capture_output=True, timeout=300)
-    return proc.returncode, proc.stdout.decode(errors='replace'), proc.stderr.decode(errors='replace')
-
-
-def one_error(code, stdout, stderr):
-    errors = [line for line in stderr.splitlines() if line.startswith('error:')]
-    assert code == 2 and len(errors) == 1 and 'Traceback' not in stderr, stderr[-3000:]
-    return errors[0]
+    return processes.run_main(*args, tiny=False, module=f'jaxfrontier.{module}', cwd=cwd, timeout=300)
 
 
 # --------------------------------------------------------------------------- calibrate runs no code
@@ -53,7 +43,7 @@ def test_calibrate_runs_no_config_file_a_results_record_names(tmp_path, where):
     name = str(evil) if where == 'absolute' else 'evil.py'
     results.write_text(json.dumps({'source': 'published', 'name': 'p', 'machine': 'm', 'config_file': name,
                                    'layout': {}, 'step_time_s': 1.0}) + '\n')
-    line = one_error(*run('calibrate', f'--results={results}', f'--out={tmp_path / "hw.json"}',
+    line = processes.error_line(run('calibrate', f'--results={results}', f'--out={tmp_path / "hw.json"}',
                           cwd=str(evil.parent) if where == 'cwd' else processes.REPO))
     assert "not one of the project's configs" in line and 'runs no code' in line
     assert not marker.exists()
@@ -61,8 +51,8 @@ def test_calibrate_runs_no_config_file_a_results_record_names(tmp_path, where):
 
 @pytest.mark.parametrize('module', ['calibrate', 'prepare'])
 def test_help_exits_0(module):
-    code, stdout, _ = run(module, '--help')
-    assert code == 0 and '--' in stdout
+    proc = run(module, '--help')
+    assert proc.returncode == 0 and '--' in proc.stdout
 
 
 # --------------------------------------------------------------------------- damaged Hugging Face directories
@@ -124,7 +114,7 @@ def test_intact_hf_directory_loads(tmp_path):
 
 def test_cli_sample_from_a_truncated_hf_directory(tmp_path):
     source = damage(hf_directory(tmp_path / 'hf'), 'truncated')
-    line = one_error(*run('main', *processes.TINY, '--config.model.num_heads=2', '--mode=sample', '--prompt=hi',
+    line = processes.error_line(run('main', *processes.TINY, '--config.model.num_heads=2', '--mode=sample', '--prompt=hi',
                           f'--config.checkpoint.init_params_from={source}', f'--workdir={tmp_path / "w"}'))
     assert 'model.safetensors is not a readable safetensors file' in line
 
@@ -133,10 +123,8 @@ def test_cli_sample_from_a_truncated_hf_directory(tmp_path):
 
 
 def test_cli_prompt_that_is_not_utf8(tmp_path):
-    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *processes.TINY, '--mode=sample',
-                           b'--prompt=caf\xe9', f'--workdir={tmp_path / "w"}'], cwd=processes.REPO,
-                          env=processes.subprocess_env(), capture_output=True, timeout=300)
-    line = one_error(proc.returncode, '', proc.stderr.decode(errors='replace'))
+    proc = processes.run_main('--mode=sample', b'--prompt=caf\xe9', f'--workdir={tmp_path / "w"}', text=False)
+    line = processes.error_line(proc)
     assert '--prompt=' in line and 'not UTF-8' in line
 
 
@@ -151,7 +139,7 @@ def test_prompt_file_that_is_not_utf8(tmp_path):
 @pytest.mark.slow  # loads a model before the path is read; the fast tier keeps the CLI's other one-line errors
 def test_cli_eval_path_errors_name_the_flag(tmp_path):
     params = write_params(tmp_path / 'p.safetensors', tiny_config())
-    line = one_error(*run('main', *processes.TINY, '--config.model.num_heads=2', '--mode=eval',
+    line = processes.error_line(run('main', *processes.TINY, '--config.model.num_heads=2', '--mode=eval',
                           f'--eval_path={tmp_path / "missing.bin"}', f'--config.checkpoint.init_params_from={params}',
                           f'--workdir={tmp_path / "w"}'))
     assert line.startswith(f'error: --eval_path={tmp_path / "missing.bin"}:') and 'data.path' not in line, line
@@ -165,7 +153,7 @@ def test_cli_prepare_output_that_is_a_directory(tmp_path):
     text.write_text('hello world\n')
     out = tmp_path / 'out'
     out.mkdir()
-    line = one_error(*run('prepare', f'--input={text}', f'--output={out}', '--train_tokenizer=300',
+    line = processes.error_line(run('prepare', f'--input={text}', f'--output={out}', '--train_tokenizer=300',
                           '--progress=False'))
     assert 'is a directory' in line and f'--output={out}/NAME' in line
     assert sorted(os.listdir(tmp_path)) == ['a.txt', 'out'] and not os.listdir(out)
@@ -182,6 +170,6 @@ def test_jsonl_line_that_is_an_array(tmp_path):
 def test_cli_get_config_returning_no_config_dict(tmp_path, returned):
     config = tmp_path / 'cfg.py'
     config.write_text(f'def get_config(arg=None):\n    return {returned}\n')
-    line = one_error(*run('main', f'--config={config}', f'--workdir={tmp_path / "w"}'))
+    line = processes.error_line(run('main', f'--config={config}', f'--workdir={tmp_path / "w"}'))
     assert 'get_config() returned' in line and 'not an ml_collections.ConfigDict' in line
     assert not (tmp_path / 'w').exists()

@@ -44,6 +44,8 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
+        """Each head's width K: d_model / num_heads, unless the family sets a width of its own (Llama's
+        model.head_dim, Qwen3), when q projects to num_heads * K != d_model. Every user of K asks here."""
         return self.d_model // self.num_heads
 
     @property
@@ -142,11 +144,17 @@ class HFConverter:
 @dataclasses.dataclass(frozen=True)
 class ShrunkHeads:
     """What the verify check (plan/shrink.py) makes of a family's heads: the query heads, the family's
-    model.* fields it sets with them, and what it records as kept (e.g. a grouping ratio)."""
+    model.* fields it sets with them, and what it records as kept (e.g. a grouping ratio).
+
+    `head_dim_field` names the family's model.* field of a head width apart from d_model / num_heads
+    where the config has one ('' otherwise): plan/shrink.py then sets it in the small model, apart from
+    its d_model / num_heads too and on the same side of it, so a layout that confused the two shows.
+    """
 
     num_heads: int
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     kept: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    head_dim_field: str = ''
 
 
 def two_heads_per_shard(shape: ModelShape, tensor: int) -> ShrunkHeads:
@@ -209,10 +217,13 @@ class Family:
       hf: the Hugging Face names and converter, or None (no HF interop).
       verify_kept: model.* fields the verify check keeps as they are (what changes the numbers, not
         the size).
-      shrink: `(shape, tensor) -> ShrunkHeads`: the verify check's heads and the family's fields set with them.
+      shrink: `(shape, tensor) -> ShrunkHeads`: the verify check's heads and the family's fields set with them
+        (and its head-width field, where its heads are not d_model / num_heads wide).
       proxy_choice: shape -> what of the family's choices the planner's traced proxy keeps (hashable,
         JSON; plan/activations.py keys its cache with it).
-      proxy_fields: `(choice, proxy sizes {'h': heads, 'g': kv heads}) -> shape_type fields` of the proxy.
+      proxy_fields: `(choice, proxy sizes {'h': heads, 'g': kv heads, 'k': head width, 'd_apart': a model
+        width other than h k}) -> shape_type fields` of the proxy (d_model among them where its heads are not
+        d / h wide).
       check_mesh: `(model section, mesh sizes {axis: size}, require)` checks what the mesh asks of the
         family's fields (e.g. an expert width split over `tensor`).
       pipelined_layers: model.* fields -> the layers of the group a pipeline splits (model/decoder.py's

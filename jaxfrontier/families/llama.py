@@ -1,23 +1,28 @@
 """The Llama family's declaration (its NNX module: model/llama.py).
 
-Llama 2/3, Mistral-style dense and Qwen2 (q/k/v biases) decoders: grouped-query attention
-(`num_kv_heads` key/value heads shared by groups of query heads; 1 = multi-query), rotary
-position embeddings in Hugging Face's half-split convention (theta and Llama 3.1's frequency
-scaling configurable), RMSNorm pre-norm blocks, a SwiGLU MLP, no biases by default, an untied
-head by default.
+Llama 2/3, Mistral-style dense, Qwen2 (q/k/v biases) and Qwen3 (QK-norm, a head width of its own)
+decoders: grouped-query attention (`num_kv_heads` key/value heads shared by groups of query heads;
+1 = multi-query), rotary position embeddings in Hugging Face's half-split convention (theta and
+Llama 3.1's frequency scaling configurable), RMSNorm pre-norm blocks, a SwiGLU MLP, no biases by
+default, an untied head by default. Each head is `head_dim` = K wide: d_model / num_heads unless set
+(Qwen3-30B-A3B: d 2048, 32 heads of 128: q is 4096 wide); `qk_norm` RMS-normalises each head's q and
+k over their K dimensions (a scale [K] each, shared by the heads) before RoPE.
 
 Hugging Face: our Llama is HF's LlamaForCausalLM. The half-split rotary convention (`rotate_half`)
 lets q/k weights map without the permutation Meta's original checkpoints need; SwiGLU is `hidden_act`
-silu; biases on q, k and v only are exactly Qwen2. Mistral is Llama's tensors under another name;
-its sliding-window attention is not ours and is refused. Export writes LlamaForCausalLM, or
-Qwen2ForCausalLM with q/k/v biases (Llama's `attention_bias` would add one to the output projection
-too, which we do not have). torch Linear weights are [out, in]: ours transposed, heads flattened:
+silu; q/k/v biases are Qwen2; QK-norm is Qwen3, the one import whose head_dim may differ from
+hidden_size / heads (128 where config.json has none). Mistral is Llama's tensors under another name;
+sliding windows (Mistral's; Qwen2's and Qwen3's where used) are refused. Export writes Qwen3ForCausalLM
+with QK-norm, Qwen2ForCausalLM with q/k/v biases (`attention_bias` would bias the output projection
+too, which we do not have), else LlamaForCausalLM. torch Linear weights are [out, in]: ours
+transposed, heads flattened:
 
   wte [Vp, d] (rows < V)      model.embed_tokens.weight [V, d]
   blocks/attn_norm/scale [l]  model.layers.l.input_layernorm.weight [d]
   blocks/attn/w_q [l] d,H,K   model.layers.l.self_attn.q_proj.weight [H*K, d]
   blocks/attn/w_kv [l] d,2,G,K  ...self_attn.k_proj.weight [G*K, d] (index 0), v_proj.weight (index 1)
   blocks/attn/b_q, b_kv [l]   ...self_attn.{q,k,v}_proj.bias (qkv_bias: Qwen2)
+  blocks/attn/q_norm, k_norm/scale [l] K  ...self_attn.{q,k}_norm.weight [K] (qk_norm: Qwen3)
   blocks/attn/w_out [l] H,K,d ...self_attn.o_proj.weight [d, H*K]
   blocks/mlp_norm/scale [l]   ...post_attention_layernorm.weight [d]
   blocks/mlp/w_gate, w_up [l] ...mlp.gate_proj.weight, up_proj.weight [F, d]
@@ -50,6 +55,8 @@ FIELDS = dict(
     # Key/value heads (grouped-query attention; 1 = multi-query); 0 = num_heads.
     num_kv_heads=0,
     qkv_bias=False,  # biases on the q, k and v projections (Qwen2)
+    head_dim=0,  # each head's width K; 0 = d_model / num_heads (set apart from it, q is num_heads * K wide: Qwen3)
+    qk_norm=False,  # RMSNorm over each head's q and k before RoPE (Qwen3's q_norm, k_norm)
     norm_eps=1e-5,  # RMSNorm epsilon
     rope_theta=10000.0,  # rotary embedding base
     # 'llama3' applies Llama 3.1's frequency scaling with the four rope_* below.
@@ -63,7 +70,7 @@ FIELDS = dict(
     ffn_dim_multiplier=0.0,
     multiple_of=256,
 )
-SHAPE_FIELDS = ('num_kv_heads', 'qkv_bias', 'ffn_dim_multiplier', 'multiple_of')
+SHAPE_FIELDS = ('num_kv_heads', 'qkv_bias', 'head_dim', 'qk_norm', 'ffn_dim_multiplier', 'multiple_of')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +79,8 @@ class LlamaShape(ModelShape):
 
     num_kv_heads: int = 0  # key/value heads; 0: num_heads (`kv_heads`)
     qkv_bias: bool = False
+    qk_norm: bool = False
+    explicit_head_dim: int = 0  # model.head_dim; 0: d_model / num_heads (`head_dim`)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama 3.1's RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
@@ -83,6 +92,11 @@ class LlamaShape(ModelShape):
     def kv_heads(self) -> int:
         """Key/value heads: num_kv_heads, or num_heads where that is 0 (multi-head attention)."""
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Each head's width K: model.head_dim where set (Qwen3), else d_model / num_heads."""
+        return self.explicit_head_dim or self.d_model // self.num_heads
 
 
 def llama_mlp_dim(d_model: int, ffn_dim_multiplier: float, multiple_of: int) -> int:
@@ -105,20 +119,29 @@ def _width(m: Mapping[str, Any]) -> int:
 
 
 def _effective(m: Mapping[str, Any]) -> dict[str, Any]:
-    return {f: m[f] for f in FIELDS} | {'num_kv_heads': m['num_kv_heads'] or m['num_heads']}
+    return {f: m[f] for f in FIELDS} | {'num_kv_heads': m['num_kv_heads'] or m['num_heads'],
+                                        'head_dim': m['head_dim'] or m['d_model'] // m['num_heads']}
 
 
 def check(m: Mapping[str, Any], require: Callable[..., None]) -> None:
     """The family's fields: kv heads dividing the heads, an even head width, RoPE and norm numbers in range."""
+    require(isinstance(m.qk_norm, bool), 'model.qk_norm', m.qk_norm, 'must be True or False',
+            'set True (Qwen3) or False')
     require(isinstance(m.num_kv_heads, int) and m.num_kv_heads >= 0, 'model.num_kv_heads', m.num_kv_heads,
             'must be an integer >= 0', 'set 0 (as many as model.num_heads) or the key/value heads')
     kv = m.num_kv_heads or m.num_heads
     require(m.num_heads % kv == 0, 'model.num_kv_heads', m.num_kv_heads,
             f'must divide model.num_heads = {m.num_heads} (each kv head serves a group of query heads)',
             f'choose a divisor of {m.num_heads}, e.g. {math.gcd(m.num_heads, kv)}')
-    require((m.d_model // m.num_heads) % 2 == 0, 'model.d_model', m.d_model,
-            f'the head dimension d_model / num_heads = {m.d_model // m.num_heads} must be even for rotary '
-            'embeddings (they rotate pairs of dimensions)', 'choose d_model and num_heads with an even quotient')
+    require(isinstance(m.head_dim, int) and not isinstance(m.head_dim, bool) and m.head_dim >= 0, 'model.head_dim',
+            m.head_dim, 'must be an integer >= 0', 'set 0 (d_model / num_heads) or each head\'s width, e.g. 128')
+    if m.head_dim:
+        require(m.head_dim % 2 == 0, 'model.head_dim', m.head_dim, 'must be even for rotary embeddings (they '
+                'rotate pairs of dimensions)', f'choose an even head width, e.g. {m.head_dim + 1}')
+    else:
+        require((m.d_model // m.num_heads) % 2 == 0, 'model.d_model', m.d_model,
+                f'the head dimension d_model / num_heads = {m.d_model // m.num_heads} must be even for rotary '
+                'embeddings (they rotate pairs of dimensions)', 'choose d_model and num_heads with an even quotient')
     require(m.rope_scaling in ROPE_SCALINGS, 'model.rope_scaling', m.rope_scaling, 'unknown RoPE scaling',
             f'use one of {ROPE_SCALINGS}')
     for field, low, example in (('norm_eps', 0.0, 1e-5), ('rope_theta', 1.0, 500000.0)):
@@ -144,16 +167,17 @@ def _shape_fields_of(m: Mapping[str, Any]) -> dict[str, Any]:
     scaling = None if m['rope_scaling'] == 'none' else (
         float(m['rope_factor']), float(m['rope_low_freq_factor']), float(m['rope_high_freq_factor']),
         int(m['rope_original_max_len']))
-    return dict(num_kv_heads=m['num_kv_heads'] or m['num_heads'], qkv_bias=m['qkv_bias'], norm_eps=m['norm_eps'],
-                rope_theta=m['rope_theta'], rope_scaling=scaling)
+    return dict(num_kv_heads=m['num_kv_heads'] or m['num_heads'], qkv_bias=m['qkv_bias'], qk_norm=m['qk_norm'],
+                explicit_head_dim=m['head_dim'], norm_eps=m['norm_eps'], rope_theta=m['rope_theta'],
+                rope_scaling=scaling)
 
 
 def param_specs(s: LlamaShape) -> tuple[ParamSpec, ...]:
     """Every parameter of `Llama(s)` (the planner's table; tested against eval_shape).
 
-    g = kv heads; the key/value projection holds k and v ('qkv' axis of 2) for the g heads,
-    whose logical name `kv_heads` the layout splits over `tensor` where g divides it and
-    replicates otherwise (Megatron's GQA).
+    g = kv heads, k = each head's width (`head_dim`); the key/value projection holds k and v ('qkv'
+    axis of 2) for the g heads, whose logical name `kv_heads` the layout splits over `tensor` where g
+    divides it and replicates otherwise (Megatron's GQA). QK-norm's scales [k] are whole on every device.
     """
     L, d, h, g, k, f, v = s.num_layers, s.d_model, s.num_heads, s.kv_heads, s.head_dim, s.mlp_dim, s.vocab_size
     block = [
@@ -169,6 +193,8 @@ def param_specs(s: LlamaShape) -> tuple[ParamSpec, ...]:
     if s.qkv_bias:
         block += [('attn/b_kv', (2, g, k), ('qkv', 'kv_heads', 'head_dim')),
                   ('attn/b_q', (h, k), ('heads', 'head_dim'))]
+    if s.qk_norm:
+        block += [('attn/k_norm/scale', (k,), ('head_dim',)), ('attn/q_norm/scale', (k,), ('head_dim',))]
     specs = [ParamSpec('blocks/' + p, (L, *shape), ('layers', *names)) for p, shape, names in sorted(block)]
     specs += [ParamSpec('norm_f/scale', (d,), ('embed',)), ParamSpec('wte', (v, d), ('vocab', 'embed'))]
     if not s.tied_embeddings:
@@ -179,19 +205,27 @@ def param_specs(s: LlamaShape) -> tuple[ParamSpec, ...]:
 def forward_flops(s: LlamaShape) -> tuple[float, float]:
     """Forward matmul FLOPs of one layer and of the head, per sequence (2 per multiply-add).
 
-    q and the output projection d x d each, k and v d x (g K) each (GQA's smaller k/v), the
-    SwiGLU's three d x f matrices; attention counted in full (all s x s scores).
+    q and the output projection d x (h K) each (d x d unless the head width is set apart), k and v
+    d x (g K) each (GQA's smaller k/v), the SwiGLU's three d x f matrices; attention counted in full
+    (all s x s scores, h K wide). QK-norm is element-wise: not counted.
     """
     t, d, f, v = s.seq_len, s.d_model, s.mlp_dim, s.vocab_size
-    kv = s.kv_heads * s.head_dim
-    layer = 2 * t * (2 * d * d + 2 * d * kv + 3 * d * f) + 2 * 2 * t * t * d
+    q, kv = s.num_heads * s.head_dim, s.kv_heads * s.head_dim
+    layer = 2 * t * (2 * d * q + 2 * d * kv + 3 * d * f) + 2 * 2 * t * t * q
     return float(layer), float(2 * t * d * v)
 
 
 def megatron_flops(global_batch: int, s: LlamaShape, recompute: bool) -> float:
-    """Megatron-LM's count for GQA and SwiGLU (flops.py), padded vocabulary."""
+    """Megatron-LM's count for GQA and SwiGLU (flops.py), padded vocabulary, q h K wide."""
     return flops_lib.gated_gqa_flops_per_step(global_batch, s.seq_len, s.num_layers, s.d_model, s.vocab_size,
-                                              s.kv_heads / s.num_heads, s.mlp_dim, recompute)
+                                              s.kv_heads / s.num_heads, s.mlp_dim, recompute,
+                                              query_projection_size=s.num_heads * s.head_dim)
+
+
+def _proxy_fields(choice: tuple[bool, bool, bool], sizes: Mapping[str, int]) -> dict[str, Any]:
+    grouped, qk_norm, apart = choice
+    return {'num_kv_heads': sizes['g'] if grouped else sizes['h'], 'qk_norm': qk_norm} | (
+        {'explicit_head_dim': sizes['k'], 'd_model': sizes['d_apart']} if apart else {})
 
 
 def shrink(s: LlamaShape, tensor: int) -> ShrunkHeads:
@@ -201,51 +235,72 @@ def shrink(s: LlamaShape, tensor: int) -> ShrunkHeads:
 
     The smallest k/v head count g' >= 1 with r g' a multiple of tensor (r = heads / kv_heads) and
     g' % tensor == 0 as in the config, preferring r g' >= 2 tensor; the config's own kv_heads
-    always qualifies (it is valid), so one is found.
+    always qualifies (it is valid), so one is found. A head width apart from d_model / num_heads
+    stays apart (plan/shrink.py sets model.head_dim: `head_dim_field`); one equal to it is the rule's (0).
     """
     heads, kv_heads = s.num_heads, s.kv_heads
     ratio, split = heads // kv_heads, kv_heads % tensor == 0
     kept = {'query heads per key/value head': ratio, 'key/value heads split over tensor': split}
+    apart = s.head_dim != s.d_model // s.num_heads  # q projects to num_heads * head_dim != d_model
+    if apart:
+        kept['head width apart from d_model / num_heads'] = True
+    fields, field = ({}, 'head_dim') if apart else ({'head_dim': 0}, '')
     if kv_heads == heads:
-        return ShrunkHeads(2 * tensor, {'num_kv_heads': 2 * tensor}, kept)
+        return ShrunkHeads(2 * tensor, {'num_kv_heads': 2 * tensor} | fields, kept, field)
     fits = [g for g in range(1, kv_heads + 1) if (ratio * g) % tensor == 0 and (g % tensor == 0) == split]
     g = next((g for g in fits if ratio * g >= 2 * tensor), fits[0])
-    return ShrunkHeads(ratio * g, {'num_kv_heads': g}, kept)
+    return ShrunkHeads(ratio * g, {'num_kv_heads': g} | fields, kept, field)
 
 
-# --------------------------------------------------------------------------- Hugging Face Llama / Mistral / Qwen2
+# ------------------------------------------------------------------- Hugging Face Llama / Mistral / Qwen2 / Qwen3
 
 QWEN2 = ('Qwen2ForCausalLM', 'qwen2')  # what a model with q/k/v biases exports as
+QWEN3 = ('Qwen3ForCausalLM', 'qwen3')  # what a model with QK-norm exports as
 RMS_NORM_EPS, ROPE_THETA = 1e-6, 10000.0  # transformers' defaults
+QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim where config.json has none (not hidden_size / heads)
+ATTENTION_KINDS = ('full_attention', 'sliding_attention')  # `layer_types` entries (Qwen2, Qwen3)
 LLAMA3_KEYS = (('rope_factor', 'factor'), ('rope_low_freq_factor', 'low_freq_factor'),
                ('rope_high_freq_factor', 'high_freq_factor'))
 
 
+def _head_dim_of(m: Mapping[str, Any]) -> int:
+    """A saved config's head width (one from before model.head_dim: d_model / num_heads)."""
+    return m.get('head_dim') or m['d_model'] // m['num_heads']
+
+
 def _check_exportable(m: dict[str, Any], where: str) -> None:
-    if m['d_model'] % m['num_heads']:
-        raise CheckpointError(f'{where}: d_model {m["d_model"]} is not divisible by num_heads {m["num_heads"]}, '
-                              'which HF Llama needs. Fix: none; export safetensors.')
+    d, h, k = m['d_model'], m['num_heads'], _head_dim_of(m)
+    for bad, problem in (
+            (d % h, f'd_model {d} is not divisible by num_heads {h}, which HF Llama needs'),
+            (k != d // h and not m.get('qk_norm'), f'head_dim {k} is not d_model / num_heads = {d // h}: of the '
+             'Hugging Face architectures jaxfrontier writes only Qwen3 (qk_norm) has a head width of its own'),
+            (m.get('qk_norm') and m['qkv_bias'], 'qk_norm with qkv_bias: Qwen3 biases q, k, v and the output '
+             'projection, or none of them')):
+        if bad:
+            raise CheckpointError(f'{where}: {problem}. Fix: none; export safetensors.')
 
 
 def _hf_config(m: dict[str, Any], eot_id: int | None) -> dict[str, Any]:
-    """transformers' LlamaConfig (or Qwen2Config, with q/k/v biases) for a saved config's model.*."""
+    """transformers' LlamaConfig (Qwen2Config with q/k/v biases, Qwen3Config with QK-norm) for a saved
+    config's model.*."""
     layers, heads = m['num_layers'], m['num_heads']
     rope: dict[str, Any] = {'rope_type': 'default', 'rope_theta': float(m['rope_theta'])}
     if m['rope_scaling'] == 'llama3':
         rope |= {'rope_type': 'llama3', 'original_max_position_embeddings': int(m['rope_original_max_len']),
                  **{theirs: float(m[ours]) for ours, theirs in LLAMA3_KEYS}}
-    architecture, model_type = QWEN2 if m['qkv_bias'] else (HF.architecture, HF.model_type)
+    qwen3 = bool(m.get('qk_norm'))
+    architecture, model_type = QWEN3 if qwen3 else QWEN2 if m['qkv_bias'] else (HF.architecture, HF.model_type)
     out = {'architectures': [architecture], 'model_type': model_type, 'vocab_size': m['vocab_size'],
            'hidden_size': m['d_model'], 'intermediate_size': _width(m), 'num_hidden_layers': layers,
            'num_attention_heads': heads, 'num_key_value_heads': m.get('num_kv_heads') or heads,
-           'head_dim': m['d_model'] // heads, 'hidden_act': 'silu', 'max_position_embeddings': m['seq_len'],
+           'head_dim': _head_dim_of(m), 'hidden_act': 'silu', 'max_position_embeddings': m['seq_len'],
            'rms_norm_eps': float(m['norm_eps']), 'rope_parameters': rope,
            'tie_word_embeddings': bool(m['tied_embeddings']), 'initializer_range': m['init_std'],
            'attention_dropout': 0.0, 'use_cache': True, 'bos_token_id': eot_id, 'eos_token_id': eot_id,
            'dtype': 'float32'}
-    if m['qkv_bias']:
+    if m['qkv_bias'] or qwen3:
         return out | {'use_sliding_window': False, 'sliding_window': None, 'max_window_layers': layers,
-                      'layer_types': ['full_attention'] * layers}
+                      'layer_types': ['full_attention'] * layers} | ({'attention_bias': False} if qwen3 else {})
     return out | {'attention_bias': False, 'mlp_bias': False, 'pretraining_tp': 1}
 
 
@@ -263,11 +318,11 @@ def _positive(value: Any, key: str, refuse) -> float:
 
 
 def _sliding_window(hf: dict[str, Any]) -> Any:
-    """The sliding window some layer attends with, or None (Mistral: any window; Qwen2: only if used)."""
+    """The sliding window some layer attends with, or None (Mistral: any window; Qwen2, Qwen3: only if used)."""
     window = hf.get('sliding_window')
     if window is None or hf['model_type'] == 'llama':
         return None
-    if hf['model_type'] == 'qwen2':
+    if hf['model_type'] in ('qwen2', 'qwen3'):
         if not hf.get('use_sliding_window'):
             return None
         types = hf.get('layer_types')
@@ -276,6 +331,27 @@ def _sliding_window(hf: dict[str, Any]) -> Any:
         first = hf.get('max_window_layers', hf['num_hidden_layers'])
         return window if not isinstance(first, int) or first < hf['num_hidden_layers'] else None
     return window
+
+
+def _check_attention(hf: dict[str, Any], refuse) -> None:
+    """Every layer attends to the whole context: known `layer_types`, no sliding window in some layers or all."""
+    types, window = hf.get('layer_types'), _sliding_window(hf)
+    if types is not None and (not isinstance(types, list) or not all(t in ATTENTION_KINDS for t in types)):
+        i = [i for i, t in enumerate(types) if t not in ATTENTION_KINDS][0] if isinstance(types, list) else None
+        refuse('layer_types' if i is None else f'layer_types[{i}]', types if i is None else types[i],
+               f'use a model whose layer_types are all {ATTENTION_KINDS[0]!r}')
+    fix = 'sliding-window attention is not implemented: use a model that attends to the whole context in every layer'
+    if window is not None and isinstance(types, list) and 'full_attention' in types:
+        refuse('layer_types', f'{types.count("sliding_attention")} sliding_attention and '
+               f'{types.count("full_attention")} full_attention layers', f'{fix} (use_sliding_window false)')
+    if window is not None:
+        refuse('sliding_window', window, f'{fix} (sliding_window null, or use_sliding_window false)')
+
+
+def _hf_head_dim(hf: dict[str, Any]) -> int:
+    """config.json's head_dim, else transformers' default (Qwen3's 128, others' hidden_size / heads)."""
+    qwen3 = hf['model_type'] == 'qwen3'
+    return hf.get('head_dim') or (QWEN3_HEAD_DIM if qwen3 else hf['hidden_size'] // hf['num_attention_heads'])
 
 
 def _rope_fields(hf: dict[str, Any], refuse) -> dict[str, Any]:
@@ -302,7 +378,7 @@ def _rope_fields(hf: dict[str, Any], refuse) -> dict[str, Any]:
 
 
 def _model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """Our model.* fields for a HF Llama / Mistral / Qwen2 config (integers checked by hf_files.read_config)."""
+    """Our model.* fields for a HF Llama / Mistral / Qwen2 / Qwen3 config (integers checked by hf_files.read_config)."""
     refuse = _refuser(where)
     model_type = hf['model_type']
     if hf.get('hidden_act', 'silu') not in HF.activations:
@@ -313,25 +389,23 @@ def _model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     if hf.get('mlp_bias'):
         refuse('mlp_bias', hf['mlp_bias'], 'use a model without MLP biases')
     d, heads, layers = hf['hidden_size'], hf['num_attention_heads'], hf['num_hidden_layers']
-    kv_heads = hf.get('num_key_value_heads') or heads
+    kv_heads, head_dim = hf.get('num_key_value_heads') or heads, _hf_head_dim(hf)
     if d % heads:
         refuse('hidden_size', d, f'use a model whose hidden_size divides by num_attention_heads ({heads})')
-    if hf.get('head_dim') not in (None, d // heads):
-        refuse('head_dim', hf['head_dim'], f'jaxfrontier\'s head width is hidden_size / num_attention_heads = '
-               f'{d // heads}: use a model with that head_dim')
+    if (model_type != 'qwen3' and head_dim != d // heads) or head_dim % 2:
+        refuse('head_dim', head_dim, f'jaxfrontier reads a head width apart from hidden_size / num_attention_heads = '
+               f'{d // heads} only from Qwen3, and an even one (RoPE rotates pairs): use a model with such a head_dim')
     if heads % kv_heads:
         refuse('num_key_value_heads', kv_heads, f'use a model whose num_attention_heads ({heads}) it divides')
-    window = _sliding_window(hf)
-    if window is not None:
-        refuse('sliding_window', window, 'sliding-window attention is not implemented: use a model that attends '
-               'to the whole context in every layer (sliding_window null, or use_sliding_window false)')
+    _check_attention(hf, refuse)
     if hf.get('pretraining_tp', 1) not in (1, None):
         refuse('pretraining_tp', hf['pretraining_tp'], 'use a model with pretraining_tp 1')
     eps = _positive(hf.get('rms_norm_eps', RMS_NORM_EPS), 'rms_norm_eps', refuse)
     return {'family': 'llama', 'num_layers': layers, 'd_model': d, 'num_heads': heads, 'num_kv_heads': kv_heads,
-            'mlp_dim': hf['intermediate_size'], 'qkv_bias': model_type == 'qwen2', 'norm_eps': eps,
-            **_rope_fields(hf, refuse), 'vocab_size': hf['vocab_size'],
-            'tied_embeddings': bool(hf.get('tie_word_embeddings', False)), 'seq_len': hf['max_position_embeddings']}
+            'head_dim': head_dim, 'mlp_dim': hf['intermediate_size'], 'qkv_bias': model_type == 'qwen2',
+            'qk_norm': model_type == 'qwen3', 'norm_eps': eps, **_rope_fields(hf, refuse),
+            'vocab_size': hf['vocab_size'], 'tied_embeddings': bool(hf.get('tie_word_embeddings', False)),
+            'seq_len': hf['max_position_embeddings']}
 
 
 def _top_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -341,9 +415,9 @@ def _top_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _layer_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """One layer's tensors (biases as the config declares them)."""
+    """One layer's tensors (biases as the config declares them; Qwen3's q_norm and k_norm)."""
     d, f, heads = hf['hidden_size'], hf['intermediate_size'], hf['num_attention_heads']
-    head_dim = hf.get('head_dim') or d // heads
+    head_dim = _hf_head_dim(hf)
     q, kv = heads * head_dim, (hf.get('num_key_value_heads') or heads) * head_dim
     shapes = {'input_layernorm.weight': (d,), 'self_attn.q_proj.weight': (q, d), 'self_attn.k_proj.weight': (kv, d),
               'self_attn.v_proj.weight': (kv, d), 'self_attn.o_proj.weight': (d, q),
@@ -351,6 +425,8 @@ def _layer_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
               'mlp.down_proj.weight': (d, f)}
     if hf['model_type'] == 'qwen2' or hf.get('attention_bias'):
         shapes |= {'self_attn.q_proj.bias': (q,), 'self_attn.k_proj.bias': (kv,), 'self_attn.v_proj.bias': (kv,)}
+    if hf['model_type'] == 'qwen3':
+        shapes |= {'self_attn.q_norm.weight': (head_dim,), 'self_attn.k_norm.weight': (head_dim,)}
     return shapes
 
 
@@ -387,13 +463,14 @@ HF = HFConverter(
                  ('attn/w_kv', 'self_attn.k_proj.weight'), ('attn/w_kv', 'self_attn.v_proj.weight'),
                  ('attn/b_q', 'self_attn.q_proj.bias'),
                  ('attn/b_kv', 'self_attn.k_proj.bias'), ('attn/b_kv', 'self_attn.v_proj.bias'),
+                 ('attn/q_norm/scale', 'self_attn.q_norm.weight'), ('attn/k_norm/scale', 'self_attn.k_norm.weight'),
                  ('attn/w_out', 'self_attn.o_proj.weight'), ('mlp_norm/scale', 'post_attention_layernorm.weight'),
                  ('mlp/w_gate', 'mlp.gate_proj.weight'), ('mlp/w_up', 'mlp.up_proj.weight'),
                  ('mlp/w_down', 'mlp.down_proj.weight')),
     top_names=(('norm_f/scale', 'model.norm.weight'),),
     prefix='model.',
     embed='embed_tokens.weight',
-    reads=(('LlamaForCausalLM', 'llama'), ('MistralForCausalLM', 'mistral'), QWEN2),
+    reads=(('LlamaForCausalLM', 'llama'), ('MistralForCausalLM', 'mistral'), QWEN2, QWEN3),
     position_table=False,
     config_ints=('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'vocab_size',
                  'max_position_embeddings'),
@@ -412,13 +489,14 @@ HF = HFConverter(
 FAMILY = moe_lib.with_moe(Family(
     name='llama', module='jaxfrontier.model.llama:Llama', mlp_dim=mlp_dim, param_specs=param_specs,
     forward_flops=forward_flops, megatron_flops=megatron_flops, fields=FIELDS, shape_fields=SHAPE_FIELDS,
-    max_sizes={'num_kv_heads': 2**16, 'multiple_of': 2**24, 'rope_original_max_len': 2**31},
+    max_sizes={'num_kv_heads': 2**16, 'head_dim': 2**16, 'multiple_of': 2**24, 'rope_original_max_len': 2**31},
     effective=_effective, check=check, shape_type=LlamaShape, shape_fields_of=_shape_fields_of, hf=HF,
     # What changes the numbers, not the size (the verify check keeps them; `shrink` keeps the grouping).
-    verify_kept=('qkv_bias', 'norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor', 'rope_low_freq_factor',
+    verify_kept=('qkv_bias', 'qk_norm', 'norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor', 'rope_low_freq_factor',
                  'rope_high_freq_factor', 'rope_original_max_len'),
     shrink=shrink,
-    # The planner's proxy has grouped k/v heads where the model does (its k/v arrays are g, not h, wide).
-    proxy_choice=lambda s: s.kv_heads < s.num_heads,
-    proxy_fields=lambda grouped, sizes: {'num_kv_heads': sizes['g'] if grouped else sizes['h']},
+    # The planner's proxy has grouped k/v heads where the model does (its k/v arrays are g, not h, wide),
+    # QK-norm where it does, and a head width apart from d_model / num_heads where it has one.
+    proxy_choice=lambda s: (s.kv_heads < s.num_heads, s.qk_norm, s.head_dim != s.d_model // s.num_heads),
+    proxy_fields=_proxy_fields,
 ), dense_width=_width)  # MoE layers where model.moe_experts > 0 (families/moe.py; model/layers/moe.py)

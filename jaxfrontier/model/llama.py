@@ -1,12 +1,13 @@
 """The Llama family: token embeddings, RMSNorm pre-norm blocks with rotary attention and SwiGLU.
 
-Llama 2/3, Mistral-style dense and Qwen2 (q/k/v biases) decoders: grouped-query attention
-(`num_kv_heads` key/value heads shared by groups of query heads; 1 = multi-query), rotary
-position embeddings in Hugging Face's half-split convention (model/layers/rope.py; theta and Llama
-3.1's frequency scaling configurable), a SwiGLU MLP, no biases by default, an untied head
-by default. The blocks, the head and the loss run as GPT's do (model/decoder.py, stack.py);
-one block serves training and KV-cached decoding. The family's declaration (fields, shape
-`LlamaShape`, parameter table, FLOPs, Hugging Face converter) is families/llama.py.
+Llama 2/3, Mistral-style dense, Qwen2 (q/k/v biases) and Qwen3 (QK-norm, heads of a width of their
+own) decoders: grouped-query attention (`num_kv_heads` key/value heads shared by groups of query
+heads; 1 = multi-query), rotary position embeddings in Hugging Face's half-split convention
+(model/layers/rope.py; theta and Llama 3.1's frequency scaling configurable), a SwiGLU MLP, no
+biases by default, an untied head by default. The blocks, the head and the loss run as GPT's do
+(model/decoder.py, stack.py); one block serves training and KV-cached decoding. The family's
+declaration (fields, shape `LlamaShape`, parameter table, FLOPs, Hugging Face converter) is
+families/llama.py.
 
 Tensor parallelism (Megatron): q, gate and up column-parallel over heads / `mlp`, the output
 and down projections row-parallel; the g kv heads split over `tensor` where g divides it and
@@ -41,17 +42,24 @@ class GroupedQueryAttention(nnx.Module):
 
     The query projection w_q [d, H, K] and the key/value projection w_kv [d, 2, G, K] are
     separate (Hugging Face's q_proj and k_proj/v_proj), so each lays its heads out on its own.
+    K is the shape's `head_dim`: d / H, or a width of its own (Qwen3), when q is H K != d wide and
+    w_out [H, K, d] projects back. QK-norm (Qwen3) RMS-normalises each head's q and k over K before
+    RoPE, with one scale [K] each (q_norm, k_norm) shared by the heads.
     """
 
     def __init__(self, s: ModelShape, *, out_std: float, rngs: nnx.Rngs):
         d, h, g, k = s.d_model, s.num_heads, s.kv_heads, s.head_dim
         self.impl, self.blocks = s.attention, (s.attention_block_q, s.attention_block_kv)
         self.rope_theta, self.rope_scaling, self.qkv_bias = s.rope_theta, s.rope_scaling, s.qkv_bias
+        self.qk_norm = s.qk_norm
         self.w_q = param(rngs.params(), (d, h, k), ('embed', 'heads', 'head_dim'), s.init_std)
         self.w_kv = param(rngs.params(), (d, 2, g, k), ('embed', 'qkv', 'kv_heads', 'head_dim'), s.init_std)
         if s.qkv_bias:
             self.b_q = param(None, (h, k), ('heads', 'head_dim'), 0.0)
             self.b_kv = param(None, (2, g, k), ('qkv', 'kv_heads', 'head_dim'), 0.0)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(k, eps=s.norm_eps, rngs=rngs, names=('head_dim',))
+            self.k_norm = RMSNorm(k, eps=s.norm_eps, rngs=rngs, names=('head_dim',))
         self.w_out = param(rngs.params(), (h, k, d), ('heads', 'head_dim', 'embed'), out_std)
 
     def __call__(self, x_nd: jax.Array, seq: int | Seq, positions_bt: jax.Array, cache: KVCache | None = None
@@ -63,12 +71,17 @@ class GroupedQueryAttention(nnx.Module):
         if self.qkv_bias:  # added after both projections, not inside each: that would reorder the program
             q_nhk = linear.add_bias(self, 'b_q', q_nhk)
             kv_n2gk = linear.add_bias(self, 'b_kv', kv_n2gk)
+        if self.qk_norm:  # each head's q over its K dimensions (statistics in fp32), before RoPE
+            q_nhk = self.q_norm(q_nhk)
         n, h, k = q_nhk.shape
         b = n // seq_len
         inv_freq = rope.inverse_frequencies(k, self.rope_theta, self.rope_scaling)
         q_bthk = rope.apply_rope(unflatten_tokens(q_nhk, b, seq_len), positions_bt, inv_freq)  # [B, T, H, K]
         kv_bt2gk = unflatten_tokens(kv_n2gk, b, seq_len)  # [B, T, 2, G, K]
-        k_btgk = rope.apply_rope(kv_bt2gk[:, :, 0], positions_bt, inv_freq)
+        k_btgk = kv_bt2gk[:, :, 0]
+        if self.qk_norm:
+            k_btgk = self.k_norm(k_btgk)
+        k_btgk = rope.apply_rope(k_btgk, positions_bt, inv_freq)
         o_bthk, cache = attend(q_bthk, k_btgk, kv_bt2gk[:, :, 1], self.impl, self.blocks, cache, positions_bt, seq)
         return linear.project(self, 'w_out', 'nhk,hkd->nd', flatten_tokens(o_bthk), out_names=ACT_ND), cache
 

@@ -9,8 +9,10 @@ then evaluates a residual for any model size and layout, per device.
 
 The proxy is the configured family's model (a fused QKV and a GeLU MLP; or grouped key/value
 heads, rotary tables and a gated MLP, whose gate and up projections add F-wide arrays and
-whose k/v are g, not h, heads wide), with the family's choices its declaration names
-(`Family.proxy_choice` / `proxy_fields`), so nothing here knows a family's layer by name.
+whose k/v are g, not h, heads wide; QK-norm's statistics), with the family's choices its
+declaration names (`Family.proxy_choice` / `proxy_fields`), so nothing here knows a family's
+layer by name. A model whose heads are not d / h wide gets a proxy whose d is not h k either, so
+an array h k wide never passes for a d-wide one.
 
 Symbols: b micro-batch rows, t sequence, n = b*t tokens, h heads, g key/value heads, r = h/g
 query heads per key/value head, k head dim, c = k/2 (the rotary half), d model dim, f MLP
@@ -46,7 +48,9 @@ from jaxfrontier.model.params import ModelDef
 _B, _T, _G, _R, _C, _F, _V, _L = 6, 7, 5, 4, 13, 29, 17, 19
 _H, _K = _G * _R, 2 * _C
 _D = _H * _K
-PROXY_SIZES = {'h': _H, 'g': _G}  # what a family's proxy_fields may use
+_D_APART = 11 * 23  # the width of a proxy whose heads are not d / h wide (h k = 520 apart from it)
+# What a family's proxy_fields may use: heads, k/v heads, the head width, a model width apart from h k.
+PROXY_SIZES = {'h': _H, 'g': _G, 'k': _K, 'd_apart': _D_APART}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +118,9 @@ def local_sizes(*, micro_batch: int, seq_len: int, num_heads: int, head_dim: int
             'v': -(-vocab // tensor), 'q': 3, 's': 2, '1': 1}
 
 
-def _symbols(grouped: bool) -> dict[int, str]:
-    table = {_B: 'b', _T: 't', _B * _T: 'n', _H: 'h', _K: 'k', _C: 'c', _F: 'f', _D: 'd', _V: 'v', 3: 'q', 2: 's',
-             1: '1'}
+def _symbols(grouped: bool, d_model: int) -> dict[int, str]:
+    table = {_B: 'b', _T: 't', _B * _T: 'n', _H: 'h', _K: 'k', _C: 'c', _F: 'f', d_model: 'd', _V: 'v', 3: 'q',
+             2: 's', 1: '1'}
     if grouped:
         table |= {_G: 'g', _R: 'r'}
     assert len(table) == 12 + 2 * grouped, 'proxy sizes collide'  # pairwise distinct by construction
@@ -224,12 +228,12 @@ def _trace(remat: str, dtype: str, dropout: bool, tied_embeddings: bool, attenti
            proxy: Any) -> Signature:
     """`signature`, traced: the proxy model's saved residuals in symbols."""
     declared = families.get(family)
-    shape = declared.shape_type(
+    shape = declared.shape_type(**dict(
         num_layers=_L, d_model=_D, num_heads=_H, seq_len=_T, vocab_size=_V, real_vocab_size=_V,
         mlp_dim=_F, tied_embeddings=tied_embeddings, dropout_rate=0.1 if dropout else 0.0,
-        init_std=0.02, dtype=dtype, attention=attention, remat=remat, family=family,
-        **declared.proxy_fields(proxy, PROXY_SIZES))
-    names = _symbols(shape.kv_heads != shape.num_heads)
+        init_std=0.02, dtype=dtype, attention=attention, remat=remat, family=family) |
+        declared.proxy_fields(proxy, PROXY_SIZES))
+    names = _symbols(shape.kv_heads != shape.num_heads, shape.d_model)
     model_def = ModelDef.create(shape)
     tokens = jax.ShapeDtypeStruct((_B, _T), jnp.int32)
     key = jax.random.key(0) if dropout else None

@@ -393,7 +393,7 @@ def flops(shape, layout, attention: str = 'xla') -> Flops:
     layer, head = forward_flops(shape)
     b, L = layout.global_batch, shape.num_layers
     model = 3 * b * (L * layer + head)
-    attention_fwd = 2 * 2 * shape.seq_len * shape.seq_len * shape.d_model
+    attention_fwd = 2 * 2 * shape.seq_len * shape.seq_len * shape.num_heads * shape.head_dim  # h K: d unless apart
     share = blockwise_attention_share(shape) if attention == 'blockwise' else 1.0
     layer_run = layer - (1 - share) * attention_fwd  # one layer's forward as the kernel computes it
     # Full recomputation skips the MLP output projection: its result only feeds the layer's output,

@@ -228,6 +228,7 @@ def format_plan(p: Plan) -> str:
         f'plan{" " + p.name if p.name else ""}: {p.num_params:,} parameters ({p.num_params / 1e9:,.2f} B) '
         f'on {lay.num_devices:,} x {p.hardware.name}',
         f'  model     {s.family}: {s.num_layers} layers, d {s.d_model}, {s.num_heads} heads'
+        f'{f" of {s.head_dim}" if s.head_dim != s.d_model // s.num_heads else ""}'
         f'{f" ({s.kv_heads} k/v)" if s.kv_heads < s.num_heads else ""}, MLP {s.mlp_dim}, seq {s.seq_len}, vocab '
         f'{s.vocab_size} (padded), {s.dtype}',
         f'  layout    {lay.describe()}; global batch {lay.global_batch}',

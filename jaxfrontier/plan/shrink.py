@@ -6,7 +6,8 @@ the sharding rules, and the family's choices (its declaration's `verify_kept` fi
 `shrink` rule: e.g. query heads per key/value head, and whether the key/value heads divide
 tensor, i.e. are split or replicated; biases, rotary theta and scaling, norm epsilon), and
 shrinks what only sets the size: layers to one per pipeline chunk (two without a pipeline),
-heads to what the tensor axis splits (the family's rule), a small width,
+heads to what the tensor axis splits (the family's rule), a small width (a head width apart from
+d_model / num_heads stays apart, on the same side: `ShrunkHeads.head_dim_field`),
 MLP width (at the config's ratio to the width) and vocabulary the layout still divides, a
 short sequence, a few micro-batches. Where the mesh
 needs more devices than this machine can simulate, only the `data` extent shrinks (the
@@ -119,6 +120,8 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
     for key, value in rule.fields.items():
         put(f'model.{key}', value)
     put('model.d_model', heads * head_dim)
+    if rule.head_dim_field:  # the config's heads are not d_model / num_heads wide: neither are the small model's
+        put(f'model.{rule.head_dim_field}', head_dim_apart(shape, head_dim))
     ratio = shape.mlp_dim / shape.d_model
     if config_lib.mlp_dim(s) != round(ratio * s.model.d_model):  # the rule at the small width: keep the ratio
         put('model.mlp_dim', mesh.tensor * max(1, round(ratio * s.model.d_model / mesh.tensor)))
@@ -144,6 +147,15 @@ def shrink(c: ml_collections.ConfigDict, max_devices: int = MAX_DEVICES) -> Shru
     kept['MLP width / model width'] = round(shape.mlp_dim / shape.d_model, 4)
     kept['mesh'] = config_lib.mesh_shape(s)
     return Shrunk(s, kept, changes)
+
+
+def head_dim_apart(shape: config_lib.ModelShape, width: int) -> int:
+    """An even head width for a small model whose d_model / num_heads is `width`, on the same side of it as
+    `shape`'s head width is of its d_model / num_heads (Qwen3-30B-A3B's 128 against 64: twice), at about the
+    same ratio, and never equal to it (else a layout that confused the two would pass)."""
+    ratio = shape.head_dim * shape.num_heads / shape.d_model
+    k = max(2, 2 * round(ratio * width / 2))
+    return k if k != width else width + 2 if ratio > 1 else width - 2
 
 
 def reference_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -20,7 +20,8 @@ from jaxfrontier.checkpoint import manager as ckpt_lib
 from processes import read_metrics
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
-    make_config, layout_for, target_of, random_state, save_state, read_numpy, flat_numpy, no_init, main, error_line)
+    make_config, layout_for, target_of, random_state, save_state, read_numpy, flat_numpy, no_init, main)
+from tests.processes import error_line
 
 pytestmark = pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
 
@@ -110,7 +111,7 @@ def test_diverged_run_commits_only_finite_states(diverged):
     assert proc.returncode == 3, proc.stderr[-3000:]
     steps = steps_of(workdir)
     assert steps and all(params_finite(f'{workdir}/checkpoints/{s}') for s in steps), steps
-    line = error_line(proc)
+    line = error_line(proc, code=3)
     good = steps[-1]
     assert f'newest finite checkpoint is step {good} ({workdir}/checkpoints/{good})' in line, line
     assert 'rerun the same command with a lower learning rate, e.g. --config.optim.lr=1000' in line, line
@@ -134,7 +135,7 @@ def test_rerun_with_lower_lr_resumes_from_newest_finite(diverged, tmp_path):
     steps = steps_of(str(tmp_path / 'run'))
     assert all(params_finite(f'{tmp_path}/run/checkpoints/{s}') for s in steps), steps
     if proc.returncode == 3:
-        assert f'newest finite checkpoint is step {steps[-1]} ' in error_line(proc)
+        assert f'newest finite checkpoint is step {steps[-1]} ' in error_line(proc, code=3)
 
 
 @pytest.mark.slow

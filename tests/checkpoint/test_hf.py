@@ -9,8 +9,6 @@ transformers GPT-2 saved with save_pretrained imports with the same logits.
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +53,7 @@ def write_corpus(directory) -> tuple[str, int]:
 
 def main(*args, log: bool = False) -> str:
     """stdout of `python -m jaxfrontier.main` (and its log on stderr when `log`); it must succeed."""
-    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *processes.TINY, *args], cwd=processes.REPO,
-                          env=processes.subprocess_env(), capture_output=True, text=True, timeout=900)
+    proc = processes.run_main(*args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout + (proc.stderr if log else '')
 

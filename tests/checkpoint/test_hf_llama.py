@@ -353,9 +353,8 @@ def test_cli_refusal_is_one_line(dirs, tmp_path):
     proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', f'--config=configs/hf.py:path={source}',
                            f'--workdir={tmp_path / "run"}'], cwd=processes.REPO, env=processes.subprocess_env(),
                           capture_output=True, text=True, timeout=300)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
-    assert proc.returncode == 2 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
-    assert 'sliding_window = 16' in errors[0] and 'Fix:' in errors[0]
+    line = processes.error_line(proc)
+    assert 'sliding_window = 16' in line and 'Fix:' in line
     assert not (tmp_path / 'run').exists()
 
 
@@ -419,8 +418,7 @@ def test_import_gives_transformers_logits(dirs, tmp_path, name):
 
 def run_main(*args):
     """(stdout, log on stderr) of `python -m jaxfrontier.main`; it must succeed."""
-    proc = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *args], cwd=processes.REPO,
-                          env=processes.subprocess_env(), capture_output=True, text=True, timeout=900)
+    proc = processes.run_main(*args, tiny=False, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout, proc.stderr
 

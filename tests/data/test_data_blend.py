@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader, token_files
 from jaxfrontier.data import sampling
 from jaxfrontier.errors import ConfigError
+from tests import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LEN, BATCH = 7, 10
@@ -190,20 +189,18 @@ def test_blend_and_path_together_or_without_tokens(tmp_path):
 
 
 def _main(tmp_path, *args):
-    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu',
-               PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/tiny.py',
-                           f'--workdir={tmp_path}/wd', '--config.data.kind=tokens', *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return processes.run_main('--config=configs/tiny.py', f'--workdir={tmp_path}/wd', '--config.data.kind=tokens',
+                              *args,
+                              tiny=False, timeout=300,
+                              env=processes.subprocess_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'))
 
 
 @pytest.mark.parametrize('case', ['zero weight', 'different vocabularies', 'missing file'])
 def test_cli_bad_blend_exits_2_with_one_line(tmp_path, case):
     blend, words = _bad_blends(tmp_path)[case]
     proc = _main(tmp_path, f'--config.data.blend={blend}', '--config.model.vocab_size=0')
-    errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
-    assert proc.returncode == 2 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
-    assert 'config.data.blend' in errors[0] and words in errors[0], errors[0]
+    line = processes.error_line(proc)
+    assert 'config.data.blend' in line and words in line, line
     assert not os.path.exists(tmp_path / 'wd') or not os.listdir(tmp_path / 'wd')
 
 

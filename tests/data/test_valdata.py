@@ -194,9 +194,8 @@ def test_blend_evaluates_each_file_and_weighs_the_overall_loss(prepared):
 
 
 def _main(*args):
-    done = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *processes.TINY, '--config.train.steps=2',
-                           '--config.data.kind=tokens', '--config.model.vocab_size=0', *args],
-                          cwd=REPO, env=processes.subprocess_env(), capture_output=True, text=True, timeout=600)
+    done = processes.run_main('--config.train.steps=2', '--config.data.kind=tokens', '--config.model.vocab_size=0',
+                              *args)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 

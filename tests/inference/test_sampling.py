@@ -15,9 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import save_file
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from jaxfrontier import config as config_lib
 from jaxfrontier.checkpoint import readers
@@ -36,10 +34,12 @@ PRINTABLE = range(32, 127)
 
 @pytest.mark.parametrize('penalty', [1.3, 0.7])
 def test_repetition_penalty_equals_transformers(penalty):
+    torch = pytest.importorskip('torch')
+    processors = pytest.importorskip('transformers.generation.logits_process')
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 37)).astype(np.float32) * 4
     ids = rng.integers(0, 37, size=(3, 9))
-    expected = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor(ids), torch.tensor(logits)).numpy()
+    expected = processors.RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor(ids), torch.tensor(logits)).numpy()
     seen = gen.seen_tokens(jnp.asarray(ids, jnp.int32), jnp.full((3,), 9), 37)
     np.testing.assert_array_equal(np.asarray(gen.penalise(jnp.asarray(logits), seen, penalty)), expected)
     # prompt padding (positions >= a row's length) counts as no token
@@ -50,6 +50,8 @@ def test_repetition_penalty_equals_transformers(penalty):
 @pytest.mark.slow  # a model compile (~10 s); the processor itself is checked exactly in the fast tier
 def test_greedy_repetition_penalty_as_transformers_defines_it():
     """Each greedy token with the penalty is the argmax of the full model's logits after HF's processor."""
+    torch = pytest.importorskip('torch')
+    processors = pytest.importorskip('transformers.generation.logits_process')
     c = small_config()
     model_def, params = ModelDef.create(config_lib.model_shape(c)), sharp_params(c)
     prompt_bp, lengths_b = prompts()
@@ -66,7 +68,8 @@ def test_greedy_repetition_penalty_as_transformers_defines_it():
             seq = np.zeros((1, SHAPE['seq_len']), np.int32)
             seq[0, :len(history)] = history
             logits = np.asarray(forward(params, seq))[0, len(history) - 1, :real]
-            processed = RepetitionPenaltyLogitsProcessor(1.8)(torch.tensor([history]), torch.tensor(logits[None]))
+            penalty = processors.RepetitionPenaltyLogitsProcessor(1.8)
+            processed = penalty(torch.tensor([history]), torch.tensor(logits[None]))
             assert got[r, n] == int(processed.argmax()), (r, n)
             history.append(int(got[r, n]))
 

@@ -34,20 +34,23 @@ def test_unknown_family_is_a_config_error():
         families.get('llama9')
 
 
-# Mixture of experts (families/moe.py): 7 experts of width 11, 2 shared, a dense first layer, the router's bias.
-MOE = dict(family='llama', moe_experts=7, moe_top_k=2, moe_mlp_dim=11, moe_shared_experts=2, moe_first_dense=1,
+# A family's own fields that change its parameters, beyond its defaults: Llama with Qwen3's QK-norm and
+# heads 6 wide (q 30 wide over a width of 40: 40 / 5 = 8 is not the head width), and 5 kv heads.
+FIELDS = {'llama': dict(qk_norm=True, head_dim=6, num_kv_heads=5)}
+# Mixture of experts (families/moe.py): 7 experts of width 11, 2 shared, a dense first layer, the router's bias;
+# and every layer MoE, no shared experts, no bias.
+MOE = dict(moe_experts=7, moe_top_k=2, moe_mlp_dim=11, moe_shared_experts=2, moe_first_dense=1,
            moe_router='sigmoid', moe_router_bias=True)
+MOE_ALL = dict(MOE, moe_first_dense=0, moe_shared_experts=0, moe_router_bias=False)
 
 
-@pytest.mark.parametrize('family', config_lib.MODEL_FAMILIES + ('llama_moe', 'llama_moe_all'))
+@pytest.mark.parametrize('family,fields', [(f, {}) for f in config_lib.MODEL_FAMILIES] +
+                         [(f, fields) for f, fields in FIELDS.items()] + [('llama', MOE), ('llama', MOE_ALL)],
+                         ids=lambda x: str(x) if x else 'defaults')
 @pytest.mark.parametrize('tied', [True, False])
-def test_param_specs_match_the_module(family, tied):
-    """Names, shapes and logical axes of the family's table are those of its module (eval_shape); MoE
-    models with a dense stem group (and every layer MoE, no shared experts, no bias)."""
-    model = {'llama_moe': MOE, 'llama_moe_all': dict(MOE, moe_first_dense=0, moe_shared_experts=0,
-                                                     moe_router_bias=False)}.get(family, {'family': family})
-    shape = shape_of(**model, tied_embeddings=tied)
-    family = model['family']
+def test_param_specs_match_the_module(family, fields, tied):
+    """Names, shapes and logical axes of the family's table are those of its module (eval_shape)."""
+    shape = shape_of(family=family, tied_embeddings=tied, **fields)
     model_def = params_lib.ModelDef.create(shape)
     flat = lambda tree, **kw: {'/'.join(k.key for k in path): leaf for path, leaf in
                                jax.tree_util.tree_flatten_with_path(tree, **kw)[0]}
@@ -83,9 +86,10 @@ def test_gpt_flops_are_megatrons_formula():
 
 
 def test_llama_hugging_face_names_cover_every_parameter():
-    """Every Llama parameter (q/k/v biases included) has its HF names; w_kv and b_kv hold k then v."""
+    """Every Llama parameter (q/k/v biases and Qwen3's q/k norms included) has its HF names; w_kv and b_kv hold
+    k then v. (No HF architecture has both biases and norms: the converter's table is the union.)"""
     hf = families.get('llama').hf
-    specs = families.get('llama').param_specs(shape_of(family='llama', num_kv_heads=1, qkv_bias=True,
+    specs = families.get('llama').param_specs(shape_of(family='llama', num_kv_heads=1, qkv_bias=True, qk_norm=True,
                                                        tied_embeddings=False))
     blocks = {p.path.removeprefix('blocks/') for p in specs if p.is_block}
     assert {ours for ours, _ in hf.block_names} == blocks

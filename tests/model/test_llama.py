@@ -10,8 +10,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -312,12 +310,11 @@ def test_dropout_masks_do_not_depend_on_the_layout(reference_step0):
 def run_main(*args):
     """stdout of `python -m jaxfrontier.main` with configs/llama.py's tiny size on data 2 x tensor 2."""
     from tests import processes  # pylint: disable=g-import-not-at-top
-    cmd = [sys.executable, '-m', 'jaxfrontier.main', '--config=configs/llama.py:size=tiny,data=2,tensor=2',
-           '--config.mesh.cpu_devices=4', '--config.model.seq_len=32', '--config.train.log_every=1',
-           '--config.train.progress=False', '--config.train.eval_batches=1', '--config.optim.decay_steps=100',
-           *args]
-    proc = subprocess.run(cmd, cwd=processes.REPO, env=processes.subprocess_env(), capture_output=True, text=True,
-                          timeout=900)
+    proc = processes.run_main('--config=configs/llama.py:size=tiny,data=2,tensor=2', '--config.mesh.cpu_devices=4',
+                              '--config.model.seq_len=32', '--config.train.log_every=1',
+                              '--config.train.progress=False',
+                              '--config.train.eval_batches=1', '--config.optim.decay_steps=100', *args,
+                              tiny=False, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 

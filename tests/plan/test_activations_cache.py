@@ -7,6 +7,10 @@ import pytest
 from jaxfrontier.plan import activations
 
 
+# The Llama family's proxy choice (`Family.proxy_choice`): grouped k/v heads, no QK-norm, heads d / h wide.
+GQA = (True, False, False)
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(activations, '_cache_root', lambda: str(tmp_path))
@@ -16,7 +20,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_a_traced_signature_is_read_back_without_tracing(cache_dir, monkeypatch):
-    traced = activations.signature('save_dots', 'bfloat16', False, False, 'xla', 'llama', True)
+    traced = activations.signature('save_dots', 'bfloat16', False, False, 'xla', 'llama', GQA)
     kept = os.listdir(cache_dir / 'jaxfrontier-residuals')
     assert len(kept) == 1 and kept[0].endswith('.json')
     activations.signature.cache_clear()  # a new process: only the file remains
@@ -25,9 +29,9 @@ def test_a_traced_signature_is_read_back_without_tracing(cache_dir, monkeypatch)
         raise AssertionError('traced again although the signature was on disk')
 
     monkeypatch.setattr(activations, '_trace', no_trace)
-    assert activations.signature('save_dots', 'bfloat16', False, False, 'xla', 'llama', True) == traced
+    assert activations.signature('save_dots', 'bfloat16', False, False, 'xla', 'llama', GQA) == traced
     with pytest.raises(AssertionError, match='traced again'):  # another policy is another entry
-        activations.signature('full', 'bfloat16', False, False, 'xla', 'llama', True)
+        activations.signature('full', 'bfloat16', False, False, 'xla', 'llama', GQA)
 
 
 def test_an_unreadable_entry_is_traced_again_and_replaced(cache_dir):

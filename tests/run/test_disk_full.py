@@ -36,21 +36,17 @@ def small_fs(tmp_path):
 
 
 def run(workdir, *args):
-    cmd = [sys.executable, '-m', 'jaxfrontier.main', *processes.TINY, f'--workdir={workdir}', *args]
-    return subprocess.run(cmd, cwd=processes.REPO, env=processes.subprocess_env(), capture_output=True, text=True,
-                          timeout=600)
+    return processes.run_main(f'--workdir={workdir}', *args)
 
 
 def one_error_line(proc) -> str:
-    """The one `error:` line, last on stderr, and no traceback of any thread before it."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-4000:])
-    assert 'Traceback' not in proc.stderr and 'Event loop is closed' not in proc.stderr, proc.stderr[-4000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith('error:'), proc.stderr[-4000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
-    assert len(lines) == 1, proc.stderr[-4000:]
+    """The one `error:` line (processes.error_line), last on stderr, and no traceback of any thread before it."""
+    line = processes.error_line(proc)
+    assert 'Event loop is closed' not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.strip().splitlines()[-1] == line, proc.stderr[-4000:]
     full = [line for line in proc.stderr.splitlines() if any(t.lower() in line.lower() for t in errors.DISK_FULL_TEXTS)]
-    assert full == lines, proc.stderr[-4000:]  # no log record of Orbax's names the full disk besides it
-    return lines[0]
+    assert full == [line], proc.stderr[-4000:]  # no log record of Orbax's names the full disk besides it
+    return line
 
 
 def test_enospc_is_found_behind_wrappers():

@@ -25,11 +25,9 @@ PARTS = ('startup', 'compile', 'checkpoint', 'eval', 'productive', 'replayed')
 
 
 def run(workdir, *args):
-    cmd = [sys.executable, '-m', 'jaxfrontier.main', *ARGS, f'--workdir={workdir}', *args]
-    if WANDB:
-        cmd.append('--config.train.wandb_mode=offline')
-    proc = subprocess.run(cmd, cwd=processes.REPO, env=processes.subprocess_env(WANDB_SILENT='true'),
-                          capture_output=True, text=True, timeout=600)
+    offline = ('--config.train.wandb_mode=offline',) if WANDB else ()
+    proc = processes.run_main(*ARGS, f'--workdir={workdir}', *args, *offline, tiny=False,
+                              env=processes.subprocess_env(WANDB_SILENT='true'))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 

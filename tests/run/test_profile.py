@@ -2,18 +2,15 @@
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 
-from processes import REPO, TINY, subprocess_env
+from tests import processes
 
 
 def run_main(workdir, *more):
-    return subprocess.run([sys.executable, '-m', 'jaxfrontier.main', *TINY, f'--workdir={workdir}',
-                           '--config.train.steps=4', '--config.checkpoint.enabled=False', *more],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    return processes.run_main(f'--workdir={workdir}', '--config.train.steps=4', '--config.checkpoint.enabled=False',
+                              *more)
 
 
 @pytest.mark.slow  # a training subprocess with the profiler on: ~35 s

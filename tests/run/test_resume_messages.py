@@ -25,8 +25,7 @@ def command(workdir, *args):
 
 
 def run(workdir, *args):
-    proc = subprocess.run(command(workdir, *args), cwd=processes.REPO, env=processes.subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = processes.run_main(*ARGS, f'--workdir={workdir}', *args, tiny=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

@@ -212,15 +212,23 @@ def test_bad_input_is_one_line_and_runs_nothing(tmp_path, args, message):
     assert not (tmp_path / 'w' / 'results.jsonl').exists()
 
 
-# Stubs for a Slurm allocation of 2 nodes: scontrol names them; srun records its arguments and the
-# time, then exits 0 without training (the trials are recorded as crashed: no measured steps).
+# Stubs for a Slurm allocation of 2 nodes: scontrol names them; srun records its start and end in one
+# log and exits 0 without training (the trials are recorded as crashed: no measured steps). A step
+# ends only once two have started (or after 60 s), so the log's order of events, not a clock, says
+# whether steps ran at the same time. One O_APPEND write per record keeps the lines whole and ordered.
 _SCONTROL = '#!/bin/bash\n[[ "$*" == "show hostnames nid[01-02]" ]] && printf "nid01\\nnid02\\n"\n'
-# Concurrent steps append to one log: one O_APPEND write per record keeps the lines whole.
 _SRUN = '''#!/bin/bash
 python3 -c 'import json, os, sys, time
-fd = os.open(os.environ["STUB_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-os.write(fd, (json.dumps({"args": sys.argv[1:], "start": time.time()}) + "\\n").encode())' "$@"
-sleep 1.5
+path = os.environ["STUB_LOG"]
+def put(event):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, (json.dumps({"event": event, "args": sys.argv[1:]}) + "\\n").encode())
+    os.close(fd)
+put("start")
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and open(path).read().count("\\"start\\"") < 2:
+    time.sleep(0.05)
+put("end")' "$@"
 '''
 
 
@@ -237,8 +245,9 @@ def test_slurm_launcher_runs_trials_as_concurrent_srun_steps(tmp_path):
                  '--config.mesh.cpu_devices=0', '--config.train.micro_batch=1', '--hardware=h100', '--warmup=1',
                  '--steps=1', env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(calls) == 3, calls
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    calls = [e for e in events if e['event'] == 'start']
+    assert len(calls) == 3, events
     for call in calls:
         args = call['args']
         at = args.index(sys.executable)
@@ -248,7 +257,8 @@ def test_slurm_launcher_runs_trials_as_concurrent_srun_steps(tmp_path):
         assert '--config.distributed.devices_per_process=2' in args and '--config.mesh.cpu_devices=0' in args
     nodes = [next(a for a in c['args'] if a.startswith('--nodelist=')) for c in calls]
     assert sorted(nodes[:2]) == ['--nodelist=nid01', '--nodelist=nid02'], nodes  # the first two share the time
-    assert calls[1]['start'] - calls[0]['start'] < 1.0 < calls[2]['start'] - calls[0]['start'], calls
+    order = [e['event'] for e in events]  # two steps at once; the third waits for a free node
+    assert order[:2] == ['start', 'start'] and order.index('end') < len(order) - order[::-1].index('start') - 1, order
     records = [json.loads(line) for line in (tmp_path / 'w' / 'results.jsonl').read_text().splitlines()]
     assert [r['status'] for r in records] == ['crashed'] * 3
     assert all('0 of the 1 measured steps' in r['error'] for r in records)

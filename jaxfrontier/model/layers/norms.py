@@ -27,12 +27,16 @@ class LayerNorm(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm: x / rms(x) * scale, no mean and no bias; statistics in fp32."""
+    """RMSNorm over the last axis: x / rms(x) * scale, no mean and no bias; statistics in fp32.
 
-    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs):
+    `names`: the scale's logical axis; the residual stream's `embed` by default, a head's `head_dim`
+    for QK-norm (Qwen3: one scale per head width, shared by the heads, whole on every device).
+    """
+
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, names: tuple[str, ...] = ('embed',)):
         del rngs
         self.eps = eps
-        self.scale = param(None, (dim,), ('embed',), None)
+        self.scale = param(None, (dim,), names, None)
 
     def __call__(self, x_nd: jax.Array) -> jax.Array:
         x32 = x_nd.astype(jnp.float32)
