@@ -493,10 +493,8 @@ FAMILY = moe_lib.with_moe(Family(
     effective=_effective, check=check, shape_type=LlamaShape, shape_fields_of=_shape_fields_of, hf=HF,
     # What changes the numbers, not the size (the verify check keeps them; `shrink` keeps the grouping).
     verify_kept=('qkv_bias', 'qk_norm', 'norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor', 'rope_low_freq_factor',
-                 'rope_high_freq_factor', 'rope_original_max_len'),
-    shrink=shrink,
-    # The planner's proxy has grouped k/v heads where the model does (its k/v arrays are g, not h, wide),
-    # QK-norm where it does, and a head width apart from d_model / num_heads where it has one.
+                 'rope_high_freq_factor', 'rope_original_max_len'), shrink=shrink,
+    # The planner's proxy: grouped k/v heads (g wide), QK-norm, a head width apart from d / h where the model has them.
     proxy_choice=lambda s: (s.kv_heads < s.num_heads, s.qk_norm, s.head_dim != s.d_model // s.num_heads),
     proxy_fields=_proxy_fields,
 ), dense_width=_width)  # MoE layers where model.moe_experts > 0 (families/moe.py; model/layers/moe.py)

@@ -175,3 +175,23 @@ def test_router_bias_update_moves_against_the_load():
     out = moe_lib.update_router_bias(params, load, 0.1, ('blocks',))
     np.testing.assert_allclose(out['blocks']['mlp']['router_bias'], [[-0.1, 0.0, 0.0, 0.1], [0, 0, 0, 0]])
     assert out['wte'] is params['wte']
+
+
+@pytest.mark.parametrize('fields,mesh,match', [
+    (dict(moe_experts=4, moe_top_k=5), {}, r'model.moe_top_k = 5: each token chooses k of'),
+    (dict(moe_experts=6), {'expert': 4}, r'mesh.expert = 4: must divide the model\'s 6 experts'),
+    (dict(moe_experts=4, moe_dropless=False, moe_capacity_factor=0.0), {}, r'model.moe_capacity_factor = 0.0'),
+    (dict(), {'expert': 2}, r'mesh.expert = 2: splits the experts of a mixture-of-experts model'),
+])
+def test_bad_moe_config_is_one_line(fields, mesh, match):
+    """Top-k above the expert count, an expert axis that does not divide the experts or with no experts,
+    a capacity factor <= 0: one ConfigError line naming the field (config.validate, before anything runs)."""
+    from jaxfrontier import config as config_lib
+    from jaxfrontier.errors import ConfigError
+    c = config_lib.base_config()
+    c.model.update(family='llama', **fields)
+    c.mesh.update(**mesh)
+    c.train.global_batch = 8
+    with pytest.raises(ConfigError, match=match) as err:
+        config_lib.validate(c)
+    assert '\n' not in str(err.value)
