@@ -181,6 +181,9 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=50,  # 0: evaluate only at the end
         eval_batches=4,
         progress=True,
+        # Mixture of experts: a warning when an expert receives no token for this many steps
+        # (run/observe/experts.py); 0: off.
+        moe_empty_warn_steps=100,
         # The workdir lock's lease (run/control/workdir_lock.py): a lock not renewed for this
         # long belongs to a dead run and is taken over. Renewed every lease / 10.
         workdir_lease_s=600.0,

@@ -78,7 +78,7 @@ def reference(s: MoEShape, p, x_nd, keys=None):
         sh = p['shared']
         y = y + (jax.nn.silu(x @ sh['w_gate']) * (x @ sh['w_up'])) @ sh['w_down']
     load = counts / (k * n)
-    aux = {'moe_load': jnp.asarray(load), 'moe_entropy': jnp.mean(-jnp.sum(probs * jnp.log(probs), -1)),
+    aux = {'moe_load': jnp.asarray(load), 'moe_load_max_over_mean': E * jnp.max(jnp.asarray(load)), 'moe_entropy': jnp.mean(-jnp.sum(probs * jnp.log(probs), -1)),
            'moe_dropped': jnp.float32((~kept).sum() / (k * n))}
     if s.lb_coef:
         aux['loss_lb'] = s.lb_coef * E * jnp.sum(jnp.asarray(load) * probs.mean(0))
@@ -195,3 +195,13 @@ def test_bad_moe_config_is_one_line(fields, mesh, match):
     with pytest.raises(ConfigError, match=match) as err:
         config_lib.validate(c)
     assert '\n' not in str(err.value)
+
+
+def test_empty_expert_warning_once_per_stretch():
+    """run/observe/experts.py: one line when an expert's load stays 0 for N steps, again after it revives."""
+    from jaxfrontier.run.observe.experts import EmptyExperts
+    watch, row = EmptyExperts(3), lambda loads: {'aux/moe_load/layers': [loads]}
+    lines = [watch.observe(step, row([0.5, 0.0])) for step in range(5)]
+    assert [len(x) for x in lines] == [0, 0, 1, 0, 0] and 'layer 0 expert 1' in lines[2][0]
+    assert watch.observe(5, row([0.5, 0.5])) == [] and watch.observe(6, row([1.0, 0.0])) == []
+    assert EmptyExperts(0).observe(9, row([1.0, 0.0])) == []

@@ -24,6 +24,8 @@ Auxiliary outputs (model/auxiliary.py; every one the micro-batch's global value 
                lb_coef > 0)
   loss_z       router z-loss, z_coef x mean over tokens of logsumexp(logits)^2 (only with z_coef > 0)
   moe_load     [E] f: the fraction of the assignments each expert received (before any drop)
+  moe_load_max_over_mean  E x max_i f_i: the busiest expert's load over the mean (1: balanced; a scalar
+               for TensorBoard / W&B, which take no arrays)
   moe_dropped  the fraction of the assignments dropped (0 when dropless)
   moe_entropy  the router probabilities' entropy, mean over tokens (nats; log E when uniform)
 """

@@ -120,7 +120,7 @@ def _body(s: MoEShape, ax: Axes, route, names, rows, weights, x_nd, keys_n3):
                                            ax.all))
     load_e = counts_e / (k * tokens)
     entropy_n = -jnp.sum(probs_ne * jnp.log(jnp.maximum(probs_ne, jnp.finfo(jnp.float32).tiny)), axis=-1)
-    aux = {'moe_load': load_e, 'moe_entropy': jax.lax.stop_gradient(_psum(jnp.sum(entropy_n), ax.inner) / local)}
+    aux = {'moe_load': load_e, 'moe_load_max_over_mean': e * jnp.max(load_e), 'moe_entropy': jax.lax.stop_gradient(_psum(jnp.sum(entropy_n), ax.inner) / local)}
     if s.lb_coef:
         prob_e = _psum(jnp.sum(probs_ne, axis=0), ax.inner) / local
         aux['loss_lb'] = s.lb_coef * e * jnp.sum(load_e * prob_e)
