@@ -38,15 +38,16 @@ def device_order(devices: Sequence[jax.Device]) -> list[jax.Device]:
 
 
 def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes `config_lib.MESH_AXES` (those `shape` leaves out have size 1), all of type Auto,
-    innermost axis on neighbours."""
+    """A mesh with axes `config_lib.MESH_AXES` (those `shape` leaves out have size 1; an axis `dropped_at_1`
+    of size 1 is left out: config/axes.py), all of type Auto, innermost axis on neighbours."""
     devices = device_order(jax.devices() if devices is None else devices)
-    sizes = tuple(int(shape.get(a, 1)) for a in config_lib.MESH_AXES)
+    names = config_lib.axes.in_mesh(shape)  # an axis dropped at size 1 (expert) only where it is larger
+    sizes = tuple(int(shape.get(a, 1)) for a in names)
     n = int(np.prod(sizes))
     if n != len(devices):
         raise ValueError(f'mesh {dict(shape)} needs {n} devices, got {len(devices)}')
     grid = np.asarray(devices, dtype=object).reshape(sizes)
-    return Mesh(grid, config_lib.MESH_AXES, axis_types=(AxisType.Auto,) * len(sizes))
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(sizes))
 
 
 def mesh_from_config(c) -> Mesh:
@@ -116,6 +117,11 @@ def use_rules(rules: Rules) -> Iterator[None]:
         _ACTIVE_RULES.reset(token)
 
 
+def active_rules() -> Rules | None:
+    """The rules `use_rules` activated (None outside it)."""
+    return _ACTIVE_RULES.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """with_sharding_constraint by logical names; a no-op without active rules and mesh."""
     rules = _ACTIVE_RULES.get()
@@ -134,4 +140,4 @@ def active_axes(name: str) -> tuple[str, ...] | None:
     if rules is None or mesh.empty:
         return None
     entry = logical_to_spec((name,), rules)[0]
-    return tuple(a for a in entry_axes(entry) if mesh.shape[a] > 1)
+    return tuple(a for a in entry_axes(entry) if mesh.shape.get(a, 1) > 1)

@@ -128,13 +128,24 @@ def _aux_of(metrics) -> dict[str, np.ndarray]:
             if k.startswith('aux/') and k.endswith('/layers')}
 
 
-def reference(c):
+def like_replicas(batch_gt: np.ndarray, accum: int, dp: int) -> np.ndarray:
+    """`batch_gt`'s rows reordered so that one device's micro-batches (consecutive blocks) are those of
+    a layout with `dp` data-parallel replicas (step.split_micro_batches: micro-batch a is rows a*mb ..
+    of every replica's block), in the same row order. Where an aux is not linear in the micro-batch's
+    tokens (a MoE layer's balancing loss and capacity drops), the micro-batch's rows decide it."""
+    g, t = batch_gt.shape
+    return batch_gt.reshape(dp, accum, g // (dp * accum), t).transpose(1, 0, 2, 3).reshape(g, t)
+
+
+def reference(c, like_dp: int = 1):
     """One device's (loss, grads, params after 3 steps) as layout_check.run_layout, and step 0's aux
-    from `make_loss_aux_and_grads` (its own program, not the train step's)."""
+    from `make_loss_aux_and_grads` (its own program, not the train step's). `like_dp`: the micro-batches
+    of a layout with that many data-parallel replicas (`like_replicas`)."""
     mesh, layout = _mesh_and_placement(c)
     state = ts.init_train_state(c, layout)
     sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
-    data = [jax.device_put(b, sharding) for b in batches(c.train.global_batch)]
+    data = [jax.device_put(like_replicas(b, c.train.accum_steps, like_dp), sharding)
+            for b in batches(c.train.global_batch)]
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
         loss, aux, grads = jax.device_get(jax.jit(step_lib.make_loss_aux_and_grads(c, layout))(
             state['params'], data[0], 0))

@@ -47,7 +47,8 @@ def check_config(new, config_lib) -> None:
     c.mesh[new.name] = 2
     batch = new.role == 'batch'
     if batch:  # a batch axis splits the rows: the global batch follows
-        raises(lambda: config_lib.validate(c), 'train.global_batch', f'mesh.data x mesh.fsdp x {new.field} = 2')
+        batch_fields = ' x '.join(a.field for a in config_lib.axes.of_role('batch'))
+        raises(lambda: config_lib.validate(c), 'train.global_batch', f'{batch_fields} = 2')
         c.train.global_batch *= 2
     assert config_lib.data_parallel_size(c) == (2 if batch else 1)
     config_lib.validate(c, 2)
@@ -80,7 +81,7 @@ def check_layout_and_mesh(new, config_lib) -> None:
     assert dataclasses.replace(lay, **{new.name: 1}).num_devices == 1
     assert lay.apply(config_lib.base_config()).mesh[new.name] == 2
     mesh = mesh_lib.make_mesh({new.name: 2, 'data': 4})
-    assert mesh.axis_names == config_lib.MESH_AXES and mesh.shape[new.name] == 2 and mesh.size == 8
+    assert mesh.axis_names == config_lib.axes.in_mesh({new.name: 2}) and mesh.shape[new.name] == 2 and mesh.size == 8
     if new.role in ('batch', 'sequence'):  # the tokens' automatic axes: a pipeline's stash is not split again
         assert layout_lib.Layout(pipeline=2, tensor=2, accum_steps=2, **{new.name: 2}).split_tokens == 1
 

@@ -48,7 +48,7 @@ LLAMA = dict(family='llama', num_kv_heads=2, qkv_bias=True, mlp_dim=96, rope_sca
 
 def make_config(data=1, fsdp=1, tensor=1, accum=1, zero1=False, remat='none', attention='xla', pipeline=1,
                 schedule='1f1b', virtual=1, layers=2, global_batch=GLOBAL_BATCH, optimizer='adamw', context=1,
-                **model):
+                expert=1, **model):
     """The layout tests' config; `model`: further model.* fields (LLAMA: the Llama family's).
 
     `optimizer`: optim.name; Adafactor factors weights whose two largest dimensions are >= 32
@@ -57,9 +57,9 @@ def make_config(data=1, fsdp=1, tensor=1, accum=1, zero1=False, remat='none', at
     c = config_lib.base_config()
     c.model.update(num_layers=layers, d_model=64, num_heads=8, seq_len=SEQ, vocab_size=250, vocab_multiple=32,
                    dtype='float32', remat=remat, attention=attention, tied_embeddings=False, **model)
-    c.mesh.update(data=data, fsdp=fsdp, tensor=tensor, pipeline=pipeline, context=context)
+    c.mesh.update(data=data, fsdp=fsdp, tensor=tensor, pipeline=pipeline, context=context, expert=expert)
     c.pipeline.update(schedule=schedule, virtual_stages=virtual)
-    dp = data * fsdp
+    dp = data * fsdp * expert
     c.train.update(global_batch=global_batch, micro_batch=global_batch // (dp * accum), accum_steps=accum, steps=3)
     c.optim.update(lr=1e-3, min_lr=1e-4, warmup_steps=0, eps=1e-5, name=optimizer, factor_min_dim=32)
     c.sharding.zero1 = zero1

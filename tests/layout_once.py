@@ -13,6 +13,8 @@ metrics after step 0 hold them exactly enough to read them back:
   as `train/grad_norm`. Undoing both is two fp32 roundings (a relative 1e-7), against the
   comparison's rtol 2e-5 and atol 2e-6 (layout_check.py): what is compared is the gradient
   itself, not its clipped direction, so a gradient off by a constant factor still fails.
+  A parameter no optimizer updates (model/params.py `OUTSIDE_GRADIENT`: the MoE router's bias)
+  has no moment; its gradient is exactly 0 (stopped), which the read-back gives it.
 
 These are the gradients the train step applies (not a separate program's), so the check is
 the same as run_layout's, on the program that trains. The one-device references stay
@@ -25,6 +27,7 @@ import jax
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from optax.transforms import MaskedNode
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
@@ -50,8 +53,13 @@ def step0_gradients(c, mu, grad_norm: float, params):
     """
     decay = c.optim[MOMENTS[c.optim.name][1]]
     unclip = grad_norm / c.optim.clip_norm if grad_norm >= c.optim.clip_norm else 1.0
-    return jax.tree.map(lambda m, p: np.asarray(m, np.float64)[tuple(slice(0, n) for n in p.shape)]
-                        / (1.0 - decay) * unclip, mu, params)
+
+    def gradient(m, p):
+        if isinstance(m, MaskedNode):  # a parameter no optimizer updates (params.OUTSIDE_GRADIENT): no gradient
+            return np.zeros(p.shape, np.float64)
+        return np.asarray(m, np.float64)[tuple(slice(0, n) for n in p.shape)] / (1.0 - decay) * unclip
+
+    return jax.tree.map(gradient, mu, params, is_leaf=lambda x: isinstance(x, MaskedNode))
 
 
 def run_layout_once(c, inspect=None):

@@ -26,19 +26,25 @@ Axis = axes_lib.Axis
 
 def test_the_table():
     """Mesh order outermost to innermost (tensor on the nearest devices), one role each, data the replica axis."""
-    assert config_lib.MESH_AXES == ('pipeline', 'data', 'fsdp', 'context', 'tensor')
-    assert {a.name: a.role for a in axes_lib.AXES} == {
-        'pipeline': 'pipeline', 'data': 'batch', 'fsdp': 'batch', 'context': 'sequence', 'tensor': 'model'}
+    assert config_lib.MESH_AXES == ('pipeline', 'data', 'fsdp', 'expert', 'context', 'tensor')
+    assert {a.name: a.role for a in axes_lib.AXES} == {'pipeline': 'pipeline', 'data': 'batch', 'fsdp': 'batch',
+                                                       'expert': 'batch', 'context': 'sequence', 'tensor': 'model'}
     assert axes_lib.replica().name == 'data' and [a.name for a in axes_lib.AXES if a.shards_params] == ['fsdp']
-    assert [a.name for a in axes_lib.AXES if a.optional] == ['context']  # checkpoints older than it lack it
-    assert axes_lib.get('fsdp').field == 'mesh.fsdp' and [a.name for a in axes_lib.of_role('batch')] == ['data', 'fsdp']
-    assert axes_lib.data_parallel({'data': 2, 'fsdp': 3, 'tensor': 5}) == 6
+    assert [a.name for a in axes_lib.AXES if a.holds_experts] == ['expert']  # not a replica: it holds experts
+    assert [a.name for a in axes_lib.AXES if a.optional] == ['expert', 'context']  # older checkpoints lack them
+    assert axes_lib.get('fsdp').field == 'mesh.fsdp'
+    assert [a.name for a in axes_lib.of_role('batch')] == ['data', 'fsdp', 'expert']
+    assert axes_lib.data_parallel({'data': 2, 'fsdp': 3, 'expert': 7, 'tensor': 5}) == 42
     assert axes_lib.product({'data': 2, 'tensor': 5}) == 10
+    # The expert axis is in the mesh only where it is larger than 1: dense programs are those from before it.
+    assert [a.name for a in axes_lib.AXES if a.dropped_at_1] == ['expert']
+    assert axes_lib.in_mesh({'data': 8}) == ('pipeline', 'data', 'fsdp', 'context', 'tensor')
+    assert axes_lib.in_mesh({'expert': 2}) == config_lib.MESH_AXES
 
 
 @pytest.mark.parametrize('table, problem', [
     (axes_lib.AXES + (Axis('tensor', 'model', 'again'),), 'named twice'),
-    (axes_lib.AXES + (Axis('expert', 'experts', 'expert-parallel size'),), 'role outside'),
+    (axes_lib.AXES + (Axis('experts2', 'experts', 'a role nobody knows'),), 'role outside'),
     (axes_lib.AXES + (Axis('replicas', 'batch', 'a second replica axis'),), 'exactly one'),
     (tuple(a for a in axes_lib.AXES if a.name != 'data'), 'exactly one'),
 ])
@@ -53,11 +59,12 @@ def test_consumers_list_the_table():
     assert set(config_lib.base_config().mesh) == {*names, 'cpu_devices'}
     assert tuple(f.name for f in dataclasses.fields(layout_lib.MeshSizes)) == names
     assert tuple(layout_lib.Layout().mesh_shape) == names
-    assert mesh_lib.make_mesh({'data': 8}).axis_names == names
+    assert mesh_lib.make_mesh({'data': 4, 'expert': 2}).axis_names == names
+    assert mesh_lib.make_mesh({'data': 8}).axis_names == tuple(n for n in names if n != 'expert')  # dropped at 1
     others = tuple(a.name for a in axes_lib.AXES if a.name != 'data')
     assert tuple(n for n in space.PARAMS if n in names) == others and 'mesh.data' in space.DERIVED
     assert saved_meta.POSITIVE_MESH_FIELDS + saved_meta.OPTIONAL_MESH_FIELDS == ('pipeline', 'data', 'fsdp', 'tensor',
-                                                                                  'context')
+                                                                                  'expert', 'context')
     assert tuple(f for f in shrink.KEPT if f.startswith('mesh.')) == tuple(f'mesh.{n}' for n in others)
     assert {n: measured.LAYOUT_FIELDS[n] for n in names} == {n: f'mesh.{n}' for n in names}
 
@@ -77,13 +84,15 @@ def test_the_default_rules_follow_the_roles():
     assert _axes(rules['tokens']) == names(axes_lib.of_role('sequence') + axes_lib.of_role('batch'))
     assert _axes(rules['embed']) == tuple(a.name for a in axes_lib.AXES if a.shards_params)
     assert _axes(rules['layers']) == names(axes_lib.of_role('pipeline'))
+    assert _axes(rules['experts']) == tuple(a.name for a in axes_lib.AXES if a.holds_experts)
+    assert _axes(rules['expert_mlp']) == names(axes_lib.of_role('model'))
     for logical in ('mlp', 'heads', 'kv_heads', 'vocab'):
         assert _axes(rules[logical]) == names(axes_lib.of_role('model'))
 
 
 @pytest.mark.parametrize('row, before', [
-    # The MoE issue's axis: the experts' weights split over it (a model axis here), missing from older checkpoints.
-    ("Axis('expert', 'model', 'expert-parallel size', optional=True)", 'tensor'),
+    # A second model axis (MaxText's tensor_sequence), missing from older checkpoints.
+    ("Axis('tensor_sequence', 'model', 'a second tensor axis', optional=True)", 'tensor'),
     # MaxText's second FSDP axis: it splits the batch and shards the parameters.
     ("Axis('fsdp_transpose', 'batch', 'a second ZeRO-3 axis', shards_params=True)", 'context'),
 ])

@@ -46,6 +46,13 @@ class Axis:
     # had size 1), and a layout record or command line leaves it out at 1, so older ones read the same.
     # (A sweep trial's arguments name every axis at any size, so a new row gives new trials new ids.)
     optional: bool = False
+    # Expert parallelism: devices along it hold different experts of each mixture-of-experts layer (the
+    # weights' `experts` dimension is split over it) and send each other the tokens routed to them inside
+    # those layers; every other layer sees it as one more split of the batch rows. Not a replica.
+    holds_experts: bool = False
+    # Left out of the mesh where its size is 1 (and so out of every sharding and program), so the programs
+    # of models that do not use it are those from before the row existed (benchmarks/program_digests.py).
+    dropped_at_1: bool = False
 
     @property
     def field(self) -> str:
@@ -59,13 +66,20 @@ class Axis:
         planner's search size the other axes), the verify shrink may shrink it (its reduction is the
         same collective at any size above 1), and decoding folds the pipeline and sequence axes into it.
         """
-        return self.role == 'batch' and not self.shards_params
+        return self.role == 'batch' and not self.shards_params and not self.holds_experts
 
 
 AXES = (
     Axis('pipeline', 'pipeline', 'pipeline stages'),
     Axis('data', 'batch', 'data-parallel replicas; takes the devices the other axes leave'),
     Axis('fsdp', 'batch', 'FSDP (ZeRO-3) size; data takes the remaining devices', shards_params=True),
+    # Inside the mixture-of-experts layers each token goes to the device holding its expert and comes back
+    # (all-gather + reduce-scatter over this axis, model/layers/moe_parallel.py) every layer, forward and
+    # backward: traffic that data's and fsdp's once-per-step (or per micro-batch) gradient reductions do not
+    # have, so nearer devices than theirs; the context ring's per-attention-block passes and tensor's
+    # per-matmul all-reduces are nearer still.
+    Axis('expert', 'batch', 'expert-parallel size (each device holds model.moe_experts / expert experts)',
+         optional=True, holds_experts=True, dropped_at_1=True),
     # Activations per device / context; attention passes key/value blocks around a ring over it.
     Axis('context', 'sequence', 'context-parallel size (the sequence split over devices)', optional=True),
     Axis('tensor', 'model', 'tensor-parallel size'),
@@ -91,6 +105,12 @@ def check_table(table: tuple[Axis, ...]) -> None:
 
 check_table(AXES)
 MESH_AXES = tuple(a.name for a in AXES)
+
+
+def in_mesh(sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh's axes for `sizes` (axis -> size; absent axes are 1), in mesh order: every row's but those
+    `dropped_at_1` where their size is 1."""
+    return tuple(a.name for a in AXES if not a.dropped_at_1 or sizes.get(a.name, 1) > 1)
 
 
 def get(name: str) -> Axis:

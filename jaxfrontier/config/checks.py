@@ -68,9 +68,12 @@ def _check_observers(c: ml_collections.ConfigDict) -> None:
              'set e.g. 1.5: a process 1.5 x slower than the median is named')
 
 
-def _divides(divisor_field: str, divisor: int, field: str, value: int, what: str) -> None:
-    _require(divisor > 0 and value % divisor == 0, field, value, f'{what} must be divisible by {divisor_field} = '
-             f'{divisor}', f'choose {field} as a multiple of {divisor}, or change {divisor_field}')
+def _divides(divisor_field: str, divisor: int, field: str, value: int, what: str, divided: int | None = None) -> None:
+    """`value` of `field` (or `divided`, a number derived from it) must be a multiple of `divisor`."""
+    divided = value if divided is None else divided
+    _require(divisor > 0 and divided % divisor == 0, field, value, f'{what} must be divisible by {divisor_field} = '
+             f'{divisor}', f'choose {field} so that it is a multiple of {divisor}, or change {divisor_field}'
+             if divided != value else f'choose {field} as a multiple of {divisor}, or change {divisor_field}')
 
 
 def check_device_count(c: ml_collections.ConfigDict, n_devices: int) -> None:
@@ -131,8 +134,11 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
         if axis.shards_params:  # ZeRO-3: every weight's model dimension split over it
             _divides(axis.field, c.mesh[axis.name], 'model.d_model', m.d_model,
                      f'the hidden size (parameters are split over the {axis.name} axis)')
+    pipelined = families.get(m.family).pipelined_layers(m)  # all but a stem group's (model/decoder.py)
     _divides('mesh.pipeline * pipeline.virtual_stages', c.mesh.pipeline * c.pipeline.virtual_stages,
-             'model.num_layers', m.num_layers, 'the number of layers (split over pipeline stages)')
+             'model.num_layers', m.num_layers, 'the number of layers (split over pipeline stages)' if pipelined ==
+             m.num_layers else f'the pipelined layers (model.num_layers - {m.num_layers - pipelined} dense ones = '
+             f'{pipelined}: split over pipeline stages)', pipelined)
     if m.attention == 'cudnn':
         _require(m.dtype in ('bfloat16', 'float16'), 'model.dtype', m.dtype,
                  'cuDNN attention needs a 16-bit compute dtype', "set model.dtype='bfloat16' or model.attention='auto'")
@@ -258,7 +264,18 @@ def _validate_family(c: ml_collections.ConfigDict) -> None:
             _require(other.unset(m, field), f'model.{field}', m[field], f'only the {other.name} family uses it '
                      f'(model.family = {m.family!r} would ignore it)', f"set model.family='{other.name}', or leave "
                      f'model.{field} at {default!r}')
-    families.get(m.family).check(m, _require)
+    family = families.get(m.family)
+    family.check(m, _require)
+    for axis in axes_lib.AXES:
+        size = c.mesh[axis.name]
+        if axis.holds_experts and size > 1:  # expert parallelism: each device holds E / size experts
+            experts = family.experts(m)
+            _require(experts > 0, axis.field, size, f'splits the experts of a mixture-of-experts model, and the '
+                     f'{m.family} model has none (model.moe_experts = 0)', f'set {axis.field}=1, or a MoE model')
+            _require(experts % size == 0, axis.field, size, f'must divide the model\'s {experts} experts (each '
+                     'device holds the same number)', f'set {axis.field} to one of '
+                     f'{[e for e in range(1, experts + 1) if experts % e == 0 and e > 1][:6]} (or 1)')
+    family.check_mesh(m, mesh_shape(c), _require)
 
 
 def _validate_checkpoint(ck: ml_collections.ConfigDict) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import ml_collections
 
+from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.config.schema import ModelShape, mesh_shape, model_shape
 
 
@@ -39,16 +40,20 @@ def resolve_rules(rules, shape: ModelShape, mesh_sizes: Mapping[str, int],
     rank keeps every kv head, as Megatron-LM does for GQA, and still slices its own query
     heads' share after the repeat (model/attention.py). A table without `tokens` (the flat
     [B*T] activations) gets length's axes followed by batch's (model/context.py). Lists become tuples (a resolved
-    config file holds lists).
+    config file holds lists). An axis the mesh leaves out at size 1 (config/axes.py `dropped_at_1`: expert)
+    is left out of every rule.
 
     `stream`, the tokens of the residual stream [B*T, d] between the blocks' matmuls
     (model/layers.ACT_ND), is derived here unless the rules name it: the axes of `tokens`,
     followed with `sequence_parallel` by the query heads' axes (Megatron's sequence parallelism
     over the tensor-parallel group; inside attention and the MLP the tokens stay on `tokens`).
     """
-    out = []
+    out, present = [], axes_lib.in_mesh(mesh_sizes)
     for name, target in rules:
         target = tuple(target) if isinstance(target, list) else target
+        if any(a not in present for a in _axes_of(target)):  # an axis the mesh leaves out at size 1 (expert)
+            kept = tuple(a for a in _axes_of(target) if a in present)
+            target = None if not kept else kept[0] if len(kept) == 1 else kept
         if name == 'kv_heads' and target is not None:
             axes = (target,) if isinstance(target, str) else target
             if shape.kv_heads % math.prod(int(mesh_sizes.get(a, 1)) for a in axes):

@@ -22,11 +22,13 @@ from jaxfrontier.families import ModelShape
 # Logical axis name -> mesh axes. Parameters and activations are annotated with the logical
 # names on the left (see jaxfrontier/model/); this table decides the layout.
 DEFAULT_RULES = (
-    ('batch', ('data', 'fsdp')),  # activations: batch rows over every data-parallel axis
+    ('batch', ('data', 'fsdp', 'expert')),  # activations: batch rows over every data-parallel axis
     ('length', 'context'),  # activations: the sequence dimension T (context parallelism)
     # Flat activations [N, ...] (N = B*T in model/context.py's order): length's axes, then batch's
     # (resolve_rules fills it in where a rule table lacks it).
-    ('tokens', ('context', 'data', 'fsdp')),
+    ('tokens', ('context', 'data', 'fsdp', 'expert')),
+    ('experts', 'expert'),  # mixture of experts: the experts' weights, E / expert per device
+    ('expert_mlp', 'tensor'),  # each expert's width, Megatron-split like the dense MLP's
     ('layers', 'pipeline'),  # the stacked-layer axis of the block parameters
     ('embed', 'fsdp'),  # ZeRO-3: the model dimension of every weight over fsdp
     ('mlp', 'tensor'),  # Megatron column/row split of the MLP
@@ -179,6 +181,9 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=50,  # 0: evaluate only at the end
         eval_batches=4,
         progress=True,
+        # Mixture of experts: a warning when an expert receives no token for this many steps
+        # (run/observe/experts.py); 0: off.
+        moe_empty_warn_steps=100,
         # The workdir lock's lease (run/control/workdir_lock.py): a lock not renewed for this
         # long belongs to a dead run and is taken over. Renewed every lease / 10.
         workdir_lease_s=600.0,

@@ -8,7 +8,8 @@ a test). No JAX import here or below (base.py says why).
 
 Adding a family: a declaration module here (its fields, checks, shape, parameter table, FLOPs,
 Hugging Face converter, verify rule) and its NNX module (e.g. model/<family>.py, which the
-declaration names); nothing else names it.
+declaration names); nothing else names it. `SHARED` modules are parts families share (base.py; moe.py,
+the mixture-of-experts MLP's fields, shape, table and FLOPs), not families.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jaxfrontier.families.base import (  # noqa: F401
     DEFAULT_FAMILY, Family, HFConverter, ModelShape, ParamSpec, ShrunkHeads)
 
 _FAMILIES: dict[str, Family] = {}
+SHARED = ('base', 'moe')  # modules of this package that declare no family
 
 
 def register(family: Family) -> Family:
@@ -60,5 +62,5 @@ def get(name: str) -> Family:
 
 
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
-    if _info.name != 'base':
+    if _info.name not in SHARED:
         register(importlib.import_module(f'{__name__}.{_info.name}').FAMILY)

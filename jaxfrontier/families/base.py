@@ -172,6 +172,19 @@ def _no_proxy_fields(choice: Any, sizes: Mapping[str, int]) -> dict[str, Any]:
     return {}
 
 
+def no_check_mesh(m: Mapping[str, Any], mesh: Mapping[str, int], require: Callable[..., None]) -> None:
+    del m, mesh, require
+
+
+def all_layers_pipelined(m: Mapping[str, Any]) -> int:
+    return m['num_layers']
+
+
+def no_experts(m: Mapping[str, Any]) -> int:
+    del m
+    return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A model family's declaration (see the module docstring).
@@ -211,6 +224,12 @@ class Family:
       proxy_fields: `(choice, proxy sizes {'h': heads, 'g': kv heads, 'k': head width, 'd_apart': a model
         width other than h k}) -> shape_type fields` of the proxy (d_model among them where its heads are not
         d / h wide).
+      check_mesh: `(model section, mesh sizes {axis: size}, require)` checks what the mesh asks of the
+        family's fields (e.g. an expert width split over `tensor`).
+      pipelined_layers: model.* fields -> the layers of the group a pipeline splits (model/decoder.py's
+        `blocks`; the others run as a stem on the first stage): what mesh.pipeline x virtual must divide.
+      experts: model.* fields -> the routed experts of a mixture-of-experts model (0: dense), which the
+        `expert` mesh axis splits.
     """
 
     name: str
@@ -231,6 +250,9 @@ class Family:
     shrink: Callable[[ModelShape, int], ShrunkHeads] = two_heads_per_shard
     proxy_choice: Callable[[ModelShape], Any] = lambda shape: False
     proxy_fields: Callable[[Any, Mapping[str, int]], dict[str, Any]] = _no_proxy_fields
+    check_mesh: Callable[[Mapping[str, Any], Mapping[str, int], Callable[..., None]], None] = no_check_mesh
+    pipelined_layers: Callable[[Mapping[str, Any]], int] = all_layers_pipelined
+    experts: Callable[[Mapping[str, Any]], int] = no_experts
 
     @property
     def function_fields(self) -> tuple[str, ...]:

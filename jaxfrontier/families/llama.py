@@ -45,6 +45,7 @@ import numpy as np
 
 from jaxfrontier import flops as flops_lib
 from jaxfrontier.errors import CheckpointError, ConfigError
+from jaxfrontier.families import moe as moe_lib
 from jaxfrontier.families.base import Family, HFConverter, ModelShape, ParamSpec, ShrunkHeads
 
 ROPE_SCALINGS = ('none', 'llama3')  # model.rope_scaling: 'llama3' is transformers' name of Llama 3.1's
@@ -85,6 +86,7 @@ class LlamaShape(ModelShape):
     # Llama 3.1's RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings), or None for plain RoPE.
     rope_scaling: tuple[float, float, float, int] | None = None
+    moe: moe_lib.MoEShape | None = None  # the mixture-of-experts MLP (families/moe.py); None: dense
 
     @property
     def kv_heads(self) -> int:
@@ -484,17 +486,15 @@ HF = HFConverter(
     from_hf=_from_hf,
 )
 
-FAMILY = Family(
+FAMILY = moe_lib.with_moe(Family(
     name='llama', module='jaxfrontier.model.llama:Llama', mlp_dim=mlp_dim, param_specs=param_specs,
     forward_flops=forward_flops, megatron_flops=megatron_flops, fields=FIELDS, shape_fields=SHAPE_FIELDS,
     max_sizes={'num_kv_heads': 2**16, 'head_dim': 2**16, 'multiple_of': 2**24, 'rope_original_max_len': 2**31},
     effective=_effective, check=check, shape_type=LlamaShape, shape_fields_of=_shape_fields_of, hf=HF,
     # What changes the numbers, not the size (the verify check keeps them; `shrink` keeps the grouping).
     verify_kept=('qkv_bias', 'qk_norm', 'norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor', 'rope_low_freq_factor',
-                 'rope_high_freq_factor', 'rope_original_max_len'),
-    shrink=shrink,
-    # The planner's proxy has grouped k/v heads where the model does (its k/v arrays are g, not h, wide),
-    # QK-norm where it does, and a head width apart from d_model / num_heads where it has one.
+                 'rope_high_freq_factor', 'rope_original_max_len'), shrink=shrink,
+    # The planner's proxy: grouped k/v heads (g wide), QK-norm, a head width apart from d / h where the model has them.
     proxy_choice=lambda s: (s.kv_heads < s.num_heads, s.qk_norm, s.head_dim != s.d_model // s.num_heads),
     proxy_fields=_proxy_fields,
-)
+), dense_width=_width)  # MoE layers where model.moe_experts > 0 (families/moe.py; model/layers/moe.py)

@@ -103,6 +103,13 @@ class Decoder(nnx.Module):
         """The cross-entropy of `loss_and_aux` (evaluation; the aux's loss terms are not in it)."""
         return self.loss_and_aux(tokens_bt, targets_bt, dropout_key, positions_bt, segments_bt, weights_bt)[0]
 
+    def update_outside_gradient(self, params: dict, aux: auxiliary.Aux) -> dict:
+        """The parameters after the train step's own rule for those no optimizer updates
+        (model/params.py `OUTSIDE_GRADIENT`), from the step's aux `{name: [L, ...]}`; the identity for a
+        model without such parameters (its program unchanged)."""
+        del aux
+        return params
+
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         """Logits [B, T, V] (fp32) for evaluation and inference."""
         b, t = tokens_bt.shape

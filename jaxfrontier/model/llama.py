@@ -13,6 +13,10 @@ Tensor parallelism (Megatron): q, gate and up column-parallel over heads / `mlp`
 and down projections row-parallel; the g kv heads split over `tensor` where g divides it and
 are replicated where it does not (config.resolve_rules), each rank repeating them to its own
 query heads (attention.repeat_kv).
+
+Mixture of experts (`LlamaShape.moe`, families/moe.py): the first moe.first_dense layers keep the
+SwiGLU (layer group `dense_blocks`, a stem before the pipelined `blocks`), the others' MLP is
+model/layers/moe.py's MoE, whose auxiliary outputs (balancing and z losses, loads) the block returns.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from jaxfrontier.model import sequence, stack
 from jaxfrontier.model.layers import linear, rope
 from jaxfrontier.model.attention import KVCache, attend
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
-from jaxfrontier.model.decoder import EMBED_KEY_INDEX, Decoder
+from jaxfrontier.families.moe import DENSE_GROUP
+from jaxfrontier.model.decoder import EMBED_KEY_INDEX, PIPELINED, Decoder
+from jaxfrontier.model.layers.moe import MoE, update_router_bias
 from jaxfrontier.model.layers import ACT_ND, RMSNorm, SwiGLU, dropout, embedding_lookup, param
 from jaxfrontier.model.sequence import Seq, as_seq
 
@@ -81,16 +87,20 @@ class GroupedQueryAttention(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a SwiGLU, or with `moe` the
+    mixture-of-experts layer (model/layers/moe.py), whose aux the block returns."""
 
-    def __init__(self, s: ModelShape, *, rngs: nnx.Rngs):
+    def __init__(self, s: ModelShape, *, rngs: nnx.Rngs, moe: bool = False):
         # Residual-output projections scaled down with depth, as GPT's (Megatron's init).
         out_std = s.init_std / (2 * s.num_layers) ** 0.5
-        self.dropout_rate = s.dropout_rate
+        self.dropout_rate, self.moe = s.dropout_rate, moe
         self.attn_norm = RMSNorm(s.d_model, eps=s.norm_eps, rngs=rngs)
         self.attn = GroupedQueryAttention(s, out_std=out_std, rngs=rngs)
         self.mlp_norm = RMSNorm(s.d_model, eps=s.norm_eps, rngs=rngs)
-        self.mlp = SwiGLU(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
+        if moe:
+            self.mlp = MoE(s.d_model, s.moe, init_std=s.init_std, out_std=out_std, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
 
     def __call__(self, x_nd: jax.Array, seq: int | Seq, key: jax.Array | None, cache: KVCache | None = None,
                  positions_bt: jax.Array | None = None) -> tuple[jax.Array, dict | KVCache]:
@@ -103,9 +113,13 @@ class Block(nnx.Module):
             positions_bt = sequence.positions(seq, x_nd.shape[0] // as_seq(seq).length)
         y_nd, new_cache = self.attn(self.attn_norm(x_nd), seq, positions_bt, cache)
         x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
-        x_nd = x_nd + dropout(self.mlp(self.mlp_norm(x_nd)), self.dropout_rate, k_mlp)
+        if self.moe:  # decoding computes every assignment (no capacity drops for a few tokens)
+            y_nd, aux = self.mlp(self.mlp_norm(x_nd), seq, dropless=True if cache is not None else None)
+        else:
+            y_nd, aux = self.mlp(self.mlp_norm(x_nd)), {}  # no auxiliary outputs
+        x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_mlp)
         x_nd = mesh_lib.constrain(x_nd, ACT_ND)
-        return (x_nd, {}) if cache is None else (x_nd, new_cache)  # training: no auxiliary outputs
+        return (x_nd, aux) if cache is None else (x_nd, new_cache)
 
 
 class Llama(Decoder):
@@ -114,7 +128,14 @@ class Llama(Decoder):
     def __init__(self, s: ModelShape, *, rngs: nnx.Rngs):
         self.shape = s
         self.wte = param(rngs.params(), (s.vocab_size, s.d_model), ('vocab', 'embed'), s.init_std)
-        self.blocks = stack.create(lambda r: Block(s, rngs=r), s.num_layers, rngs)
+        if s.moe is None:
+            self.blocks = stack.create(lambda r: Block(s, rngs=r), s.num_layers, rngs)
+        else:  # the first moe.first_dense layers dense (a stem group), the others mixture-of-experts
+            if s.moe.first_dense:
+                self.GROUPS = (DENSE_GROUP, PIPELINED)
+                self.dense_blocks = stack.create(lambda r: Block(s, rngs=r), s.moe.first_dense, rngs,
+                                                 axis_name=stack.STEM_LAYERS)
+            self.blocks = stack.create(lambda r: Block(s, rngs=r, moe=True), s.num_layers - s.moe.first_dense, rngs)
         self.norm_f = RMSNorm(s.d_model, eps=s.norm_eps, rngs=rngs)
         if not s.tied_embeddings:
             self.head = param(rngs.params(), (s.d_model, s.vocab_size), ('embed', 'vocab'), s.init_std)
@@ -129,3 +150,10 @@ class Llama(Decoder):
 
     def final_norm(self, x_nd: jax.Array) -> jax.Array:
         return self.norm_f(x_nd)
+
+    def update_outside_gradient(self, params: dict, aux: dict) -> dict:
+        """The MoE router's balancing bias moved by the step's loads (moe.update_router_bias)."""
+        moe = self.shape.moe
+        if moe is None or not moe.router_bias or not moe.bias_rate:
+            return params
+        return update_router_bias(params, aux['moe_load'], moe.bias_rate, self.GROUPS)

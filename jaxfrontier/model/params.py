@@ -19,8 +19,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import families
+from jaxfrontier.model.layers import moe
 
 Params = dict[str, Any]
+# Parameters no optimizer updates (no gradient, no moments, no decay: training/optimizer.py `outside_gradient`):
+# the model moves them after each step by its own rule (`Decoder.update_outside_gradient`): the MoE router's
+# balancing bias (model/layers/moe.py).
+OUTSIDE_GRADIENT = (moe.BIAS,)
 
 
 @functools.cache
@@ -67,6 +72,10 @@ class ModelDef:
     def group_sizes(self) -> dict[str, int]:
         """Layers of each group, in model order."""
         return nnx.merge(self.graphdef, self.abstract_state).group_sizes()
+
+    def update_outside_gradient(self, params: Params, aux: dict) -> Params:
+        """The model's own update of its `OUTSIDE_GRADIENT` parameters after a step (train step)."""
+        return nnx.merge(self.graphdef, self.abstract_state).update_outside_gradient(params, aux)
 
 
 def init_params(shape: config_lib.ModelShape, key: jax.Array) -> Params:

@@ -35,7 +35,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier.model import auxiliary
 from jaxfrontier.model.context import TokenOrder
-from jaxfrontier.model.layers.linear import CAST_PREFIXES
+from jaxfrontier.model.layers.linear import cast_ahead
 from jaxfrontier.model.params import ModelDef
 from jaxfrontier.pipeline import schedules
 from jaxfrontier.pipeline.chunk import (AXIS, PIPELINED, ChunkOps, TokenSplit, f32_zeros, sum_over_stages,
@@ -46,7 +46,7 @@ def cast_chunk(chunk: dict[str, Any], dtype) -> dict[str, Any]:
     """The chunk's matmul weights and biases in the compute dtype, ahead of the matmul seam's cast at use
     (model/layers/linear.py's dtype policy and prefix rule), which is then a no-op."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: a.astype(dtype) if str(path[-1].key).startswith(CAST_PREFIXES) else a, chunk)
+        lambda path, a: a.astype(dtype) if cast_ahead(str(path[-1].key)) else a, chunk)
 
 
 class Residuals:

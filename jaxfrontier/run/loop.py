@@ -314,7 +314,8 @@ def _services(c: ml_collections.ConfigDict, workdir: str, start: _Start, steps: 
                                      start.checkpointer.read_meta(start.step))
     guard = spikes.SpikeGuard(t, workdir, skips)  # loss spikes: skip, roll back (training/spikes.py)
     writer = metrics_lib.MetricsWriter(workdir, t.steps, enabled=process == 0, progress=t.progress,
-                                       initial_step=start.step, sinks=sinks)
+                                       initial_step=start.step, sinks=sinks,
+                                       moe_empty_warn_steps=t.moe_empty_warn_steps)
     closing.callback(writer.close)
     sched = start.layout.pipeline_schedule
     reporter = report.Reporter(t, writer, jax.device_count(), seq_len=c.model.seq_len, dtype=c.model.dtype,

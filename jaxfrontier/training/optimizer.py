@@ -27,7 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxfrontier import layout as layout_lib
-from jaxfrontier.model.params import Params
+from jaxfrontier.model.params import OUTSIDE_GRADIENT, Params
 
 
 def _warmup(o: ml_collections.ConfigDict) -> optax.Schedule:
@@ -104,6 +104,19 @@ def make_optimizer(c: ml_collections.ConfigDict) -> tuple[optax.GradientTransfor
     else:
         raise ValueError(f'unknown optim.name {o.name!r}')  # config.validate names it first
     return optax.chain(optax.clip_by_global_norm(o.clip_norm), tx), schedule
+
+
+def outside_gradient(tx: optax.GradientTransformation, params: Params) -> optax.GradientTransformation:
+    """`tx` leaving the parameters named in model/params.py's `OUTSIDE_GRADIENT` alone: no moments kept for
+    them, their updates zero (the model moves them after each step); `tx` itself where `params` (a tree of
+    parameters or their shapes) has none, so other models' states and programs are unchanged."""
+    def trained(tree):
+        return jax.tree_util.tree_map_with_path(lambda path, _: str(path[-1].key) not in OUTSIDE_GRADIENT, tree)
+
+    if all(jax.tree.leaves(trained(params))):
+        return tx
+    return optax.chain(optax.masked(tx, trained),
+                       optax.masked(optax.set_to_zero(), lambda tree: jax.tree.map(lambda t: not t, trained(tree))))
 
 
 def _param_of(path, params: dict[tuple, Any]) -> tuple[Any, str] | None:

@@ -105,6 +105,7 @@ def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.
     shape, model_def, rules, abstract_params, param_shardings = (
         params.shape, params.model_def, params.rules, params.abstract_params, params.param_shardings)
     tx, lr_schedule = optimizer_lib.make_optimizer(c)
+    tx = optimizer_lib.outside_gradient(tx, abstract_params)
     if c.sharding.zero1:
         dp_axes = mesh_lib.data_parallel_axes(rules)
         zero1 = jax.tree.map(lambda s, a: layout_lib.zero1_layout(s.spec, a.shape, mesh, dp_axes), param_shardings,

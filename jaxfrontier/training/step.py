@@ -166,7 +166,9 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
         if scale_state is not None:
             grads = loss_scale.unscale(c, scale_state, grads)
         updates, opt_state = tx.update(grads, state['opt_state'], params)
-        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), layout.param_shardings)
+        new_params = optax.apply_updates(params, updates)
+        new_params = layout.model_def.update_outside_gradient(new_params, aux)  # e.g. the MoE router's bias
+        new_params = jax.lax.with_sharding_constraint(new_params, layout.param_shardings)
         new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
         extra, grad_norm = {}, optax.tree.norm(grads)
         if scale_state is not None:  # float16: an overflowing step keeps the old params and moments

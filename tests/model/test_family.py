@@ -37,10 +37,16 @@ def test_unknown_family_is_a_config_error():
 # A family's own fields that change its parameters, beyond its defaults: Llama with Qwen3's QK-norm and
 # heads 6 wide (q 30 wide over a width of 40: 40 / 5 = 8 is not the head width), and 5 kv heads.
 FIELDS = {'llama': dict(qk_norm=True, head_dim=6, num_kv_heads=5)}
+# Mixture of experts (families/moe.py): 7 experts of width 11, 2 shared, a dense first layer, the router's bias;
+# and every layer MoE, no shared experts, no bias.
+MOE = dict(moe_experts=7, moe_top_k=2, moe_mlp_dim=11, moe_shared_experts=2, moe_first_dense=1,
+           moe_router='sigmoid', moe_router_bias=True)
+MOE_ALL = dict(MOE, moe_first_dense=0, moe_shared_experts=0, moe_router_bias=False)
 
 
 @pytest.mark.parametrize('family,fields', [(f, {}) for f in config_lib.MODEL_FAMILIES] +
-                         [(f, fields) for f, fields in FIELDS.items()], ids=lambda x: str(x) if x else 'defaults')
+                         [(f, fields) for f, fields in FIELDS.items()] + [('llama', MOE), ('llama', MOE_ALL)],
+                         ids=lambda x: str(x) if x else 'defaults')
 @pytest.mark.parametrize('tied', [True, False])
 def test_param_specs_match_the_module(family, fields, tied):
     """Names, shapes and logical axes of the family's table are those of its module (eval_shape)."""

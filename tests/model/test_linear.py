@@ -29,9 +29,16 @@ GPT = dict(family='gpt', num_layers=2, d_model=40, num_heads=4, seq_len=13, voca
            mlp_dim=68, attention='reference')
 LLAMA = dict(family='llama', num_layers=2, d_model=40, num_heads=4, num_kv_heads=2, qkv_bias=True, seq_len=13,
              vocab_size=251, vocab_multiple=1, mlp_dim=68, attention='reference')
+# Llama with mixture-of-experts layers (model/layers/moe.py): a dense first layer (a stem group), then MoE
+# layers with shared experts.
+LLAMA_MOE = dict(LLAMA, num_layers=3, moe_experts=5, moe_top_k=2, moe_mlp_dim=17, moe_shared_experts=1,
+                 moe_first_dense=1, moe_router='sigmoid', moe_router_bias=True)
 # Weight matmuls of one block and the head, per family: GPT's fused QKV, attention out, MLP in and
-# out; Llama's q, kv, out, gate, up, down; each family's logits (head, or the tied embedding).
-BLOCK_MATMULS = {'gpt': 4, 'llama': 6}
+# out; Llama's q, kv, out, gate, up, down; each family's logits (head, or the tied embedding). The MoE
+# model's: a dense block's 6, a MoE block's q, kv, out, the router, the experts' grouped gate, up and
+# down (ragged_dot) and the shared experts' gate, up, down.
+BLOCK_MATMULS = {'gpt': 4, 'llama': 6, 'llama_moe': 6 + 10}
+MATMULS = ('dot_general', 'ragged_dot_general')  # the primitives a weight matmul may be
 
 
 def shape_of(family: dict, **model) -> config_lib.ModelShape:
@@ -44,12 +51,19 @@ def shape_of(family: dict, **model) -> config_lib.ModelShape:
 def record_seam(monkeypatch) -> list:
     """The seam, each call inside a named scope and recorded as (owner, weight name, bias name)."""
     calls = []
-    project, add_bias = linear.project, linear.add_bias
+    project, project_grouped, add_bias = linear.project, linear.project_grouped, linear.add_bias
 
     def scoped_project(owner, name, letters, x, **kw):
         calls.append((owner, name, kw.get('bias')))
         with jax.named_scope(SEAM):
             return project(owner, name, letters, x, **kw)
+
+    def scoped_grouped(owner, name, x, group_sizes, **kw):
+        calls.append((owner, name, None))
+        with jax.named_scope(SEAM):
+            return project_grouped(owner, name, x, group_sizes, **kw)
+
+    monkeypatch.setattr(linear, 'project_grouped', scoped_grouped)
 
     def recorded_add_bias(owner, name, y):
         calls.append((owner, None, name))
@@ -91,7 +105,7 @@ def weight_matmuls(jaxpr: jex_core.Jaxpr, weights: set) -> tuple[list, set]:
     found, weights = [], set(weights)
     for eqn in jaxpr.eqns:
         is_weight = [isinstance(v, jex_core.Var) and v in weights for v in eqn.invars]
-        if eqn.primitive.name == 'dot_general' and any(is_weight):
+        if eqn.primitive.name in MATMULS and any(is_weight):
             found.append(eqn)
         elif eqn.primitive.name in PASS_THROUGH and is_weight and is_weight[0]:
             weights.update(eqn.outvars)
@@ -113,18 +127,23 @@ def outside_seam(shape: config_lib.ModelShape) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize('tied', [True, False], ids=['tied', 'untied'])
-@pytest.mark.parametrize('family', [GPT, LLAMA], ids=['gpt', 'llama'])
+@pytest.mark.parametrize('family', [GPT, LLAMA, LLAMA_MOE], ids=['gpt', 'llama', 'llama_moe'])
 @pytest.mark.parametrize('remat', ['none', 'full'])
 def test_every_weight_matmul_goes_through_the_seam(monkeypatch, family, tied, remat):
     shape = shape_of(family, tied_embeddings=tied, remat=remat, dtype='bfloat16')
     record_seam(monkeypatch)
     matmuls, by_hand = outside_seam(shape)
     assert not by_hand, f'weight matmuls outside model/layers/linear.py: {by_hand}'
-    # One copy of the block in the scanned body, and the head: nothing was missed by the tracing.
-    assert len(matmuls) == BLOCK_MATMULS[family['family']] + 1
-    # The dtype policy: weights cast to the activations' (compute) dtype before they multiply.
+    # One copy of each group's block in its scanned body, and the head: nothing was missed by the tracing.
+    kind = 'llama_moe' if 'moe_experts' in family else family['family']
+    assert len(matmuls) == BLOCK_MATMULS[kind] + 1
+    # The dtype policy: weights cast to the activations' (compute) dtype before they multiply; the MoE
+    # router's in fp32 (its [d, E] weight: linear.FP32_WEIGHTS).
     for eqn in matmuls:
-        assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
+        router = eqn.invars[1].aval.shape == (shape.d_model, family.get('moe_experts', -1))
+        dtype = jnp.float32 if router else jnp.bfloat16
+        assert [v.aval.dtype for v in eqn.invars[:2]] == [dtype] * 2, eqn
+    assert sum(eqn.primitive.name == 'ragged_dot_general' for eqn in matmuls) == (3 if kind == 'llama_moe' else 0)
 
 
 def test_a_matmul_by_hand_is_caught(monkeypatch):
@@ -141,10 +160,11 @@ def test_a_matmul_by_hand_is_caught(monkeypatch):
     assert len(by_hand_found) == 1 and by_hand_found[0].invars[0].aval.shape == (BATCH * LLAMA['seq_len'], 40)
 
 
-@pytest.mark.parametrize('family', [GPT, LLAMA], ids=['gpt', 'llama'])
+@pytest.mark.parametrize('family', [GPT, LLAMA, LLAMA_MOE], ids=['gpt', 'llama', 'llama_moe'])
 def test_pipeline_cast_prefixes_name_exactly_the_seams_block_parameters(monkeypatch, family):
-    """pipeline/staggered.py casts block parameters named `CAST_PREFIXES` ahead of the seam's cast at use:
-    the same policy only if those are exactly the block parameters the seam reads (none read in fp32)."""
+    """pipeline/staggered.py casts block parameters named `CAST_PREFIXES` ahead of the seam's cast at use
+    (`linear.cast_ahead`): the same policy only if those are exactly the block parameters the seam reads,
+    less the ones it reads in fp32 (`FP32_WEIGHTS`: the MoE router, whose activations are fp32)."""
     shape = shape_of(family, tied_embeddings=False)
     calls = record_seam(monkeypatch)
     loss_jaxpr(shape)
@@ -153,4 +173,5 @@ def test_pipeline_cast_prefixes_name_exactly_the_seams_block_parameters(monkeypa
     blocks = params_lib.ModelDef.create(shape).abstract_params()['blocks']
     leaves = {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(blocks)[0]}
     assert names(True) == {n for n in leaves if n.startswith(linear.CAST_PREFIXES)}
+    assert {n for n in names(True) if not linear.cast_ahead(n)} == ({'w_router'} if 'moe_experts' in family else set())
     assert names(False) == {'head'}  # the Decoder's own: the head, which the pipeline does not cast ahead

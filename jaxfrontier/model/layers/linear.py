@@ -1,4 +1,5 @@
-"""The one matmul seam: every weight matmul of every family is `project(owner, name, letters, x)`.
+"""The one matmul seam: every weight matmul of every family is `project(owner, name, letters, x)` (the
+mixture-of-experts layer's grouped expert matmuls `project_grouped`, its router `project` in fp32).
 
 The dtype policy, the preferred element type and the output's sharding constraint of a weight
 matmul are decided here once, so a change to how weights multiply (fp8, a LoRA adapter) is one
@@ -53,8 +54,16 @@ from flax import nnx
 from jaxfrontier import mesh as mesh_lib
 
 # Names of the block parameters this seam uses in the compute dtype: weights (`w_*`) and biases
-# (`b_*`). The pipeline casts a chunk's parameters so named ahead (pipeline/staggered.py).
+# (`b_*`). The pipeline casts a chunk's parameters so named ahead (pipeline/staggered.py, `cast_ahead`).
 CAST_PREFIXES = ('w_', 'b_')
+# Weights the seam multiplies in fp32 whatever the compute dtype (their caller passes fp32 activations):
+# the mixture-of-experts router (model/layers/moe.py). Not cast ahead.
+FP32_WEIGHTS = ('w_router',)
+
+
+def cast_ahead(name: str) -> bool:
+    """Whether block parameter `name` is one the seam uses in the compute dtype (the pipeline may cast it ahead)."""
+    return name.startswith(CAST_PREFIXES) and name not in FP32_WEIGHTS
 
 
 def project(owner: nnx.Module, name: str, letters: str, x: jax.Array, *, bias: str | None = None,
@@ -77,6 +86,18 @@ def project(owner: nnx.Module, name: str, letters: str, x: jax.Array, *, bias: s
     if bias is not None:
         y = add_bias(owner, bias, y)
     return y if out_names is None else mesh_lib.constrain(y, out_names)
+
+
+def project_grouped(owner, name: str, x_md: jax.Array, group_sizes_g: jax.Array, *,
+                    preferred: jnp.dtype | None = None) -> jax.Array:
+    """The grouped matmul of a mixture-of-experts layer: rows x_md [M, in] sorted by group, row block g
+    (group_sizes_g[g] rows) times weight g of `owner.<name>` [G, in, out] (`jax.lax.ragged_dot`), the
+    weight in x's dtype as `project`'s; rows past the groups' total come out 0. [M, out].
+
+    `owner` holds the weight by name as `project`'s does (the MoE layer's weights as one device holds
+    them: model/layers/moe.py); LoRA or fp8 on experts would go here as in `project`.
+    """
+    return jax.lax.ragged_dot(x_md, _weight(owner, name, x_md.dtype), group_sizes_g, preferred_element_type=preferred)
 
 
 def add_bias(owner: nnx.Module, name: str, y: jax.Array) -> jax.Array:

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxfrontier import errors
+from jaxfrontier.run.observe import experts as experts_lib
 
 
 def perf_metrics(step_time_s: float, tokens_per_step: float, n_devices: int, model_flops: float,
@@ -101,8 +102,9 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir: str, total_steps: int, enabled: bool, progress: bool, initial_step: int = 0,
-                 terminal: bool | None = None, sinks: tuple = ()):
+                 terminal: bool | None = None, sinks: tuple = (), moe_empty_warn_steps: int = 0):
         self.enabled = bool(enabled) and jax.process_index() == 0
+        self.empty_experts = experts_lib.EmptyExperts(moe_empty_warn_steps)  # MoE: a warning per dead expert
         self.total_steps = total_steps
         self.sinks = tuple(sinks) if self.enabled else ()
         terminal = sys.stderr.isatty() if terminal is None else terminal
@@ -143,6 +145,8 @@ class MetricsWriter:
         for key, value in values.items():
             self._tb.add_scalar(key, value, global_step=int(step))
         self._tb.flush()
+        for line in self.empty_experts.observe(int(step), scalars):
+            self.log_line(line)
         postfix = {}
         if 'train/loss' in values:
             postfix['loss'] = f"{values['train/loss']:.4f}"
