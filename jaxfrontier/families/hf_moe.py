@@ -62,17 +62,22 @@ def _dense_view(hf: dict[str, Any]) -> dict[str, Any]:
     return hf | {'model_type': ATTENTION[hf['model_type']], 'head_dim': head_dim}
 
 
-def _experts(hf: dict[str, Any], refuse) -> tuple[int, int, int]:
-    """(E, k, F) of a MoE config.json, each one line where it is not what our layer computes."""
+def _counts(hf: dict[str, Any]) -> tuple[int, int, int]:
+    """(E, k, F) of a MoE config.json as transformers reads it (`_experts` checks them)."""
     kind = hf['model_type']
+    e = hf.get('num_local_experts') or hf.get('num_experts') or DEFAULTS[kind][0]
+    k = hf.get('num_experts_per_tok') or DEFAULTS[kind][1]
+    return e, k, hf['intermediate_size'] if kind == 'mixtral' else hf.get('moe_intermediate_size') or 768
+
+
+def _experts(hf: dict[str, Any], refuse) -> tuple[int, int, int]:
+    """`_counts`, each one line where it is not what our layer computes."""
     local, named = hf.get('num_local_experts'), hf.get('num_experts')
     if local is not None and named is not None and local != named:
         refuse('num_experts', named, f'it differs from num_local_experts = {local}: save the model again')
-    e = local or named or DEFAULTS[kind][0]
-    k = hf.get('num_experts_per_tok') or DEFAULTS[kind][1]
+    e, k, f = _counts(hf)
     if k > e:
         refuse('num_experts_per_tok', k, f'use at most the {e} experts')
-    f = hf['intermediate_size'] if kind == 'mixtral' else hf.get('moe_intermediate_size') or 768
     return e, k, f
 
 
@@ -102,7 +107,7 @@ def _moe_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
 def _moe_layouts(hf: dict[str, Any], dense_layout: Layout) -> tuple[Layout, ...]:
     """(the hub's per-expert tensors, transformers 5's fused ones) of one MoE layer, attention first."""
     d, kind = hf['hidden_size'], hf['model_type']
-    e, _, f = _experts(hf, _refuser('config.json'))
+    e, _, f = _counts(hf)
     attention = tuple(row for row in dense_layout if not row[1].startswith('mlp.'))
     prefix, names = HUB[kind]
     shapes = ((f, d), (f, d), (d, f))
