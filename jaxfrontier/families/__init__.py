@@ -9,7 +9,7 @@ a test). No JAX import here or below (base.py says why).
 Adding a family: a declaration module here (its fields, checks, shape, parameter table, FLOPs,
 Hugging Face converter, verify rule) and its NNX module (e.g. model/<family>.py, which the
 declaration names); nothing else names it. `SHARED` modules are parts families share (base.py; moe.py,
-the mixture-of-experts MLP's fields, shape, table and FLOPs), not families.
+the mixture-of-experts MLP's fields, shape, table and FLOPs; hf_moe.py, its Hugging Face names), not families.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jaxfrontier.families.base import (  # noqa: F401
     DEFAULT_FAMILY, Family, HFConverter, ModelShape, ParamSpec, ShrunkHeads)
 
 _FAMILIES: dict[str, Family] = {}
-SHARED = ('base', 'moe')  # modules of this package that declare no family
+SHARED = ('base', 'hf_moe', 'moe')  # modules of this package that declare no family
 
 
 def register(family: Family) -> Family:

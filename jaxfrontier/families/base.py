@@ -71,6 +71,10 @@ class ParamSpec:
         return self.path.startswith('blocks/')
 
 
+# One layer's tensors: (our block parameter, HF name after the layer prefix, its shape), ... (HFConverter.layouts).
+Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class HFConverter:
     """A family's Hugging Face `transformers` names and its converter (numpy only), both directions.
@@ -105,6 +109,12 @@ class HFConverter:
         lm_head when untied; vocabulary rows a lower bound) and of one layer (after its prefix).
       to_hf: (our block parameter, one layer of it) -> its HF tensors (`block_names` order).
       from_hf: (our block parameter, its HF tensors, one layer's shape) -> one layer of it.
+      layouts: config.json -> one layer's tensor layouts a directory may use, each ((ours, HF name after
+        the layer prefix, shape), ...) in `block_names`' sense; the first is what export writes, import
+        reads the first whose layer-0 tensors the directory has (a MoE's per-expert tensors of the hub or
+        transformers 5's fused ones). None: one layout, `block_names` with `layer_shapes`.
+      unmatched: model.* fields `model_fields` gives as a starting value (training coefficients) which an
+        import does not hold the run's config to.
     """
 
     architecture: str
@@ -129,6 +139,15 @@ class HFConverter:
     to_hf: Callable[[str, Any], list[Any]]
     from_hf: Callable[[str, list[Any], tuple[int, ...]], Any]
     top_first: tuple[tuple[str, str], ...] = ()
+    layouts: Callable[[dict[str, Any]], tuple[Layout, ...]] | None = None
+    unmatched: tuple[str, ...] = ()
+
+    def layer_layouts(self, hf: dict[str, Any]) -> tuple[Layout, ...]:
+        """The layouts of one layer's tensors for config.json `hf` (the first: what export writes)."""
+        if self.layouts is not None:
+            return self.layouts(hf)
+        shapes = self.layer_shapes(hf)
+        return (tuple((ours, theirs, shapes[theirs]) for ours, theirs in self.block_names if theirs in shapes),)
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxfrontier.errors import CheckpointError
+from jaxfrontier.families import hf_moe
 from jaxfrontier.families.base import Family, ParamSpec
 
 ROUTERS = ('softmax', 'sigmoid')  # model.moe_router: Mixtral / Qwen3; DeepSeek-V3
@@ -213,12 +213,6 @@ def with_moe(family: Family, dense_width: Callable[[Mapping[str, Any]], int]) ->
         base.check(m, require)
         check_fields(m, require)
 
-    def check_exportable(m, where):
-        if on(m):
-            raise CheckpointError(f'{where}: a mixture-of-experts model (model.moe_experts = {m["moe_experts"]}) '
-                                  'has no Hugging Face export yet. Fix: export safetensors.')
-        base.hf.check_exportable(m, where)
-
     return dataclasses.replace(
         family, fields={**family.fields, **FIELDS}, shape_fields=family.shape_fields + SHAPE_FIELDS,
         max_sizes={**family.max_sizes, **MAX_SIZES},
@@ -228,7 +222,7 @@ def with_moe(family: Family, dense_width: Callable[[Mapping[str, Any]], int]) ->
         megatron_flops=lambda batch, s, recompute: base.megatron_flops(batch, active(s), recompute),
         check_mesh=lambda m, mesh, require: check_mesh(m, mesh, require, dense_width(m)),
         pipelined_layers=pipelined_layers, experts=lambda m: m.get('moe_experts', 0),
-        hf=None if family.hf is None else dataclasses.replace(family.hf, check_exportable=check_exportable))
+        hf=None if family.hf is None else hf_moe.with_moe(family.hf, lambda m: expert_width(m, dense_width(m))))
 
 
 def _moe_specs(specs: tuple, s: Any) -> tuple:

@@ -48,10 +48,11 @@ from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
 HEAD = 'lm_head.weight'  # every family's untied head: outside the base model's prefix
 
 
-def _block_names(converter) -> dict[str, list[str]]:
-    """Our block parameter -> its HF tensors after the layer prefix, in the order of the converter's table."""
+def _block_names(layout) -> dict[str, list[str]]:
+    """Our block parameter -> its HF tensors after the layer prefix, in the order of one layer's layout
+    (HFConverter.layer_layouts)."""
     out: dict[str, list[str]] = {}
-    for ours, theirs in converter.block_names:
+    for ours, theirs, _ in layout:
         out.setdefault(ours, []).append(theirs)
     return out
 
@@ -84,11 +85,12 @@ def _tensors(converter, reader: readers.ParamReader, m: dict[str, Any], hf: dict
     """[((HF name, shape), ...), read()] in file order: the embedding, the converter's first tensors, layer by
     layer, its last tensors, the head; read() gives that group's HF tensors from one read of ours."""
     v, prefix = m['vocab_size'], converter.prefix
-    tops, per_layer = converter.top_shapes(hf), converter.layer_shapes(hf)
+    layout = converter.layer_layouts(hf)[0]
+    tops, per_layer = converter.top_shapes(hf), hf_files.layer_shapes(layout)
     groups = [(((prefix + converter.embed, tops[converter.embed]),), lambda: [reader.read('wte', (slice(0, v),))])]
     groups += [(((prefix + theirs, tops[theirs]),), lambda ours=ours: [reader.read(ours)])
                for ours, theirs in converter.top_first]
-    blocks = [(ours, theirs) for ours, theirs in _block_names(converter).items() if theirs[0] in per_layer]
+    blocks = list(_block_names(layout).items())
     for layer in range(m['num_layers']):
         names = converter.layer_prefix.format(layer=layer)
         groups += [(tuple((names + t, per_layer[t]) for t in theirs),
@@ -228,11 +230,16 @@ def load_hf(hf_dir: str, c: ml_collections.ConfigDict, target: Any) -> dict[str,
     (checkpoint.init_params_from); its config must match `c`'s model (one line names the field)."""
     hf = read_hf_config(hf_dir)
     converter = hf_files.converter_of(hf, hf_dir)
-    check_matches(model_fields(hf, hf_dir), c, hf_dir, converter.position_table)
-    v, prefix, blocks = c.model.vocab_size, converter.prefix, _block_names(converter)
+    fields = model_fields(hf, hf_dir)
+    check_matches({k: v for k, v in fields.items() if k not in converter.unmatched}, c, hf_dir,
+                  converter.position_table)
+    v, prefix = c.model.vocab_size, converter.prefix
     lead = 2 if c.mesh.pipeline > 1 and c.pipeline.virtual_stages > 1 else 1  # [V, L / V, ...] or [L, ...]
     top = {ours: prefix + theirs for ours, theirs in converter.top_first + converter.top_last}
-    get = _hf_reader(hf_files.weights(hf_dir), prefix)
+    tensors = hf_files.weights(hf_dir)
+    names = {name.removeprefix(prefix) for name in tensors}
+    blocks = _block_names(hf_files.layout_of(converter, {'model_type': converter.model_types[0]} | hf, names))
+    get = _hf_reader(tensors, prefix)
 
     def load(path, leaf):
         name = format_lib.path_name(path)

@@ -29,6 +29,7 @@ import numpy as np
 from jaxfrontier import families
 from jaxfrontier.errors import CheckpointError
 from jaxfrontier.families import HFConverter
+from jaxfrontier.families.base import Layout
 
 ITEMSIZE = {'F64': 8, 'F32': 4, 'F16': 2, 'BF16': 2, 'I64': 8, 'I32': 4, 'I16': 2, 'I8': 1, 'U8': 1, 'BOOL': 1,
             'U16': 2, 'U32': 4, 'U64': 8, 'F8_E4M3': 1, 'F8_E5M2': 1}
@@ -197,9 +198,23 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     converter = converter_of(config, 'config.json')
     prefix = converter.layer_prefix.removeprefix(converter.prefix)
     shapes = dict(converter.top_shapes(config))
+    per_layer = layer_shapes(converter.layer_layouts(config)[0])
     for layer in range(converter.num_layers(config)):
-        shapes |= {prefix.format(layer=layer) + name: shape for name, shape in converter.layer_shapes(config).items()}
+        shapes |= {prefix.format(layer=layer) + name: shape for name, shape in per_layer.items()}
     return shapes
+
+
+def layer_shapes(layout: Layout) -> dict[str, tuple[int, ...]]:
+    """{HF name after the layer prefix: shape} of one layer's layout."""
+    return {theirs: shape for _, theirs, shape in layout}
+
+
+def layout_of(converter: HFConverter, config: dict[str, Any], names) -> Layout:
+    """The layout of one layer's tensors a directory uses: the converter's first whose layer-0 tensors are all
+    among `names` (without the base model's prefix), else the first (what export writes; check names what it lacks)."""
+    layouts = converter.layer_layouts(config)
+    first = converter.layer_prefix.removeprefix(converter.prefix).format(layer=0)
+    return next((layout for layout in layouts if all(first + theirs in names for _, theirs, _ in layout)), layouts[0])
 
 
 def weights(path: str) -> dict[str, Tensor]:
@@ -254,7 +269,7 @@ def check(path: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
     names = {name.removeprefix(converter.prefix): entry for name, entry in header.items()}
     layers = converter.num_layers(config)
     prefix = converter.layer_prefix.removeprefix(converter.prefix)
-    per_layer = converter.layer_shapes(config)
+    per_layer = layer_shapes(layout_of(converter, config, names))
     # lazily: a config may claim 10^9 layers; the first one the file lacks ends the walk
     expected = itertools.chain(converter.top_shapes(config).items(), (
         (prefix.format(layer=layer) + name, shape) for layer in range(layers) for name, shape in per_layer.items()))
