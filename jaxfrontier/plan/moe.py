@@ -37,6 +37,7 @@ import math
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import families
+from jaxfrontier import layout as layout_lib
 from jaxfrontier.config import axes as axes_lib
 
 EXPERT = next(a.name for a in axes_lib.AXES if a.holds_experts)
@@ -197,8 +198,6 @@ def format_lines(x: Summary | None, flops_model: float, tokens: float) -> list[s
 
 def config_summary(c) -> Summary | None:
     """`summary` of a config's model and layout (tests, benchmarks)."""
-    from jaxfrontier import layout as layout_lib  # pylint: disable=g-import-not-at-top
-    from jaxfrontier.plan import estimate  # pylint: disable=g-import-not-at-top
     shape = config_lib.model_shape(c)
-    return summary(shape, layout_lib.Layout.from_config(c), estimate.count_params(estimate.param_specs(shape)))
-
+    total = sum(math.prod(p.shape) for p in families.get(shape.family).param_specs(shape))
+    return summary(shape, layout_lib.Layout.from_config(c), total)
