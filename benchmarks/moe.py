@@ -65,7 +65,8 @@ def main(argv):
                          'expert_bytes_compiled': hlo, 'expert_bytes_planned': plan, 'loadavg': float(load)})
             print(json.dumps(rows[-1]))
     harness.print_table(rows, ['expert', 'mode', 'median_step_s', 'perf/tokens_per_s_per_device',
-                               'temp_gib_per_device', 'peak_gib_per_device', 'expert_bytes_compiled', 'expert_bytes_planned', 'loadavg'])
+                               'temp_gib_per_device', 'peak_gib_per_device', 'expert_bytes_compiled',
+                               'expert_bytes_planned', 'loadavg'])
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     with open(_OUT.value, 'w', encoding='utf-8') as f:
         json.dump(rows, f, indent=1)

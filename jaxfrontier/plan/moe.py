@@ -185,8 +185,12 @@ def summary(shape, layout, total: int) -> Summary | None:
 def format_lines(x: Summary | None, flops_model: float, tokens: float) -> list[str]:
     if x is None:
         return []
-    mode = (f'dropless: assumed (plan.moe.DROPLESS_IMBALANCE; buffers sized for the worst case, {x.expert_parallel}x)'
-            if x.dropless else f'capacity factor {x.capacity_factor}')
+    if x.expert_parallel == 1:
+        mode = 'no expert parallelism: each device routes its own tokens to every expert'
+    elif x.dropless:
+        mode = f'dropless: assumed (DROPLESS_IMBALANCE; buffers sized for the worst case, {x.expert_parallel}x)'
+    else:
+        mode = f'capacity factor {x.capacity_factor}'
     return [
         f'mixture of experts: {x.experts} experts, top {x.top_k}, EP {x.expert_parallel}; '
         f'{x.total_params / 1e9:,.2f} B total, {x.active_params / 1e9:,.2f} B active per token',

@@ -60,8 +60,8 @@ def _axis_sizes(c: ml_collections.ConfigDict, hw: hw_lib.Hardware) -> dict[str, 
     Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses); context
     sizes split the sequence into equal chunks (two per device when balanced, config's
     `_validate_context`); pipeline sizes divide the layers; fsdp is 1, all, or a power of two up to 128
-    (`_fsdp_sizes`). The replica axis (data) takes the devices left; an axis without sizes here stays 1. Expert-parallel sizes divide model.moe_experts
-    (the config's rule; 1 for a dense model).
+    (`_fsdp_sizes`); expert-parallel sizes divide model.moe_experts (the config's rule; 1 for a dense model).
+    The replica axis (data) takes the devices left; an axis without sizes here stays 1.
     """
     m = c.model
     chunks_per_device = 2 if m.context_balance else 1
