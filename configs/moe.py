@@ -60,6 +60,14 @@ FRONTIER = {
     # Plan: 51.4 GiB per GCD, 51.9 s per step, 80,879 tokens/s, MFU 27.6 % (52.8 model TFLOP/s per GCD).
     'qwen3_235b_a22b': dict(tensor=2, pipeline=1, data=2, fsdp=16, expert=4, zero1=True, micro_batch=4, accum=2,
                             remat='full', sp=True),
+    # 1,024 GCDs (128 nodes): tensor 8 (SP) x data 4 x fsdp 16 x expert 2, ZeRO-1, micro-batch 8 x 1, full remat.
+    # Plan: 52.2 GiB per GCD, 77.1 s per step, 54,430 tokens/s, MFU 6.3 % (12.0 model TFLOP/s per GCD):
+    # 66 s of the step is exposed communication, the expert weights' fsdp gathers over the network (35 B
+    # active of 1,028 B: 4 M tokens a step do not hide 4 TB of fp32 weights). Expert parallelism keeps them
+    # put, but the core's all-gather dispatch moves the whole expert group's tokens to every device, (EP - 1)
+    # n d each way per layer: EP 8 fits at 17,731 tokens/s, EP 64 at 4,066 (docs/models.md).
+    'moe_1t': dict(tensor=8, pipeline=1, data=4, fsdp=16, expert=2, zero1=True, micro_batch=8, accum=1,
+                   remat='full', sp=True),
 }
 
 
