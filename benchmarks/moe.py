@@ -10,6 +10,11 @@ collectives' bytes over `expert` (plan/hlo_collectives.py) and the planner's cou
 (plan/moe.py). Simulated devices share the host's cores, so step time measures the dispatch's overheads
 (the all-gather / reduce-scatter and the EP k n-row buffers, model/layers/moe_parallel.py), not a
 speed-up; state the machine's load beside any timing (`loadavg` in each row). FLOPs: benchmarks/harness.py.
+
+The bytes over `expert` alone include the dense parameters' gradient reductions where data is 1 (expert 8):
+there the plan's separate embedding-gradient all-reduce, which XLA merges into the other one, makes the
+plan 131 kB (2.6 %) above the compiled count, as over data x expert elsewhere (docs/planner.md). Capacity
+mode's sort keys, gathered over every token axis for the drop decisions, are not in the plan (< 1 %).
 """
 
 import json
