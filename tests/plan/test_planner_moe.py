@@ -124,3 +124,12 @@ def test_verify_certifies_an_expert_parallel_layout():
     cert = verify.certificate('moe', shrink_lib.shrink(c, max_devices=8))
     assert cert['passed'], verify.summary(cert)
     assert cert['kept']['mesh']['expert'] == 2
+
+
+def test_sweep_space_takes_the_expert_axis():
+    """The throughput sweep (sweep/space.py) sweeps `expert` like any mesh axis: data takes the devices left."""
+    from jaxfrontier.sweep import space as space_lib  # pylint: disable=g-import-not-at-top
+    space = space_lib.parse_space(['expert=2,4'])
+    points = space_lib.grid(space)
+    meshes = [space_lib.point_config(tiny('data=8'), p, 8, ['expert'])[0].mesh for p in points]
+    assert [(m.expert, m.data) for m in meshes] == [(2, 4), (4, 2)]
