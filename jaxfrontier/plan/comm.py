@@ -114,7 +114,7 @@ def input_projections(specs, rules) -> tuple[int, int]:
     for p in specs:
         lead = sum(1 for n in p.names if n in ('virtual', 'layers'))  # the stacked (and interleaved) axes
         names, shape = p.names[lead:], p.shape[lead:]
-        if p.is_block and len(shape) > 1 and names[0] == 'embed':
+        if p.is_block and len(shape) > 1 and names[0] == 'embed' and not plan_moe.is_router(p.path):
             if 'tensor' in mesh_lib.spec_axes(mesh_lib.logical_to_spec(names[1:], rules)):
                 split += 1
             else:
@@ -265,6 +265,7 @@ def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, 
     _activation_traffic(t, shape, layout, dtype_bytes, input_projections(specs, rules))
     _param_traffic(t, layout, rules, specs)
     plan_moe.expert_traffic(t.add, shape, layout, pm.effective_remat(layout), dtype_bytes)
+    plan_moe.tensor_traffic(t.add, shape, layout, pm.effective_remat(layout), dtype_bytes)
     mesh_items = tuple(layout.mesh_shape.items())
     out = []
     for (what, kind, axes, per_mb), (payload, count) in t.items.items():

@@ -142,6 +142,29 @@ def expert_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
         calls)
 
 
+def tensor_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
+    """What tensor parallelism adds in a MoE layer to the dense count (comm._activation_traffic's 4 [n, d]
+    all-reduces a layer: attention and MLP, forward and backward): the experts' width is split over
+    `tensor`, so their partial sums are over the routed buffer's R = `buffer_factor` k n rows, the output
+    [R, d] forward and the gate's and up's input gradients [R, d] each backward, and the attention's
+    separate q and k/v input gradients one [n, d] more (the dense count finds them among the separate
+    projections, which the experts' table rows are not). Full recomputation repeats the output's [R, d]
+    (the dense MLP's output all-reduce is not recomputed; this one is: XLA:CPU, tiny model)."""
+    s = of(shape)
+    if s is None or layout.tensor <= 1:
+        return
+    n = layout.micro_batch * -(-shape.seq_len // layout.context)
+    rows_per_token = buffer_factor(shape, layout) * s.top_k
+    calls = layout.accum_steps * moe_layers(shape) / layout.pipeline
+    add("MoE experts' partial sums over the routed buffer", 'all-reduce', ('tensor',),
+        n * shape.d_model * dtype_bytes, calls * ((4 if remat == 'full' else 3) * rows_per_token - 1))
+
+
+def is_router(path: str) -> bool:
+    """The router's weight: read by every token, never split over tensor (not a k/v projection)."""
+    return path.endswith('w_router')
+
+
 def holds_experts(spec_axes: tuple[str, ...], names: tuple) -> tuple[str, ...]:
     """The expert axis where a parameter's `experts` dimension is split over it (its weights stay put)."""
     return (EXPERT,) if 'experts' in names and EXPERT in spec_axes else ()

@@ -103,11 +103,13 @@ def test_frontier_layouts_fit(size):
     assert 'mixture of experts' in planner.format_plan(p)
 
 
-@pytest.mark.slow  # one compile on 8 simulated devices
-def test_compiled_expert_collectives_equal_the_plan():
-    """expert 4 x data 2: the all-gathers and reduce-scatters over `expert` and the expert weights' gradient
-    all-reduce over `data` in the compiled HLO carry exactly the plan's bytes."""
-    c = tiny('expert=4,data=2')
+@pytest.mark.slow  # one compile on 8 simulated devices each
+@pytest.mark.parametrize('arg, remat', [('expert=4,data=2', 'none'), ('expert=2,tensor=2,data=2', 'full')])
+def test_compiled_expert_collectives_equal_the_plan(arg, remat):
+    """The all-gathers and reduce-scatters over `expert` (recomputed under full remat) and the expert weights'
+    gradient all-reduce over `data` in the compiled HLO carry exactly the plan's bytes; the all-reduces over
+    `tensor` (the experts' partial sums over the routed buffer) too, but for the router statistics' few bytes."""
+    c = tiny(arg, remat=remat)
     compiled = compile_check.compile_on_cpu(c)
     plan, in_hlo, planned = planner.plan(c), {}, {}
     for x in compile_check.collectives(c, compiled):
@@ -116,6 +118,8 @@ def test_compiled_expert_collectives_equal_the_plan():
         planned[(t.kind, t.axes)] = planned.get((t.kind, t.axes), 0) + t.payload_bytes
     for key in [('all-gather', ('expert',)), ('reduce-scatter', ('expert',)), ('all-reduce', ('data',))]:
         assert in_hlo[key] == planned[key], (key, in_hlo[key], planned[key])
+    key = ('all-reduce', ('tensor',))
+    assert abs(in_hlo.get(key, 0) - planned.get(key, 0)) <= 0.001 * in_hlo.get(key, 1), (in_hlo.get(key), planned.get(key))
 
 
 @pytest.mark.slow  # two small runs on simulated devices
