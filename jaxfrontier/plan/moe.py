@@ -72,7 +72,8 @@ def active_params(shape, total: int) -> int:
 
 def maxtext_flops_per_token(shape, total: int) -> float:
     """MaxText's training FLOPs per token: 6 x active matmul parameters + causal attention (6 s h K per layer)."""
-    lookup = shape.vocab_size * shape.d_model  # the embedding table: a gather, no FLOPs
+    # The embedding table: a gather, no FLOPs (tied: the same table is the head's matmul).
+    lookup = 0 if shape.tied_embeddings else shape.vocab_size * shape.d_model
     vectors = sum(math.prod(p.shape) for p in families.get(shape.family).param_specs(shape)
                   if len(p.shape) - p.is_block <= 1)  # norm scales, biases: no matmul
     matmul = active_params(shape, total) - lookup - vectors
@@ -172,7 +173,7 @@ def holds_experts(spec_axes: tuple[str, ...], names: tuple) -> tuple[str, ...]:
 
 def act_shape(shape, layout):
     """The shape whose MLP width sizes the activations' `f` arrays: the routed buffer's rows per token
-    (`imbalance` x k) x the expert width, plus the shared experts' width (dense layers keep theirs)."""
+    (`buffer_factor` x k) x the expert width, plus the shared experts' width (dense layers keep theirs)."""
     s = of(shape)
     if s is None:
         return shape
