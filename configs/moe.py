@@ -47,27 +47,26 @@ SEQ_LEN = {'mixtral_8x7b': 4096}  # training sequence length; 4,096 elsewhere to
 #       --search_devices=N --hardware=mi250x
 # docs/models.md "Mixture of experts on Frontier" has the plan's figures (predictions).
 FRONTIER = {
-    # 64 GCDs (8 nodes): tensor 2 (SP) x fsdp 32, micro-batch 8 x 4, full remat; EP 1 (8 experts of 14,336:
-    # fsdp gathers hide behind the compute, expert parallelism's token gathers do not).
-    # Plan: 26.8 GiB per GCD, 60.3 s per step, 69,583 tokens/s, MFU 47.1 % (90.2 model TFLOP/s per GCD).
-    'mixtral_8x7b': dict(tensor=2, pipeline=1, data=1, fsdp=32, expert=1, zero1=False, micro_batch=8, accum=4,
-                         remat='full', sp=True),
-    # 32 GCDs (4 nodes): tensor 2 (SP) x pipeline 2 (interleaved, 2 chunks) x data 2 x fsdp 4, micro-batch 4 x 32.
-    # Plan: 55.5 GiB per GCD, 40.9 s per step, 102,669 tokens/s, MFU 46.8 % (89.6 model TFLOP/s per GCD).
-    'qwen3_30b_a3b': dict(tensor=2, pipeline=2, data=2, fsdp=4, expert=1, zero1=False, micro_batch=4, accum=32,
-                          remat='full', sp=True, schedule='interleaved', virtual=2),
-    # 256 GCDs (32 nodes): tensor 2 (SP) x data 2 x fsdp 16 x expert 4, ZeRO-1, micro-batch 4 x 2, full remat.
-    # Plan: 51.4 GiB per GCD, 51.9 s per step, 80,879 tokens/s, MFU 27.6 % (52.8 model TFLOP/s per GCD).
-    'qwen3_235b_a22b': dict(tensor=2, pipeline=1, data=2, fsdp=16, expert=4, zero1=True, micro_batch=4, accum=2,
-                            remat='full', sp=True),
-    # 1,024 GCDs (128 nodes): tensor 8 (SP) x data 4 x fsdp 16 x expert 2, ZeRO-1, micro-batch 8 x 1, full remat.
-    # Plan: 52.2 GiB per GCD, 77.1 s per step, 54,430 tokens/s, MFU 6.3 % (12.0 model TFLOP/s per GCD):
-    # 66 s of the step is exposed communication, the expert weights' fsdp gathers over the network (35 B
-    # active of 1,028 B: 4 M tokens a step do not hide 4 TB of fp32 weights). Expert parallelism keeps them
-    # put, but the core's all-gather dispatch moves the whole expert group's tokens to every device, (EP - 1)
-    # n d each way per layer: EP 8 fits at 17,731 tokens/s, EP 64 at 4,066 (docs/models.md).
-    'moe_1t': dict(tensor=8, pipeline=1, data=4, fsdp=16, expert=2, zero1=True, micro_batch=8, accum=1,
-                   remat='full', sp=True),
+    # 64 GCDs (8 nodes): data 2 x fsdp 32, micro-batch 8 x 2, full remat; EP 1 (8 experts of 14,336: the fsdp
+    # gathers hide behind the compute, expert parallelism's token gathers would not).
+    # Plan: 53.5 GiB per GCD, 60.7 s per step, 69,142 tokens/s, MFU 46.8 % (89.6 model TFLOP/s per GCD).
+    'mixtral_8x7b': dict(tensor=1, pipeline=1, data=2, fsdp=32, expert=1, zero1=False, micro_batch=8, accum=2,
+                         remat='full'),
+    # 32 GCDs (4 nodes): pipeline 8 (interleaved, 2 chunks) x data 2 x fsdp 2, ZeRO-1, micro-batch 2 x 128.
+    # Plan: 51.5 GiB per GCD, 42.8 s per step, 98,058 tokens/s, MFU 44.7 % (85.5 model TFLOP/s per GCD).
+    'qwen3_30b_a3b': dict(tensor=1, pipeline=8, data=2, fsdp=2, expert=1, zero1=True, micro_batch=2, accum=128,
+                          remat='full', schedule='interleaved', virtual=2),
+    # 256 GCDs (32 nodes): data 2 x fsdp 16 x expert 8, ZeRO-1, micro-batch 2 x 2, full remat.
+    # Plan: 53.3 GiB per GCD, 57.4 s per step, 73,063 tokens/s, MFU 24.9 % (47.7 model TFLOP/s per GCD).
+    'qwen3_235b_a22b': dict(tensor=1, pipeline=1, data=2, fsdp=16, expert=8, zero1=True, micro_batch=2, accum=2,
+                            remat='full'),
+    # 1,024 GCDs (128 nodes): data 2 x fsdp 16 x expert 32, ZeRO-1, micro-batch 1, full remat.
+    # Plan: 57.0 GiB per GCD, 91.1 s per step, 46,022 tokens/s, MFU 5.3 % (10.2 model TFLOP/s per GCD):
+    # 15.5 s of compute, 75.6 s of exposed communication, most of it the expert dispatch over the network
+    # (the core's all-gather of the expert group's tokens and reduce-scatter back: (EP - 1) n d per device and
+    # layer each way, docs/models.md).
+    'moe_1t': dict(tensor=1, pipeline=1, data=2, fsdp=16, expert=32, zero1=True, micro_batch=1, accum=1,
+                   remat='full'),
 }
 
 
