@@ -195,6 +195,7 @@ class Summary:
     imbalance: float
     dropless: bool
     capacity_factor: float
+    routed_share: float  # the routed experts' share of the layers' matmul FLOPs (even routing)
 
 
 def summary(shape, layout, total: int) -> Summary | None:
@@ -203,12 +204,15 @@ def summary(shape, layout, total: int) -> Summary | None:
         return None
     return Summary(s.experts, s.top_k, getattr(layout, EXPERT, 1), total, active_params(shape, total),
                    maxtext_flops_per_token(shape, total), megatron_flops_per_token(shape), imbalance(shape, layout),
-                   s.dropless, s.capacity_factor)
+                   s.dropless, s.capacity_factor, routed_flops_share(shape))
 
 
-def format_lines(x: Summary | None, flops_model: float, tokens: float) -> list[str]:
+def format_lines(x: Summary | None, flops_model: float, tokens: float, compute_s: float) -> list[str]:
+    """The plan's MoE lines; `compute_s`: the step's compute time, of which the imbalance's share is shown."""
     if x is None:
         return []
+    extra = x.routed_share * (x.imbalance - 1.0)
+    cost_s = compute_s * extra / (1.0 + extra)
     if x.expert_parallel == 1:
         mode = 'no expert parallelism: each device routes its own tokens to every expert'
     elif x.dropless:
@@ -220,7 +224,8 @@ def format_lines(x: Summary | None, flops_model: float, tokens: float) -> list[s
         f'{x.total_params / 1e9:,.2f} B total, {x.active_params / 1e9:,.2f} B active per token',
         f'  FLOPs per token (fwd + bwd): planned {flops_model / tokens / 1e9:,.2f} G; MaxText convention '
         f'{x.maxtext_flops_per_token / 1e9:,.2f} G; Megatron-LM {x.megatron_flops_per_token / 1e9:,.2f} G',
-        f'  routing imbalance {x.imbalance:.2f}x the even share of routed work, {mode}',
+        f'  routing imbalance {x.imbalance:.2f}x the even share of routed work, {mode}: '
+        f'{cost_s:.3f} s of the step\'s compute',
     ]
 
 

@@ -242,7 +242,8 @@ def format_plan(p: Plan) -> str:
     verdict = 'fits' if p.fits else 'DOES NOT FIT'
     lines.append(f'  {"total":<30s} {_gib(mem.total_bytes):>13s}  {verdict}: {p.hardware.memory_gib:.0f} GiB less '
                  f'{RESERVED_FRACTION:.0%} reserved leaves headroom {_gib(p.headroom_bytes)}')
-    lines += plan_moe.format_lines(plan_moe.summary(s, lay, p.num_params), f.model, lay.global_batch * s.seq_len)
+    lines += plan_moe.format_lines(plan_moe.summary(s, lay, p.num_params), f.model, lay.global_batch * s.seq_len,
+                                   t.compute_s)
     lines += [
         'FLOPs per step:',
         f'  model (matmuls, fwd + bwd)     {_si(f.model, "FLOP")}',
