@@ -13,8 +13,8 @@ speed-up; state the machine's load beside any timing (`loadavg` in each row). FL
 
 The bytes over `expert` alone include the dense parameters' gradient reductions where data is 1 (expert 8):
 there the plan's separate embedding-gradient all-reduce, which XLA merges into the other one, makes the
-plan 131 kB (2.6 %) above the compiled count, as over data x expert elsewhere (docs/planner.md). Capacity
-mode's sort keys, gathered over every token axis for the drop decisions, are not in the plan (< 1 %).
+plan 131 kB (2.6 %) above the compiled count, as over data x expert elsewhere. The rows of
+benchmarks/results/moe.json predate the plan's count of capacity mode's sort-key gathers (< 1 %).
 """
 
 import json

@@ -265,6 +265,7 @@ def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, 
     _activation_traffic(t, shape, layout, dtype_bytes, input_projections(specs, rules))
     _param_traffic(t, layout, rules, specs)
     plan_moe.expert_traffic(t.add, shape, layout, pm.effective_remat(layout), dtype_bytes)
+    plan_moe.capacity_traffic(t.add, shape, layout, pm.effective_remat(layout))
     plan_moe.tensor_traffic(t.add, shape, layout, pm.effective_remat(layout), dtype_bytes)
     mesh_items = tuple(layout.mesh_shape.items())
     out = []

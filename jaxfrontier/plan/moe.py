@@ -143,6 +143,27 @@ def expert_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
         calls)
 
 
+def capacity_traffic(add, shape, layout, remat: str) -> None:
+    """Capacity mode's drop decisions (moe_parallel._capacity_kept): every device gathers every assignment's
+    expert id and 3 int32 sort keys [n k] over each token axis in turn (expert first, the output growing
+    with each axis). The ids per MoE layer (again under full remat); the keys, the same tokens in every
+    layer, once per micro-batch (XLA hoists them out of the layer loop)."""
+    s = of(shape)
+    if s is None or s.dropless:
+        return
+    n = layout.micro_batch * -(-shape.seq_len // layout.context)
+    column = n * s.top_k * 4
+    calls = layout.accum_steps * moe_layers(shape) / layout.pipeline * (2 if remat == 'full' else 1)
+    gathered = column
+    for axis in ('expert', 'fsdp', 'data', 'context'):  # moe_parallel: reversed(the rules' token axes)
+        size = getattr(layout, axis, 1)
+        if size <= 1:
+            continue
+        gathered *= size
+        add('MoE capacity: expert ids gathered', 'all-gather', (axis,), gathered, calls)
+        add('MoE capacity: token keys gathered', 'all-gather', (axis,), 3 * gathered, layout.accum_steps)
+
+
 def tensor_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
     """What tensor parallelism adds in a MoE layer to the dense count (comm._activation_traffic's 4 [n, d]
     all-reduces a layer: attention and MLP, forward and backward): the experts' width is split over
