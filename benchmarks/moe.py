@@ -13,8 +13,12 @@ speed-up; state the machine's load beside any timing (`loadavg` in each row). FL
 
 The bytes over `expert` alone include the dense parameters' gradient reductions where data is 1 (expert 8):
 there the plan's separate embedding-gradient all-reduce, which XLA merges into the other one, makes the
-plan 131 kB (2.6 %) above the compiled count, as over data x expert elsewhere. The rows of
-benchmarks/results/moe.json predate the plan's count of capacity mode's sort-key gathers (< 1 %).
+plan 131 kB (2.6 %) above the compiled count (an untied embedding's gradient reduced once, not twice:
+comm._param_traffic, a dense-model matter). Elsewhere the two are equal, capacity mode included.
+
+benchmarks/results/moe.json (load average 1-7 on 2 shared cores, in each row): the temporaries grow with EP
+dropless (the EP k n-row buffers, and XLA:CPU's per-group ragged_dot expansion, docs/planner.md) and shrink
+with a capacity ((E / EP) C rows); step times are noise-dominated at this size.
 """
 
 import json
