@@ -43,6 +43,7 @@ import math
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.plan import estimate as pm
+from jaxfrontier.plan import moe as plan_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ def input_projections(specs, rules) -> tuple[int, int]:
     for p in specs:
         lead = sum(1 for n in p.names if n in ('virtual', 'layers'))  # the stacked (and interleaved) axes
         names, shape = p.names[lead:], p.shape[lead:]
-        if p.is_block and len(shape) > 1 and names[0] == 'embed':
+        if p.is_block and len(shape) > 1 and names[0] == 'embed' and not plan_moe.is_router(p.path):
             if 'tensor' in mesh_lib.spec_axes(mesh_lib.logical_to_spec(names[1:], rules)):
                 split += 1
             else:
@@ -210,11 +211,14 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
     m, p = layout.accum_steps, layout.pipeline
     for pl in pm.planned_params(specs, layout, rules):
         spec, local = pl.spec, pl.local * pm.PARAM_BYTES
-        sharded = tuple(a for a in per_mb_axes if a in mesh_lib.spec_axes(pl.param_spec))
-        zero1_axes = tuple(a for a in dp_axes if a in mesh_lib.spec_axes(pl.update_spec) and a not in sharded)
+        # MoE expert weights stay split over `expert`: neither gathered nor reduced over it (plan/moe.py).
+        held = plan_moe.holds_experts(mesh_lib.spec_axes(pl.param_spec), spec.names)
+        sharded = tuple(a for a in per_mb_axes if a in mesh_lib.spec_axes(pl.param_spec) and a not in held)
+        zero1_axes = tuple(a for a in dp_axes if a in mesh_lib.spec_axes(pl.update_spec) and a not in sharded
+                           and a not in held)
         # Inside the loop gradients meet the optimizer layout only when reduced per micro-batch.
         extra = () if once else zero1_axes
-        rest = tuple(a for a in per_mb_axes if a not in sharded and a not in extra)
+        rest = tuple(a for a in per_mb_axes if a not in sharded and a not in extra and a not in held)
         gathered = local * math.prod(sizes[a] for a in sharded)
         group = 'block weights' if spec.is_block else 'embedding and head'
         uses = m * (2 if spec.is_block else 1 / p)  # blocks: before the forward and again for the backward
@@ -260,6 +264,9 @@ def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, 
     t = _Traffic()
     _activation_traffic(t, shape, layout, dtype_bytes, input_projections(specs, rules))
     _param_traffic(t, layout, rules, specs)
+    plan_moe.expert_traffic(t.add, shape, layout, pm.effective_remat(layout), dtype_bytes)
+    plan_moe.capacity_traffic(t.add, shape, layout, pm.effective_remat(layout))
+    plan_moe.tensor_traffic(t.add, shape, layout, pm.effective_remat(layout), dtype_bytes)
     mesh_items = tuple(layout.mesh_shape.items())
     out = []
     for (what, kind, axes, per_mb), (payload, count) in t.items.items():

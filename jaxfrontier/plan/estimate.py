@@ -14,6 +14,7 @@ import types
 from typing import Any, NamedTuple
 
 from jaxfrontier.plan import activations
+from jaxfrontier.plan import moe as plan_moe
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
@@ -193,6 +194,8 @@ class _ActLayout(NamedTuple):
     fsdp: int
     context: int
     sequence_parallel: bool
+    data: int = 1  # with `expert`: a MoE layer's routed buffer (plan/moe.py)
+    expert: int = 1
 
     @classmethod
     def of(cls, layout) -> '_ActLayout':
@@ -200,6 +203,7 @@ class _ActLayout(NamedTuple):
 
 
 def _act_sizes(shape, layout, weight: bool) -> dict[str, int]:
+    shape = plan_moe.act_shape(shape, layout)  # MoE: `f` arrays as wide as the routed buffer per token
     return activations.act_sizes(shape, layout.micro_batch, layout.tensor, layout.fsdp, weight, layout.context,
                                  layout.sequence_parallel)
 
@@ -450,6 +454,7 @@ def compute_work(shape, layout, hw: hw_lib.Hardware, fl: Flops) -> ComputeWork:
     passes = 4 + (1 if remat != 'none' else 0)
     kept_layer, _ = layer_bytes(shape, layout, remat, attention)  # what `hw.stash_passes` charges
     split = layout.tensor * layout.context  # a replica's work over its tensor group and context ring
+    per_replica = plan_moe.imbalanced(per_replica, shape, layout)  # MoE: routed matmuls at their buffer
     return ComputeWork(matmul_flops=per_replica / layout.pipeline / split,
                        memory_bytes=passes * (shape.num_layers * none_layer + head) / layout.pipeline,
                        layer_flops=fl.layer_forward / split, layers=shape.num_layers / layout.pipeline,

@@ -30,6 +30,7 @@ from jaxfrontier import hardware as hw_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import comm as plan_comm
 from jaxfrontier.plan import estimate
+from jaxfrontier.plan import moe as plan_moe
 
 RESERVED_FRACTION = estimate.RESERVED_FRACTION
 GIB = hw_lib.GIB
@@ -241,6 +242,8 @@ def format_plan(p: Plan) -> str:
     verdict = 'fits' if p.fits else 'DOES NOT FIT'
     lines.append(f'  {"total":<30s} {_gib(mem.total_bytes):>13s}  {verdict}: {p.hardware.memory_gib:.0f} GiB less '
                  f'{RESERVED_FRACTION:.0%} reserved leaves headroom {_gib(p.headroom_bytes)}')
+    lines += plan_moe.format_lines(plan_moe.summary(s, lay, p.num_params), f.model, lay.global_batch * s.seq_len,
+                                   t.compute_s)
     lines += [
         'FLOPs per step:',
         f'  model (matmuls, fwd + bwd)     {_si(f.model, "FLOP")}',
@@ -277,6 +280,7 @@ def plan_to_json(p: Plan) -> dict[str, Any]:
         'flops_per_step': dataclasses.asdict(p.flops),
         'communication': [dataclasses.asdict(t) for t in p.transfers],
         'time': dataclasses.asdict(p.time), 'notes': list(p.notes),
+        **({'moe': dataclasses.asdict(x)} if (x := plan_moe.summary(p.shape, p.layout, p.num_params)) else {}),
     }
 
 

@@ -60,16 +60,20 @@ def _axis_sizes(c: ml_collections.ConfigDict, hw: hw_lib.Hardware) -> dict[str, 
     Tensor parallelism stays inside a node (the paper's finding; across nodes it only loses); context
     sizes split the sequence into equal chunks (two per device when balanced, config's
     `_validate_context`); pipeline sizes divide the layers; fsdp is 1, all, or a power of two up to 128
-    (`_fsdp_sizes`). The replica axis (data) takes the devices left; an axis without sizes here stays 1.
+    (`_fsdp_sizes`); expert-parallel sizes divide model.moe_experts (the config's rule; 1 for a dense model).
+    The replica axis (data) takes the devices left; an axis without sizes here stays 1.
     """
     m = c.model
     chunks_per_device = 2 if m.context_balance else 1
+    experts = m.get('moe_experts', 0)
     return {
         'tensor': lambda free: [t for t in _divisors(free) if t <= hw.devices_per_node and m.num_heads % t == 0
-                                and config_lib.mlp_dim(c) % t == 0],
+                                and config_lib.mlp_dim(c) % t == 0 and m.get('moe_mlp_dim', 0) % t == 0],
         'context': lambda free: [x for x in _divisors(free) if x == 1 or m.seq_len % (chunks_per_device * x) == 0],
         'pipeline': lambda free: [p for p in _divisors(free) if m.num_layers % p == 0],
         'fsdp': lambda free: _fsdp_sizes(free, m.d_model),
+        # MoE: expert-parallel sizes divide the experts (each device holds E / EP of them); dense: 1.
+        'expert': lambda free: [e for e in _divisors(free) if e == 1 or (experts and experts % e == 0)],
     }
 
 
@@ -142,7 +146,7 @@ def search(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi25
 def format_search(plans: list[planner.Plan], planned: int, fitting: int) -> str:
     """A table of the ranked layouts."""
     lines = [f'{planned} layouts planned, {fitting} fit; the fastest {len(plans)}:',
-             f'{"#":>3s} {"TP":>3s} {"SP":>3s} {"CP":>3s} {"PP":>3s} {"data":>5s} {"fsdp":>5s} {"Z1":>3s} {"mb":>3s} '
+             f'{"#":>3s} {"TP":>3s} {"SP":>3s} {"CP":>3s} {"PP":>3s} {"data":>5s} {"fsdp":>5s} {"EP":>4s} {"Z1":>3s} {"mb":>3s} '
              f'{"accum":>5s} '
              f'{"remat":<18s} {"schedule":<14s} {"GiB":>6s} {"step s":>8s} {"tokens/s":>10s} {"MFU":>6s} '
              f'{"HW TF/s":>8s} {"bubble":>7s}']
@@ -151,7 +155,7 @@ def format_search(plans: list[planner.Plan], planned: int, fitting: int) -> str:
         sched = '-' if lay.pipeline == 1 else lay.schedule + (f' v{lay.virtual_stages}' if lay.schedule == 'interleaved'
                                                                else '')
         lines.append(f'{i:>3d} {lay.tensor:>3d} {"y" if lay.sequence_parallel else "-":>3s} {lay.context:>3d} '
-                     f'{lay.pipeline:>3d} {lay.data:>5d} {lay.fsdp:>5d} '
+                     f'{lay.pipeline:>3d} {lay.data:>5d} {lay.fsdp:>5d} {lay.expert:>4d} '
                      f'{"y" if lay.zero1 else "-":>3s} {lay.micro_batch:>3d} {lay.accum_steps:>5d} '
                      f'{lay.remat if lay.pipeline == 1 else "full (pipeline)":<18s} {sched:<14s} '
                      f'{p.memory.total_bytes / hw_lib.GIB:>6.1f} {t.step_s:>8.2f} {t.tokens_per_s:>10,.0f} '
