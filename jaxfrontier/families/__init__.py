@@ -2,9 +2,9 @@
 
 `get(name)` is what the config, its checks, the planner, the verify shrink, the checkpoint
 format and the Hugging Face interop ask instead of branching on `config.model.family`. Every
-module of this package but base.py declares one family (its `FAMILY`), registered on import in
-name order; `register` adds another at run time (tests/model/test_third_family.py declares one in
-a test). No JAX import here or below (base.py says why).
+module of this package but base.py and lora.py (LoRA on any family's matmuls) declares one
+family (its `FAMILY`), registered on import in name order; `register` adds another at run time
+(tests/model/test_third_family.py declares one in a test). No JAX import here or below (base.py says why).
 
 Adding a family: a declaration module here (its fields, checks, shape, parameter table, FLOPs,
 Hugging Face converter, verify rule) and its NNX module (e.g. model/<family>.py, which the
@@ -18,7 +18,7 @@ import pkgutil
 
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.families.base import (  # noqa: F401
-    DEFAULT_FAMILY, Family, HFConverter, ModelShape, ParamSpec, ShrunkHeads)
+    DEFAULT_FAMILY, Family, HFConverter, Lora, LoraTarget, ModelShape, ParamSpec, ShrunkHeads)
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -60,5 +60,5 @@ def get(name: str) -> Family:
 
 
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
-    if _info.name != 'base':
+    if _info.name not in ('base', 'lora'):
         register(importlib.import_module(f'{__name__}.{_info.name}').FAMILY)

@@ -492,7 +492,7 @@ FAMILY = Family(
     # What changes the numbers, not the size (the verify check keeps them; `shrink` keeps the grouping).
     verify_kept=('qkv_bias', 'qk_norm', 'norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor', 'rope_low_freq_factor',
                  'rope_high_freq_factor', 'rope_original_max_len'),
-    shrink=shrink,
+    shrink=shrink, lora_targets=HF.lora_targets(contracted={'attn/w_out': 2}),  # q k v o gate up down (k, v: w_kv)
     # The planner's proxy has grouped k/v heads where the model does (its k/v arrays are g, not h, wide),
     # QK-norm where it does, and a head width apart from d_model / num_heads where it has one.
     proxy_choice=lambda s: (s.kv_heads < s.num_heads, s.qk_norm, s.head_dim != s.d_model // s.num_heads),
