@@ -54,14 +54,18 @@ def step0_gradients(c, mu, grad_norm: float, params):
                         / (1.0 - decay) * unclip, mu, params)
 
 
-def run_layout_once(c):
+def run_layout_once(c, inspect=None):
     """(loss, grads) of step 0 and params after 3 steps, as numpy, like run_layout(c), from the
-    train step alone (one compile instead of two)."""
-    return run_once(c)[0]
+    train step alone (one compile instead of two).
+
+    `inspect`: called with the loop's compiled train step (`step.jit_train_step`: explicit shardings,
+    donated state), which then runs instead of a plain `jax.jit` of the step (e.g. to read its HLO).
+    """
+    return run_once(c, inspect)[0]
 
 
-def run_once(c):
-    """`run_layout_once(c)`'s result, and step 0's metrics (fetched: numpy)."""
+def run_once(c, inspect=None):
+    """`run_layout_once(c, inspect)`'s result, and step 0's metrics (fetched: numpy)."""
     if c.optim.name not in MOMENTS:
         raise ValueError(f'optim.name {c.optim.name!r} keeps no first moment to read gradients from')
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
@@ -72,7 +76,12 @@ def run_once(c):
     sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
     data = [jax.device_put(b, sharding) for b in batches(c.train.global_batch)]
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
-        step = jax.jit(step_lib.make_train_step(c, layout), donate_argnums=0)
+        if inspect is None:
+            step = jax.jit(step_lib.make_train_step(c, layout), donate_argnums=0)
+        else:
+            jitted, abstract_state, abstract_batch = step_lib.jit_train_step(c, layout)
+            step = jitted.lower(abstract_state, abstract_batch).compile()
+            inspect(step)
         state, metrics = step(state, data[0])
         metrics = jax.device_get(metrics)
         loss, grad_norm = metrics['train/loss'], metrics['train/grad_norm']

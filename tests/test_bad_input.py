@@ -17,12 +17,9 @@ import numpy as np
 import pytest
 
 from jaxfrontier import config as config_lib
-from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import loader, token_files
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.run import loop
-from jaxfrontier.training import step as step_lib
-from jaxfrontier.training import state as ts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -271,21 +268,27 @@ def test_cli_bad_value(tmp_path):
 
 
 def test_pipeline_with_dropout_over_data_and_fsdp_is_refused_on_jax_0_11(monkeypatch):
-    """jax 0.11.2 aborts the process compiling it (training/step.check_compiles): one error line instead."""
-    mesh = None
+    """jax 0.11.2 aborts the process compiling it (config/checks.check_compiles): one error line instead,
+    the same from training's, --mode=plan's and --mode=verify's checks, before anything compiles."""
+    from jaxfrontier.config import checks
+    from jaxfrontier.plan import planner, shrink
+    from jaxfrontier.run import validation
 
-    def layout_with(dropout_rate):  # the run's Layout is made once from its config (layout.py)
-        nonlocal mesh
+    def config_with(dropout_rate):
         c = good_config()
         c.mesh.update(pipeline=2, data=2, fsdp=2, tensor=1)
         c.train.update(micro_batch=1, accum_steps=2)
         c.model.dropout_rate = dropout_rate
-        mesh = mesh or mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices())
-        return c, ts.make_placement(c, mesh)
+        return c
 
-    monkeypatch.setattr(jax, '__version__', '0.11.2')
-    with pytest.raises(ConfigError, match=r'dropout_rate = 0.1: jax 0.11.2 aborts .* Fix: set model.dropout_rate=0.0'):
-        step_lib.check_compiles(*layout_with(0.1))
-    step_lib.check_compiles(*layout_with(0.0))  # gradients reduced once: `data` is manual inside the pipeline's map
-    monkeypatch.setattr(jax, '__version__', '0.10.2')
-    step_lib.check_compiles(*layout_with(0.1))
+    monkeypatch.setattr(checks, '_installed_jax', lambda: '0.11.2')
+    lines = set()
+    for check in (lambda c: validation.validate_run(c, 8), planner.plan, shrink.shrink):
+        with pytest.raises(ConfigError, match=r'dropout_rate = 0.1: jax 0.11.2 aborts .* Fix: set model.dropout') as e:
+            check(config_with(0.1))
+        lines.add(str(e.value))
+    assert len(lines) == 1
+    config_lib.validate(config_with(0.0), 8)  # gradients reduced once: `data` is manual inside the pipeline's map
+    monkeypatch.setattr(checks, '_installed_jax', lambda: '0.10.2')
+    config_lib.validate(config_with(0.1), 8)
+    config_lib.check_compiles(config_with(0.1), jax_version='0.10.2.dev20260101')

@@ -10,7 +10,7 @@ the simulated CPU device count.
 
 from jaxfrontier.config import axes  # noqa: F401  (the mesh axes' table: config.axes.AXES)
 from jaxfrontier.config.axes import AXES, Axis  # noqa: F401
-from jaxfrontier.config.checks import check_device_count, validate  # noqa: F401
+from jaxfrontier.config.checks import check_compiles, check_device_count, validate  # noqa: F401
 from jaxfrontier.config.rules import SEQUENCE_PARALLEL, resolve_rules, sequence_parallel, sharding_rules  # noqa: F401
 from jaxfrontier.config.schema import (  # noqa: F401
     ATTENTION_IMPLS,

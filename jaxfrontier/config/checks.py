@@ -5,6 +5,7 @@ A broken rule raises `ConfigError`, whose message names the field, its value and
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import signal
 from typing import Any
@@ -167,6 +168,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
 
     _validate_pipeline(c)
     _validate_context(c)
+    check_compiles(c)
 
     o = c.optim
     _require(math.isfinite(o.lr) and o.lr > 0, 'optim.lr', o.lr, 'must be a finite number > 0',
@@ -309,6 +311,40 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
         _require(v == 1, 'pipeline.virtual_stages', v,
                  f'the {c.pipeline.schedule} schedule has one chunk per stage',
                  "set pipeline.virtual_stages=1 or pipeline.schedule='interleaved'")
+
+
+def check_compiles(c: ml_collections.ConfigDict, jax_version: str | None = None) -> None:
+    """A layout the installed jax (or `jax_version`) is known to abort compiling: one line instead.
+
+    Part of `validate`, so training, --mode=plan and --mode=verify refuse such a layout alike,
+    before anything compiles. benchmarks/layout_sweep.py holds every small layout to this: it runs
+    equal to one device or is refused here (docs/architecture.md, "Layouts that run").
+
+    jax 0.11.2 aborts the process (spmd_partitioner_util.cc:498) on a pipeline map with both
+    `data` and `fsdp` > 1 left automatic inside it. The train and eval steps keep `data` manual
+    where gradients are reduced once per step (training/reduction.py); dropout rules that out for
+    training, since masks are drawn per whole micro-batch.
+    """
+    version = jax_version or _installed_jax()
+    if version is None or _release(version) < (0, 11) or 1 in (c.mesh.pipeline, c.mesh.data, c.mesh.fsdp):
+        return
+    _require(c.model.dropout_rate == 0.0, 'model.dropout_rate', c.model.dropout_rate,
+             f'jax {version} aborts compiling a pipeline whose data ({c.mesh.data}) and fsdp ({c.mesh.fsdp}) '
+             'axes are both automatic, which dropout needs',
+             'set model.dropout_rate=0.0, or mesh.fsdp=1 (sharding.zero1=True shards the optimizer state), or jax 0.10')
+
+
+def _installed_jax() -> str | None:
+    """The installed jax's version, read without importing it (None where it is not installed)."""
+    try:
+        return importlib.metadata.version('jax')
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'0.11.2' / '0.10.2.dev20260101' -> (0, 11)."""
+    return tuple(int(x) for x in version.split('.')[:2])
 
 
 def _validate_context(c: ml_collections.ConfigDict) -> None:

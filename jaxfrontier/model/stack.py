@@ -69,7 +69,8 @@ def recompute_after_cotangent(layer_fn):
     the gradient is finite and needs no communication. So no scheduler can run the recomputation
     before the backward reaches the layer. Outside a scan, `jax.checkpoint` relies on
     optimization barriers (prevent_cse); XLA:CPU removes those before scheduling and runs every
-    recomputation early, in the forward pass, so remat=full saved no memory there (issue 14).
+    recomputation early, in the forward pass, so remat=full saved no memory there (measured: the
+    compiled memory of an unrolled remat=full step equalled remat=none's before this).
     A data dependency survives every backend's passes. The aux's cotangents (a `loss_` term's
     seed) enter the recomputation's pullback with the activation's.
     """
@@ -134,7 +135,7 @@ def apply_stack(graphdef: nnx.GraphDef, stacked: nnx.State, x_nd: jax.Array, *, 
     if remat != 'none' and not late_full:
         # prevent_cse=False is safe only inside a scan, whose loop keeps XLA from merging the
         # recomputation into the forward pass; the unrolled plain loop needs the optimization
-        # barrier, or the policy compiles to the same program as remat=none (issue 14, 6b).
+        # barrier, or the policy compiles to the same program as remat=none (the program digests showed it).
         # XLA:CPU removes the barriers before scheduling and runs the recomputation early, so
         # there these policies save no memory unrolled; remat=full avoids it (late_full).
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=fully_unrolled)

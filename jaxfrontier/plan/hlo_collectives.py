@@ -230,6 +230,41 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
     return out
 
 
+def in_branches(hlo_text: str, kinds: Sequence[str] = ('collective-permute',)) -> list[str]:
+    """Collectives of `kinds` inside a conditional's branches, or in what they call: '<computation>: <line>' each.
+
+    XLA:CPU's collective-permute waits for every device of the process, not only the pairs it
+    names, so one that only some devices reach deadlocks the rest: a pipeline stage's `lax.switch`
+    branch must hold none (the pipeline's own exchanges run after the switch, outside it). Other
+    collectives meet within their replica groups, whose devices take the same branch.
+    """
+    comps = _computations(hlo_text)
+
+    def callees(lines: list[str]) -> list[str]:
+        out = [callee for line in lines for _, callee in _CALLEE_RE.findall(line)]
+        return out + [c.strip().lstrip('%') for line in lines for branch in _BRANCHES_RE.findall(line)
+                      for c in branch.split(',') if c.strip()]
+
+    todo = [c.strip().lstrip('%') for lines in comps.values() for line in lines
+            for branch in _BRANCHES_RE.findall(line) for c in branch.split(',') if c.strip()]
+    todo += [c for lines in comps.values() for line in lines
+             for kind, c in _CALLEE_RE.findall(line) if kind in ('true_computation', 'false_computation')]
+    reached: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in comps:
+            continue
+        reached.add(name)
+        todo += callees(comps[name])
+    found = []
+    for name in sorted(reached):
+        for line in comps[name]:
+            m = _INSTRUCTION_RE.match(line)
+            if m and _split_shape(m.group(2))[1].partition('(')[0].removesuffix('-start') in kinds:
+                found.append(f'{name}: {line.strip()[:240]}')
+    return found
+
+
 def bytes_by_axis(items: Sequence[Collective], min_bytes: int = 0) -> dict[tuple[str, tuple[str, ...]], float]:
     """Total payload bytes per (kind, axes), skipping collectives under `min_bytes` each."""
     totals: dict[tuple[str, tuple[str, ...]], float] = {}

@@ -21,7 +21,6 @@ import ml_collections
 import optax
 from jax.sharding import NamedSharding
 
-from jaxfrontier.errors import ConfigError
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
@@ -250,29 +249,9 @@ def jit_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     return train_jit, state, batch
 
 
-def check_compiles(c: ml_collections.ConfigDict, layout: ts.StatePlacement) -> None:
-    """One clear error, not an XLA abort, for a layout this jax is known not to compile.
-
-    jax 0.11.2 aborts the process (spmd_partitioner_util.cc:498) on a pipeline map with both
-    `data` and `fsdp` > 1 left automatic inside it. The train and eval steps keep `data`
-    manual where gradients are reduced once per step (training/reduction.py); dropout rules
-    that out for training, since masks are drawn per whole micro-batch.
-    """
-    old_jax = tuple(int(x) for x in jax.__version__.split('.')[:2]) < (0, 11)
-    lay = layout.layout
-    if old_jax or lay.pipeline == 1 or lay.data == 1 or lay.fsdp == 1:
-        return
-    if lay.dropout and not lay.reduce_once:
-        raise ConfigError(
-            'model.dropout_rate', c.model.dropout_rate,
-            f'jax {jax.__version__} aborts compiling a pipeline whose data ({c.mesh.data}) and fsdp ({c.mesh.fsdp}) '
-            'axes are both automatic, which dropout needs',
-            'set model.dropout_rate=0.0, or mesh.fsdp=1 (sharding.zero1=True shards the optimizer state), or jax 0.10')
-
-
 def compile_steps(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
-    """Jits and compiles the train and eval steps ahead of time for this layout."""
-    check_compiles(c, layout)
+    """Jits and compiles the train and eval steps ahead of time for this layout (validated: layouts this
+    jax cannot compile are refused by `config.validate`, config/checks.check_compiles)."""
     train_jit, state, batch = jit_train_step(c, layout)
     eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(layout.model_shardings, batch.sharding))
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):

@@ -19,6 +19,7 @@ from jaxfrontier.errors import ConfigError
 from jaxfrontier.plan import compile_check
 from jaxfrontier import config as config_lib
 from jaxfrontier.plan import flop_count
+from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
@@ -62,6 +63,18 @@ def test_pipeline_matches_single_device(schedule, p, m, virtual, other, referenc
 @pytest.mark.parametrize('schedule,p,m,virtual,other', SLOW)
 def test_pipeline_matches_single_device_slow(schedule, p, m, virtual, other, reference):
     check_against_reference(run_layout_once(pipeline_config(schedule, p, m, other, virtual)), reference)
+
+
+def test_pipeline_over_context_and_fsdp_matches_single_device(reference):
+    """Issue 35's layout, context 2 x pipeline 2 x fsdp 2, through the loop's compiled step: no
+    collective-permute in a stage's branch (XLA:CPU's waits for every device: it deadlocked), and
+    one device's numbers (tests/pipeline/test_pipeline_layouts.py has the other schedules)."""
+    def no_permute_in_branches(compiled):  # checked before the step runs: it would deadlock
+        found = hlo_collectives.in_branches(compiled.as_text())
+        assert not found, found[:2]
+
+    check_against_reference(run_layout_once(pipeline_config('1f1b', 2, 2, 'fsdp', context=2),
+                                            inspect=no_permute_in_branches), reference)
 
 
 @pytest.mark.slow

@@ -154,7 +154,7 @@ def across_context(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *, p
 
     Ring attention's collective-permutes inside the pipeline executors' per-stage `lax.switch`
     branches deadlock on XLA:CPU: the permute waits for every device of the program, and only
-    one stage's devices reach the branch (issue 24's notes). The gather's collectives are the
+    one stage's devices reach the branch (docs/long_context.md, "Attention"). The gather's collectives are the
     same in every branch of a stage and do not. Whatever `model.attention` says, the ring runs
     the blockwise kernel and the gather the reference one.
     """
