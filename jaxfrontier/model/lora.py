@@ -5,7 +5,8 @@ base weights under their usual paths and the adapters beside them (`<weight>_lor
 families/lora.py). The train state keeps the two apart (training/state.py): `split` gives the adapters
 (what is trained and checkpointed) and the base (frozen, read from checkpoint.init_params_from), `join`
 puts them back together for the model to bind. `merge` folds the adapters into the base weights
-(W + alpha / r a b), the model without adapters that export and inference run.
+(W + alpha / r a b), the model without adapters that export and inference run. `adapters_off` (from
+model/layers/linear.py) makes a model built with adapters compute its base: DPO's reference model under LoRA.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import jax.numpy as jnp
 
 from jaxfrontier.families import Lora
 from jaxfrontier.families import lora as lora_lib
+from jaxfrontier.model.layers.linear import adapters_off
+
+__all__ = ['adapters_off', 'join', 'merge', 'split']
 
 Params = dict[str, Any]
 

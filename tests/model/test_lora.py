@@ -93,6 +93,24 @@ def test_fresh_adapters_leave_the_base_model(case):
     assert float(loss_of(shape, params, tokens)) == float(loss_of(dataclasses.replace(shape, lora=None), base, tokens))
 
 
+def test_adapters_off_computes_the_base_model():
+    """DPO's reference under LoRA (model/lora.adapters_off): the model with trained adapters, traced inside it,
+    computes its base model exactly, and with the adapters again outside it (jit traces twice: no stale trace)."""
+    model, targets = CASES['llama']
+    shape = config_lib.model_shape(config_of(model, targets))
+    params = with_random_b(params_lib.init_params(shape, jax.random.key(0)))
+    tokens = tokens_of(shape.seq_len)
+
+    def reference(p):
+        with lora_lib.adapters_off():
+            return loss_of(shape, p, tokens)
+
+    off = jax.jit(reference)(params)
+    on = jax.jit(lambda p: loss_of(shape, p, tokens))(params)
+    assert float(off) == float(loss_of(dataclasses.replace(shape, lora=None), lora_lib.split(params)[1], tokens))
+    assert abs(float(on) - float(off)) > 1e-4
+
+
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_parameter_table_lists_the_adapters_as_eval_shape_makes_them(case):
     """The planner's table (estimate.param_specs: the family's and families/lora.adapter_specs) = the module's

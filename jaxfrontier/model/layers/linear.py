@@ -49,10 +49,12 @@ without a program change (benchmarks/program_digests.py: identical digests).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +89,7 @@ def project(owner: nnx.Module, name: str, letters: str, x: jax.Array, *, bias: s
     """
     y = jnp.einsum(letters, x, _weight(owner, name, x.dtype), preferred_element_type=preferred)
     use = getattr(owner, name + ADAPTED, None)
-    if use is not None:  # a LoRA adapter (static: the module was built with it)
+    if use is not None and _ADAPTERS_ON.get():  # a LoRA adapter (static: the module was built with it)
         y = y + _adapter(owner, name, letters, x, use, key).astype(y.dtype)
     if bias is not None:
         y = add_bias(owner, bias, y)
@@ -112,6 +114,24 @@ def _weight(owner: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array:
 
 ADAPTED = '_lora'  # the owner's static record of an adapted weight: `<name>_lora` (`Adapted`)
 RANK_LETTERS = 'rzyxwvutsqponmlkjihgfedcba'  # the first one a matmul's letters leave free names the rank
+
+
+_ADAPTERS_ON = contextvars.ContextVar('lora_adapters_on', default=True)
+
+
+@contextlib.contextmanager
+def adapters_off() -> Iterator[None]:
+    """Within it, `project` skips every LoRA adapter: a model built with adapters computes its base model
+    (DPO's reference model under LoRA: the same bound module and params, no second copy of the base).
+
+    Read when a matmul is traced, not part of `jax.jit`'s cache key: enter it inside the function that
+    is traced (`def reference(params, x): with adapters_off(): return model_def.bind(params)(x)`), not
+    around a call of a function jitted elsewhere too. The adapters it skips get no gradient."""
+    token = _ADAPTERS_ON.set(False)
+    try:
+        yield
+    finally:
+        _ADAPTERS_ON.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
