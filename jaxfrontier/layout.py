@@ -153,7 +153,7 @@ class Layout(MeshSizes):
     zero1: bool = False
     optimizer: str = 'adamw'  # optim.name: the optimizer state's bytes (plan/estimate.py)
     factor_min_dim: int = 128  # optim.factor_min_dim: which weights Adafactor factors
-    dropout: bool = False  # dropout > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
+    dropout: bool = False  # dropout (or LoRA's) > 0 keeps the per-micro-batch data-parallel reduction (reduction.py)
     shard_activations: bool = True  # pipeline.shard_activations
     # sharding.sequence_parallel resolved (config.sequence_parallel): the residual stream's
     # tokens split over `tensor` too.
@@ -183,7 +183,7 @@ class Layout(MeshSizes):
                    micro_batch=c.train.micro_batch, accum_steps=c.train.accum_steps, remat=c.model.remat,
                    schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
                    zero1=bool(c.sharding.zero1), optimizer=c.optim.name, factor_min_dim=c.optim.factor_min_dim,
-                   dropout=c.model.dropout_rate > 0,
+                   dropout=c.model.dropout_rate > 0 or config_lib.lora_dropout(c) > 0,
                    shard_activations=bool(c.pipeline.shard_activations),
                    sequence_parallel=config_lib.sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor),
                    data_in_batch=data_in_batch, params_over_data=params_over_data)

@@ -50,10 +50,12 @@ _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export',
                           'sample: continue --prompt with the newest checkpoint. eval: loss, perplexity and bits '
                           'per byte over --eval_path or the validation split (docs/inference.md). lm_eval: '
                           'lm-evaluation-harness --tasks on the newest checkpoint (pip install jaxfrontier[lm_eval]).')
-_EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors', 'hf'],
+_EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors', 'hf', 'peft'],
                                    'mode=export: our safetensors names, or a Hugging Face directory in the '
                                    "architecture of the model's family (--export_path=DIR, loads with "
-                                   'transformers.AutoModelForCausalLM).')
+                                   'transformers.AutoModelForCausalLM); a LoRA run\'s adapters merged into its '
+                                   'base in either, or alone as a PEFT adapter directory (peft: --export_path=DIR, '
+                                   'default <workdir>/peft; loads with peft.PeftModel.from_pretrained).')
 _PROMPT = flags.DEFINE_multi_string('prompt', [], 'mode=sample: a text to continue; repeat the flag for several '
                                     '(one batch, each printed with its own continuation).')
 _PROMPT_FILE = flags.DEFINE_string('prompt_file', '', 'mode=sample: a file of prompts, one per line (one batch).')
@@ -159,6 +161,12 @@ def main(argv: list[str]) -> int:
             return 0 if passed else 1
         elif _MODE.value in ('sample', 'eval', 'lm_eval') or (_MODE.value == 'export' and _EXPORT_FORMAT.value == 'hf'):
             print(_run_inference(config))
+        elif _MODE.value == 'export' and _EXPORT_FORMAT.value == 'peft':
+            from jaxfrontier.checkpoint.interop import peft  # pylint: disable=g-import-not-at-top
+            out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'peft')
+            summary = peft.export_peft(_WORKDIR.value, out)
+            print(f'exported the LoRA adapters of step {summary["step"]} of {_WORKDIR.value} to {out} '
+                  f'({summary["tensors"]} tensors, {",".join(summary["target_modules"])}; base {summary["base"]})')
         elif _MODE.value == 'export':
             from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib  # pylint: disable=g-import-not-at-top
             out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')

@@ -79,8 +79,9 @@ def run_once(c, inspect=None):
     mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:config_lib.num_devices(c)])
     layout = ts.make_placement(c, mesh)
     state = ts.init_train_state(c, layout)
-    # No loss scale or spike state: either may skip step 0's update (then use run_layout).
-    assert set(state) == {'step', 'params', 'opt_state'}, sorted(state)
+    # No loss scale or spike state: either may skip step 0's update (then use run_layout). LoRA's frozen
+    # base rides along (its `params` are the adapters).
+    assert set(state) - {ts.FROZEN} == {'step', 'params', 'opt_state'}, sorted(state)
     sharding = NamedSharding(mesh, mesh_lib.batch_spec(layout.rules))
     data = [jax.device_put(b, sharding) for b in batches(c.train.global_batch)]
     with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):

@@ -263,6 +263,18 @@ def test_cli_bad_value(tmp_path):
     assert "config.model.remat = 'bogus'" in message and 'save_dots' in message
 
 
+@pytest.mark.parametrize('args,text', [
+    (['--config.lora.targets=q,qkv'], "config.lora.targets = 'q,qkv': 'qkv' matches nothing in the llama family"),
+    (['--config.lora.rank=129'], "config.lora.rank = 129: is larger than the 'q' matrix allows"),
+], ids=['target_matches_nothing', 'rank_past_the_matrix'])
+def test_cli_bad_lora(tmp_path, args, text):
+    """LoRA's bad inputs from the command line (in-process: tests/model/test_lora.py; another base:
+    tests/checkpoint/test_lora_checkpoints.py): one line, exit 2, no workdir."""
+    code, message = run_main(tmp_path, '--config=configs/llama.py', '--config.lora.rank=8', *args)
+    assert code == 2
+    assert text in message and 'Fix:' in message, message
+
+
 def test_pipeline_with_dropout_over_data_and_fsdp_is_refused_on_jax_0_11(monkeypatch):
     """jax 0.11.2 aborts the process compiling it (config/checks.check_compiles): one error line instead,
     the same from training's, --mode=plan's and --mode=verify's checks, before anything compiles."""

@@ -14,6 +14,7 @@ import ml_collections
 
 from jaxfrontier import families
 from jaxfrontier.errors import CheckpointError, ConfigError
+from jaxfrontier.families import lora as lora_lib
 from jaxfrontier.checkpoint import integrity
 
 FORMAT = 'jaxfrontier-checkpoint'
@@ -23,6 +24,16 @@ SUPERSEDED_SUBDIR = 'checkpoints.superseded'  # steps newer than the one a run r
 # The config fields every family shares that fix the shapes of the train state.
 COMMON_SHAPE_FIELDS = ('family', 'num_layers', 'd_model', 'num_heads', 'seq_len', 'vocab_size', 'mlp_ratio',
                        'tied_embeddings', 'mlp_dim')
+
+
+# The train state's entry that no checkpoint holds: LoRA's frozen base (training/state.py), read from
+# checkpoint.init_params_from at every start instead.
+FROZEN = 'frozen'
+
+
+def persistent(state: Any) -> Any:
+    """What of a train state (or its target, its shardings) a checkpoint holds: all of it but `FROZEN`."""
+    return {k: v for k, v in state.items() if k != FROZEN} if isinstance(state, dict) and FROZEN in state else state
 
 
 def model_shape_fields() -> tuple[str, ...]:
@@ -91,6 +102,28 @@ def check_optimizer_matches(saved: dict[str, Any], c: ml_collections.ConfigDict,
         raise ConfigError('optim.factor_min_dim', c.optim.factor_min_dim,
                           f'the checkpoint {where} factored with optim.factor_min_dim = {theirs!r}',
                           f'set --config.optim.factor_min_dim={theirs} to resume it, {fresh}')
+
+
+def check_lora_matches(saved: dict[str, Any], c: ml_collections.ConfigDict, where: str) -> None:
+    """Raises ConfigError when `c` trains other LoRA adapters than the checkpoint holds (rank, targets, alpha), or
+    LoRA over a checkpoint of a whole model, or the reverse (families/lora.py)."""
+    theirs, ours = lora_lib.section_of(saved), lora_lib.section_of(c.to_dict())
+    if not theirs['rank'] and ours['rank']:
+        raise ConfigError('lora.rank', ours['rank'], f'the checkpoint {where} holds a whole model\'s train state, not '
+                          'LoRA adapters', f'train adapters over it in a new --workdir with '
+                          f'--config.checkpoint.init_params_from={where}, or set --config.lora.rank=0 to resume it')
+    if theirs['rank'] and not ours['rank']:
+        raise ConfigError('lora.rank', 0, f'the checkpoint {where} holds LoRA adapters (rank {theirs["rank"]}), '
+                          'not a whole model', f'set --config.lora.rank={theirs["rank"]} (and its base as '
+                          'checkpoint.init_params_from) to resume it, or export it merged: --mode=export '
+                          '--export_format=hf')
+    for field in ('rank', 'alpha', 'targets'):
+        same = (set(lora_lib.target_names(theirs)) == set(lora_lib.target_names(ours)) if field == 'targets'
+                else theirs[field] == ours[field])
+        if theirs['rank'] and not same:
+            raise ConfigError(f'lora.{field}', ours[field], f'the checkpoint {where} holds adapters of '
+                              f'lora.{field} = {theirs[field]!r}', f'set --config.lora.{field}={theirs[field]} to '
+                              'resume it, or train new adapters in a new --workdir')
 
 
 def path_name(path) -> str:

@@ -120,6 +120,10 @@ class Checkpointer(restore.Restoring):
         ...  state, metrics = train_step(state, batch); ckpt.save(step, state)
         ckpt.save(final_step, state, force=True); ckpt.close()
 
+    Under LoRA (training/state.py) the state's frozen base is never saved: a checkpoint holds the
+    adapters and their optimizer state, and records the base (lora_base.py), which a restore reads
+    again from `checkpoint.init_params_from` after checking it is the same.
+
     Saves are asynchronous (config.checkpoint.async_save): `save` returns once the arrays
     are copied off the devices, so the state may then be donated to the next step. With
     config.checkpoint.enabled False every method is a no-op and nothing is restored.
@@ -184,6 +188,8 @@ class Checkpointer(restore.Restoring):
         """
         if not (self.enabled and (force or self.due(step))) or self._last_saved == step:
             return False
+        lora = format_lib.FROZEN in state  # LoRA: the adapters and their optimizer state, never the base
+        state = format_lib.persistent(state)
         health = {'finite': None} if metrics is None else self.judge(step, metrics)
         if health['finite'] is False:
             if not _finite(health.get('loss')):  # the loss of this step was computed on the previous state
@@ -203,6 +209,8 @@ class Checkpointer(restore.Restoring):
                 'config': json.loads(self.c.to_json_best_effort())}
         if data_skips:
             meta['data']['skips'] = data_skips
+        if lora:
+            meta['lora_base'] = self.base_record()
         if self._rolled_back_to is not None:
             meta['rolled_back_to'] = self._rolled_back_to
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state, save_args=layer_chunks(

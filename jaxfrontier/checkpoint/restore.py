@@ -24,6 +24,7 @@ from jaxfrontier import logs
 from jaxfrontier.checkpoint import saved_meta
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import integrity
+from jaxfrontier.checkpoint import lora_base
 from jaxfrontier.checkpoint import reshard
 from jaxfrontier.checkpoint import verdict
 
@@ -92,6 +93,10 @@ class Restoring:
         meta = self.read_meta(step) if meta is None else meta
         format_lib.check_model_matches(meta['config'], self.c, where, 'use a new --workdir to start a new run')
         format_lib.check_optimizer_matches(meta['config'], self.c, where)
+        format_lib.check_lora_matches(meta['config'], self.c, where)
+        if format_lib.FROZEN in target:  # LoRA: the adapters restore onto the base they were trained over only
+            lora_base.check(meta.get('lora_base'), self.cc.init_params_from, where, self.base_record()['fingerprint'])
+            target = format_lib.persistent(target)
         _check_data_position(meta, self.c, where)
         if not os.path.exists(os.path.join(where, 'state', '_METADATA')):
             raise CheckpointError(
@@ -212,11 +217,19 @@ class Restoring:
         self._last_saved = self._last_good = step
         return state
 
+    def base_record(self) -> dict[str, Any]:
+        """LoRA's base (config.checkpoint.init_params_from): its path and fingerprint (lora_base.py), read once."""
+        if getattr(self, '_base_record', None) is None:
+            self._base_record = lora_base.record(self.cc.init_params_from)
+        return self._base_record
+
     def restore_or_init(self, target: State, init_fn: Callable[[], State],
                         load_params: Callable[[str, ml_collections.ConfigDict, Any], Any] | None = None,
                         ) -> tuple[State, str]:
         """The newest finite checkpoint of this run (or checkpoint.restore_step), else `init_fn()`
-        (with config.checkpoint.init_params_from).
+        (with config.checkpoint.init_params_from). Under LoRA (the target holds a frozen base) the
+        base is read from config.checkpoint.init_params_from either way (`with_base`), and `init_fn`
+        builds the adapters' state without one.
 
         Args:
           target: the abstract train state, ShapeDtypeStructs with shardings (target.abstract_target).
@@ -229,18 +242,28 @@ class Restoring:
           (state, a one-line description of where it came from).
         """
         chosen = self._restore_chosen(target) if self.enabled else None
+        source = self.cc.init_params_from
+        if source and load_params is None:
+            raise ValueError('checkpoint.init_params_from is set but no load_params was given')
         if chosen is not None:
             state, step = chosen
             self._last_saved = self._last_good = step
-            return state, f'restored step {step} from {self.directory}/{step}'
+            return self.with_base(state, target, load_params), f'restored step {step} from {self.directory}/{step}'
         state = init_fn()
-        source = self.cc.init_params_from
+        if format_lib.FROZEN in target:
+            return (self.with_base(state, target, load_params),
+                    f'LoRA adapters initialised (b = 0) over the base {source} (checkpoint.init_params_from)')
         if not source:
             return state, 'initialised from scratch'
-        if load_params is None:
-            raise ValueError('checkpoint.init_params_from is set but no load_params was given')
         state['params'] = load_params(source, self.c, target['params'])
         return state, f'parameters from {source} (checkpoint.init_params_from), fresh optimizer state'
+
+    def with_base(self, state: State, target: State, load_params) -> State:
+        """`state` with LoRA's frozen base read from config.checkpoint.init_params_from into `target`'s
+        shardings (a target without one: `state` as it is)."""
+        if format_lib.FROZEN not in target:
+            return state
+        return {**state, format_lib.FROZEN: load_params(self.cc.init_params_from, self.c, target[format_lib.FROZEN])}
 
     # ------------------------------------------------------------------ messages
 

@@ -33,6 +33,7 @@ from jaxfrontier.config.schema import (  # noqa: F401
     compile_cache_dir,
     data_parallel_size,
     flops_per_step,
+    lora_dropout,
     mesh_shape,
     mlp_dim,
     model_mlp_dim,

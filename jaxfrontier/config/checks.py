@@ -16,7 +16,8 @@ from jaxfrontier import families
 from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.config import bounds
 from jaxfrontier.config.rules import SEQUENCE_PARALLEL
-from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, mlp_dim, num_devices)
+from jaxfrontier.config.schema import (base_config, ATTENTION_IMPLS, DATA_KINDS, DISTRIBUTED_MODES, DTYPES, WANDB_MODES, LOSS_SCALES, LR_SCHEDULES, MESH_AXES, OPTIMIZERS, PIPELINE_SCHEDULES, REMAT_POLICIES, data_parallel_size, mesh_shape, mlp_dim, model_shape, num_devices)
+from jaxfrontier.families import lora as lora_lib
 from jaxfrontier.errors import ConfigError
 
 
@@ -128,6 +129,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _divides('mesh.tensor', c.mesh.tensor, 'model.num_heads', m.num_heads,
              'the number of heads (split over the tensor axis)')
     _validate_family(c)
+    if 'lora' in c:  # LoRA's section (families/lora.py); a config dict saved before LoRA has none
+        lora_lib.check(c.lora, families.get(m.family), lambda: model_shape(c), c.mesh.pipeline, _require)
     _divides('mesh.tensor', c.mesh.tensor, 'the MLP width (model.mlp_dim or the family rule)', mlp_dim(c),
              'the MLP width (split over the tensor axis)')
     for axis in axes_lib.AXES:

@@ -16,6 +16,7 @@ import ml_collections
 
 from jaxfrontier import families
 from jaxfrontier.config import axes as axes_lib
+from jaxfrontier.families import lora as lora_lib
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.families import ModelShape
 
@@ -273,6 +274,17 @@ def base_config() -> ml_collections.ConfigDict:
         shutdown_timeout_s=60,
     ))
 
+    # LoRA (docs/training.md, families/lora.py): low-rank adapters a [in, r], b [r, out] beside the targeted
+    # weights, the update x W + alpha / rank x (x a) b; the base frozen (no gradients, no optimizer state),
+    # read from checkpoint.init_params_from at every start; checkpoints hold the adapters alone.
+    c.lora = ml_collections.ConfigDict(dict(
+        rank=0,  # 0: off
+        alpha=16.0,
+        dropout=0.0,  # on an adapter's input, in training
+        # Hugging Face-style module names, comma-separated: q, k, v, o, gate, up, down (the family's `lora_targets`).
+        targets='q,k,v,o,gate,up,down',
+    ))
+
     # Checkpoints in <workdir>/checkpoints (jaxfrontier/checkpoint/, docs/checkpoints.md).
     c.checkpoint = ml_collections.ConfigDict(dict(
         enabled=True,  # False: never save or restore
@@ -418,9 +430,17 @@ def model_shape(c: ml_collections.ConfigDict, platform: str | None = None) -> Mo
     m = c.model
     same = ('num_layers', 'd_model', 'num_heads', 'seq_len', 'tied_embeddings', 'dropout_rate', 'init_std', 'dtype',
             'attention', 'remat', 'attention_block_q', 'attention_block_kv')  # model.* fields taken as they are
-    return families.get(m.family).shape(
+    family = families.get(m.family)
+    return family.shape(
         m, **{k: m[k] for k in same}, vocab_size=padded_vocab(c), real_vocab_size=m.vocab_size, mlp_dim=mlp_dim(c),
-        scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform))
+        scan_unroll=resolve_scan_unroll(m.scan_unroll, m.num_layers, platform),
+        lora=lora_lib.resolve(c.get('lora'), family))
+
+
+def lora_dropout(c: ml_collections.ConfigDict) -> float:
+    """The LoRA adapters' dropout rate in training (0 without LoRA)."""
+    section = c.get('lora')
+    return float(section.dropout) if section is not None and section.rank else 0.0
 
 
 def flops_per_step(c: ml_collections.ConfigDict) -> tuple[float, float]:

@@ -2,9 +2,9 @@
 
 `get(name)` is what the config, its checks, the planner, the verify shrink, the checkpoint
 format and the Hugging Face interop ask instead of branching on `config.model.family`. Every
-module of this package but base.py declares one family (its `FAMILY`), registered on import in
-name order; `register` adds another at run time (tests/model/test_third_family.py declares one in
-a test). No JAX import here or below (base.py says why).
+module of this package but base.py and lora.py (LoRA on any family's matmuls) declares one
+family (its `FAMILY`), registered on import in name order; `register` adds another at run time
+(tests/model/test_third_family.py declares one in a test). No JAX import here or below (base.py says why).
 
 Adding a family: a declaration module here (its fields, checks, shape, parameter table, FLOPs,
 Hugging Face converter, verify rule) and its NNX module (e.g. model/<family>.py, which the
@@ -19,10 +19,10 @@ import pkgutil
 
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.families.base import (  # noqa: F401
-    DEFAULT_FAMILY, Family, HFConverter, ModelShape, ParamSpec, ShrunkHeads)
+    DEFAULT_FAMILY, Family, HFConverter, Lora, LoraTarget, ModelShape, ParamSpec, ShrunkHeads)
 
 _FAMILIES: dict[str, Family] = {}
-SHARED = ('base', 'hf_moe', 'moe')  # modules of this package that declare no family
+SHARED = ('base', 'hf_moe', 'lora', 'moe')  # modules of this package that declare no family
 
 
 def register(family: Family) -> Family:

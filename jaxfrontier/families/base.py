@@ -20,6 +20,62 @@ DEFAULT_FAMILY = 'gpt'
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraTarget:
+    """One LoRA target a family offers (families/lora.py): a Hugging Face-style module name and the matmul it is.
+
+    Attributes:
+      name: the name `lora.targets` uses ('q', 'k', 'v', 'o', 'gate', 'up', 'down').
+      weight: our block weight it adapts, without 'blocks/' ('attn/w_kv').
+      contracted: how many leading dimensions of the weight (after the layers axis) its matmul contracts
+        (w_q [d, H, K]: 1; w_out [H, K, d]: 2): the adapter a is [contracted..., r], b [r, the rest...].
+      index: a fused weight's slice (w_kv [d, 2, G, K]: k is 0, v 1; the fused axis is the first one after
+        the contracted ones), or None for a weight that is one module.
+      peft: the module's name after the Hugging Face layer prefix ('self_attn.k_proj') where the family's
+        converter writes this matmul as one torch Linear [out, in] (our weight with its contracted dimensions
+        flattened as `in`, the others as `out`, row-major); '' where it does not (no PEFT export).
+    """
+
+    name: str
+    weight: str
+    contracted: int
+    index: int | None = None
+    peft: str = ''
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """The adapters a model carries (config section `lora`, resolved by families/lora.py): rank r, alpha
+    (the update is alpha / r x a b), the dropout on an adapter's input, and the targets, in the family's order."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[LoraTarget, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def slices(self, weight: str) -> tuple[int, ...] | None:
+        """The targeted slices of a fused `weight` in fused-axis order (None: a weight that is one module)."""
+        return tuple(sorted(t.index for t in self.targets if t.weight == weight)) if any(
+            t.weight == weight and t.index is not None for t in self.targets) else None
+
+    def weights(self) -> dict[str, LoraTarget]:
+        """Each adapted weight (one entry per weight, a fused weight's first target) in target order."""
+        out: dict[str, LoraTarget] = {}
+        for t in self.targets:
+            out.setdefault(t.weight, t)
+        return out
+
+    def under(self, owner: str) -> 'Lora | None':
+        """The targets of the weights of module `owner` ('attn'), their paths relative to it; None: none."""
+        inside = tuple(dataclasses.replace(t, weight=t.weight.removeprefix(owner + '/')) for t in self.targets
+                       if t.weight.startswith(owner + '/'))
+        return dataclasses.replace(self, targets=inside) if inside else None
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelShape:
     """The numbers the model needs, and nothing else; a family with fields of its own subclasses it
     (`Family.shape_type`)."""
@@ -41,6 +97,7 @@ class ModelShape:
     attention_block_q: int = 64
     attention_block_kv: int = 64
     family: str = DEFAULT_FAMILY  # the registered family (families.get) that builds and describes the model
+    lora: Lora | None = None  # LoRA adapters on the base weights (config section `lora`), or None
 
     @property
     def head_dim(self) -> int:
@@ -154,6 +211,20 @@ class HFConverter:
         """The config.json `model_type`s import reads."""
         return tuple(dict.fromkeys(t for _, t in self.reads))
 
+    def lora_targets(self, contracted: Mapping[str, int] | None = None) -> tuple[LoraTarget, ...]:
+        """LoRA targets from the block names: every torch Linear `<module>.<name>_proj.weight` is target `<name>`
+        (q_proj -> 'q'), a parameter that stacks several one slice each in its order (w_kv: k 0, v 1), PEFT's
+        module name its own; `contracted`: our weights whose matmul contracts more than their first dimension."""
+        out, seen = [], {}
+        linears = [(ours, theirs.removesuffix('.weight')) for ours, theirs in self.block_names
+                   if theirs.endswith('_proj.weight')]
+        for ours, module in linears:
+            index, seen[ours] = seen.get(ours, 0), seen.get(ours, 0) + 1
+            stacked = sum(o == ours for o, _ in linears) > 1
+            out.append(LoraTarget(module.rsplit('.', 1)[-1].removesuffix('_proj'), ours,
+                                  (contracted or {}).get(ours, 1), index if stacked else None, module))
+        return tuple(out)
+
     @property
     def top_last(self) -> tuple[tuple[str, str], ...]:
         """(ours, HF after `prefix`) written after the layers."""
@@ -240,6 +311,7 @@ class Family:
         (and its head-width field, where its heads are not d_model / num_heads wide).
       proxy_choice: shape -> what of the family's choices the planner's traced proxy keeps (hashable,
         JSON; plan/activations.py keys its cache with it).
+      lora_targets: the LoRA targets it offers (`LoraTarget`: module name -> weight, slice, PEFT name).
       proxy_fields: `(choice, proxy sizes {'h': heads, 'g': kv heads, 'k': head width, 'd_apart': a model
         width other than h k}) -> shape_type fields` of the proxy (d_model among them where its heads are not
         d / h wide).
@@ -272,6 +344,7 @@ class Family:
     check_mesh: Callable[[Mapping[str, Any], Mapping[str, int], Callable[..., None]], None] = no_check_mesh
     pipelined_layers: Callable[[Mapping[str, Any]], int] = all_layers_pipelined
     experts: Callable[[Mapping[str, Any]], int] = no_experts
+    lora_targets: tuple[LoraTarget, ...] = ()
 
     @property
     def function_fields(self) -> tuple[str, ...]:

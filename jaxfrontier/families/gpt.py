@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxfrontier import flops as flops_lib
 from jaxfrontier.errors import CheckpointError, ConfigError
-from jaxfrontier.families.base import Family, HFConverter, ModelShape, ParamSpec
+from jaxfrontier.families.base import Family, HFConverter, LoraTarget, ModelShape, ParamSpec
 
 LAYER_NORM_EPS = 1e-5
 
@@ -188,5 +188,11 @@ HF = HFConverter(
     from_hf=_from_hf,
 )
 
+# LoRA targets (families/lora.py): q, k, v are the slices of the fused w_qkv; GPT-2 holds them in one Conv1D
+# (c_attn, [in, out]), so no PEFT names: a GPT's adapters export merged (--export_format=hf).
+LORA_TARGETS = (LoraTarget('q', 'attn/w_qkv', 1, 0), LoraTarget('k', 'attn/w_qkv', 1, 1),
+                LoraTarget('v', 'attn/w_qkv', 1, 2), LoraTarget('o', 'attn/w_out', 2),
+                LoraTarget('up', 'mlp/w_in', 1), LoraTarget('down', 'mlp/w_out', 1))
+
 FAMILY = Family(name='gpt', module='jaxfrontier.model.gpt:GPT', mlp_dim=mlp_dim, param_specs=param_specs,
-                forward_flops=forward_flops, megatron_flops=megatron_flops, hf=HF)
+                forward_flops=forward_flops, megatron_flops=megatron_flops, hf=HF, lora_targets=LORA_TARGETS)

@@ -494,7 +494,7 @@ FAMILY = moe_lib.with_moe(Family(
     # What changes the numbers, not the size (the verify check keeps them; `shrink` keeps the grouping).
     verify_kept=('qkv_bias', 'qk_norm', 'norm_eps', 'rope_theta', 'rope_scaling', 'rope_factor', 'rope_low_freq_factor',
                  'rope_high_freq_factor', 'rope_original_max_len'), shrink=shrink,
-    # The planner's proxy: grouped k/v heads (g wide), QK-norm, a head width apart from d / h where the model has them.
+    lora_targets=HF.lora_targets(contracted={'attn/w_out': 2}),  # q k v o gate up down (k, v: w_kv)
     proxy_choice=lambda s: (s.kv_heads < s.num_heads, s.qk_norm, s.head_dim != s.d_model // s.num_heads),
     proxy_fields=_proxy_fields,
 ), dense_width=_width)  # MoE layers where model.moe_experts > 0 (families/moe.py; model/layers/moe.py)

@@ -1,5 +1,8 @@
 """The model to sample from or evaluate: its parameters, on the config's mesh without a pipeline.
 
+A LoRA run's checkpoint (adapters alone) runs with its base read again from the run's
+`checkpoint.init_params_from` (checked to be the same files), the adapters applied unmerged, as trained.
+
 Source: the newest checkpoint of --workdir, else config.checkpoint.init_params_from (a workdir,
 a checkpoint step, a .safetensors file or a Hugging Face directory of an architecture a family's
 converter reads, families/). The model's shape comes from the source (the checkpoint's saved config, or
@@ -20,10 +23,13 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import ConfigError, UserError
+from jaxfrontier.families import lora as lora_np
+from jaxfrontier.model import lora as lora_lib
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint.interop import hf
 from jaxfrontier.checkpoint.interop import hf_files
 from jaxfrontier.checkpoint.interop import init_from
+from jaxfrontier.checkpoint import lora_base
 from jaxfrontier.checkpoint import manager
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
@@ -66,6 +72,7 @@ def decode_config(c: ml_collections.ConfigDict, model: dict[str, Any]) -> ml_col
         if key in model:
             c.model[key] = model[key]
     c.model.dropout_rate = 0.0
+    c.lora.rank = 0  # the source's adapters, if any, are set by `load` (a LoRA run's)
     # Decoding keeps whole sequences (its KV cache is not split) and runs no pipeline: the pipeline and
     # sequence axes (pipeline, context) fold into the replica axis (data).
     replica = axes_lib.replica().name
@@ -94,9 +101,25 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
         meta = readers.read_meta(readers.step_dir_of(source))
         step, run_config, model = meta['step'], meta['config'], meta['config']['model']
     c = decode_config(c, model)
+    lora = lora_np.section_of(run_config) if run_config else {'rank': 0}
+    if lora['rank']:  # a LoRA run: its adapters over its base, as it trained (c builds the model with them)
+        c.lora.update(lora)
     if config_lib.num_devices(c) != jax.device_count():
         raise ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
                                      f'devices but {jax.device_count()} are present', 'change the mesh sizes')
     mesh = mesh_lib.mesh_from_config(c)
     layout = target_lib.param_placement(c, mesh)  # the parameters alone: no optimizer state
-    return Loaded(c, layout, init_from.load_params(source, c, layout.target()), source, step, run_config, hf_dir)
+    params = _lora_params(c, source, layout) if lora['rank'] else init_from.load_params(source, c, layout.target())
+    return Loaded(c, layout, params, source, step, run_config, hf_dir)
+
+
+def _lora_params(c: ml_collections.ConfigDict, source: str, layout: target_lib.ParamPlacement) -> Any:
+    """A LoRA run's parameters: its base (checked to be the one it trained over, checkpoint/lora_base.py)
+    read from checkpoint.init_params_from, joined with the checkpoint's adapters (model/lora.py)."""
+    step_dir = readers.step_dir_of(source)
+    meta = readers.read_meta(step_dir)
+    base_source = meta['config']['checkpoint']['init_params_from']
+    lora_base.check(meta.get('lora_base'), base_source, step_dir)
+    adapters, base = lora_lib.split(layout.target())
+    return lora_lib.join(init_from.load_params(base_source, c, base),
+                         readers.load_checkpoint_params(step_dir, c, adapters))

@@ -32,9 +32,11 @@ class Block(nnx.Module):
         self.dropout_rate = s.dropout_rate
         self.ln1 = LayerNorm(s.d_model, rngs=rngs)
         self.attn = Attention(s.d_model, s.num_heads, impl=s.attention, init_std=s.init_std, out_std=out_std,
-                              rngs=rngs, blocks=(s.attention_block_q, s.attention_block_kv))
+                              rngs=rngs, blocks=(s.attention_block_q, s.attention_block_kv),
+                              lora=s.lora and s.lora.under('attn'))  # its LoRA targets, or None
         self.ln2 = LayerNorm(s.d_model, rngs=rngs)
-        self.mlp = MLP(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
+        self.mlp = MLP(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs,
+                       lora=s.lora and s.lora.under('mlp'))
 
     def __call__(self, x_nd: jax.Array, seq: int | Seq, key: jax.Array | None, cache: KVCache | None = None,
                  positions_bt: jax.Array | None = None) -> tuple[jax.Array, dict | KVCache]:
@@ -43,11 +45,11 @@ class Block(nnx.Module):
         [B, T] and gets (output, the extended cache)."""
         k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
         if cache is None:
-            y_nd = self.attn(self.ln1(x_nd), seq)
+            y_nd = self.attn(self.ln1(x_nd), seq, key=k_attn)
         else:
             y_nd, cache = self.attn(self.ln1(x_nd), seq, cache, positions_bt)
         x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
-        x_nd = x_nd + dropout(self.mlp(self.ln2(x_nd)), self.dropout_rate, k_mlp)
+        x_nd = x_nd + dropout(self.mlp(self.ln2(x_nd), key=k_mlp), self.dropout_rate, k_mlp)
         x_nd = mesh_lib.constrain(x_nd, ACT_ND)
         return (x_nd, {}) if cache is None else (x_nd, cache)  # training: no auxiliary outputs
 

@@ -61,13 +61,16 @@ class GroupedQueryAttention(nnx.Module):
             self.q_norm = RMSNorm(k, eps=s.norm_eps, rngs=rngs, names=('head_dim',))
             self.k_norm = RMSNorm(k, eps=s.norm_eps, rngs=rngs, names=('head_dim',))
         self.w_out = param(rngs.params(), (h, k, d), ('heads', 'head_dim', 'embed'), out_std)
+        for name in ('w_q', 'w_kv', 'w_out'):  # LoRA adapters of the targeted ones (layers/linear.py)
+            linear.adapt(self, name, s.lora and s.lora.under('attn'), rngs)
 
-    def __call__(self, x_nd: jax.Array, seq: int | Seq, positions_bt: jax.Array, cache: KVCache | None = None
-                 ) -> tuple[jax.Array, KVCache | None]:
-        """Attention of `x_nd` [B*T, d] at `positions_bt` [B, T]; the extended cache with `cache`."""
+    def __call__(self, x_nd: jax.Array, seq: int | Seq, positions_bt: jax.Array, cache: KVCache | None = None,
+                 key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Attention of `x_nd` [B*T, d] at `positions_bt` [B, T]; the extended cache with `cache`; `key`:
+        LoRA adapters' dropout (training)."""
         seq_len = as_seq(seq).length
-        q_nhk = linear.project(self, 'w_q', 'nd,dhk->nhk', x_nd)
-        kv_n2gk = linear.project(self, 'w_kv', 'nd,dagk->nagk', x_nd)
+        q_nhk = linear.project(self, 'w_q', 'nd,dhk->nhk', x_nd, key=key)
+        kv_n2gk = linear.project(self, 'w_kv', 'nd,dagk->nagk', x_nd, key=key)
         if self.qkv_bias:  # added after both projections, not inside each: that would reorder the program
             q_nhk = linear.add_bias(self, 'b_q', q_nhk)
             kv_n2gk = linear.add_bias(self, 'b_kv', kv_n2gk)
@@ -83,7 +86,7 @@ class GroupedQueryAttention(nnx.Module):
             k_btgk = self.k_norm(k_btgk)
         k_btgk = rope.apply_rope(k_btgk, positions_bt, inv_freq)
         o_bthk, cache = attend(q_bthk, k_btgk, kv_bt2gk[:, :, 1], self.impl, self.blocks, cache, positions_bt, seq)
-        return linear.project(self, 'w_out', 'nhk,hkd->nd', flatten_tokens(o_bthk), out_names=ACT_ND), cache
+        return linear.project(self, 'w_out', 'nhk,hkd->nd', flatten_tokens(o_bthk), out_names=ACT_ND, key=key), cache
 
 
 class Block(nnx.Module):
@@ -97,10 +100,11 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(s.d_model, eps=s.norm_eps, rngs=rngs)
         self.attn = GroupedQueryAttention(s, out_std=out_std, rngs=rngs)
         self.mlp_norm = RMSNorm(s.d_model, eps=s.norm_eps, rngs=rngs)
-        if moe:
+        if moe:  # LoRA adapters go on attention and dense MLPs, not on experts (families/lora.py)
             self.mlp = MoE(s.d_model, s.moe, init_std=s.init_std, out_std=out_std, rngs=rngs)
         else:
-            self.mlp = SwiGLU(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs)
+            self.mlp = SwiGLU(s.d_model, s.mlp_dim, init_std=s.init_std, out_std=out_std, rngs=rngs,
+                              lora=s.lora and s.lora.under('mlp'))
 
     def __call__(self, x_nd: jax.Array, seq: int | Seq, key: jax.Array | None, cache: KVCache | None = None,
                  positions_bt: jax.Array | None = None) -> tuple[jax.Array, dict | KVCache]:
@@ -111,12 +115,12 @@ class Block(nnx.Module):
         k_attn, k_mlp = (None, None) if key is None else tuple(jax.random.split(key))
         if positions_bt is None:
             positions_bt = sequence.positions(seq, x_nd.shape[0] // as_seq(seq).length)
-        y_nd, new_cache = self.attn(self.attn_norm(x_nd), seq, positions_bt, cache)
+        y_nd, new_cache = self.attn(self.attn_norm(x_nd), seq, positions_bt, cache, key=k_attn)
         x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_attn)
         if self.moe:  # decoding computes every assignment (no capacity drops for a few tokens)
             y_nd, aux = self.mlp(self.mlp_norm(x_nd), seq, dropless=True if cache is not None else None)
         else:
-            y_nd, aux = self.mlp(self.mlp_norm(x_nd)), {}  # no auxiliary outputs
+            y_nd, aux = self.mlp(self.mlp_norm(x_nd), key=k_mlp), {}  # no auxiliary outputs
         x_nd = x_nd + dropout(y_nd, self.dropout_rate, k_mlp)
         x_nd = mesh_lib.constrain(x_nd, ACT_ND)
         return (x_nd, aux) if cache is None else (x_nd, new_cache)

@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import math
 
+from jaxfrontier.families import lora as lora_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.plan import estimate as pm
@@ -195,8 +196,9 @@ def _activation_traffic(t: _Traffic, shape, layout, dtype_bytes: int, projection
                   gathers)
 
 
-def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
-    """FSDP gathers, gradient reductions and the ZeRO-1 gather, parameter by parameter.
+def _param_traffic(t: _Traffic, layout, rules, specs, shape) -> None:
+    """FSDP gathers, gradient reductions and the ZeRO-1 gather, parameter by parameter (LoRA's frozen base:
+    gathered, never reduced or updated).
 
     Counts are per device, averaged over pipeline stages: a pipeline runs the embedding on
     its first stage and the head on its last, and sums their gradients over stages once.
@@ -224,6 +226,8 @@ def _param_traffic(t: _Traffic, layout, rules, specs) -> None:
         uses = m * (2 if spec.is_block else 1 / p)  # blocks: before the forward and again for the backward
         if sharded:
             t.add(f'FSDP gather of {group}', 'all-gather', sharded, gathered, uses)
+        if not lora_lib.trainable(spec, shape):
+            continue
         if p > 1 and not spec.is_block:
             t.add('shared gradients summed over stages', 'all-reduce', ('pipeline',), local, 1, per_micro_batch=False)
         per_stage = 1 if spec.is_block else 1 / p
@@ -263,7 +267,7 @@ def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, 
     dtype_bytes = 4 if shape.dtype == 'float32' else 2
     t = _Traffic()
     _activation_traffic(t, shape, layout, dtype_bytes, input_projections(specs, rules))
-    _param_traffic(t, layout, rules, specs)
+    _param_traffic(t, layout, rules, specs, shape)
     plan_moe.expert_traffic(t.add, shape, layout, pm.effective_remat(layout), dtype_bytes)
     plan_moe.capacity_traffic(t.add, shape, layout, pm.effective_remat(layout))
     plan_moe.tensor_traffic(t.add, shape, layout, pm.effective_remat(layout), dtype_bytes)

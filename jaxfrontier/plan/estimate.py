@@ -21,6 +21,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.model.attention import blockwise
 from jaxfrontier import families
 from jaxfrontier.families import ParamSpec
+from jaxfrontier.families import lora as lora_lib
 from jaxfrontier import layout as layout_lib
 
 # Share of device memory kept free for the runtime, the allocator's fragmentation and
@@ -40,12 +41,12 @@ RECOMPUTE_LIVE_FRACTION = 0.85
 
 
 def param_specs(s: config_lib.ModelShape, virtual: int = 1) -> tuple[ParamSpec, ...]:
-    """Every parameter of the model: the family's table (`Family.param_specs`, tested against eval_shape).
-
-    With `virtual` > 1 (interleaved pipelines) block parameters are stored [V, L / V, ...]
-    (`params_lib.split_virtual`).
+    """Every parameter of the model: the family's table (`Family.param_specs`, tested against eval_shape), and
+    LoRA's adapters (families/lora.py). With `virtual` > 1 (interleaved pipelines) block parameters are stored
+    [V, L / V, ...] (`params_lib.split_virtual`).
     """
     specs = families.get(s.family).param_specs(s)
+    specs += lora_lib.adapter_specs(specs, s.lora) if s.lora is not None else ()
     if virtual == 1:
         return specs
     return tuple(ParamSpec(p.path, (virtual, p.shape[0] // virtual, *p.shape[1:]), ('virtual', *p.names))
@@ -277,13 +278,13 @@ def _plain_memory(shape, layout, states: dict[str, float], attention: str) -> tu
     """(gradients, activations, temporaries, detail) of `training.step.make_loss_and_grads` without a pipeline.
 
     Gradients: one micro-batch's (parameter layout) plus the running sum (update layout)
-    when accumulating. Activations: every layer's residuals under the remat policy for one
+    when accumulating, of the trained parameters (LoRA: the adapters alone). Activations: every layer's residuals under the remat policy for one
     micro-batch. Temporaries: the largest of one layer's backward (`layer_working_bytes`),
     the head's backward (its residuals, the logits and their gradient) and Adam's update.
     """
     per_layer, head = layer_bytes(shape, layout, layout.remat, attention)
     a = _act_sizes(shape, layout, False)
-    grads = states['params'] + (states['update'] if layout.accum_steps > 1 else 0)
+    grads = states['trained'] + (states['update'] if layout.accum_steps > 1 else 0)
     acts = shape.num_layers * per_layer
     head_ws = head + 2 * a['n'] * a['v'] * 4
     temps = max(layer_working_bytes(shape, layout, attention), head_ws, states['update'])
@@ -331,10 +332,12 @@ def _pipeline_memory(shape, layout, states: dict[str, float], attention: str) ->
 def memory(shape, layout, rules, specs, attention: str = 'xla') -> Memory:
     """Per-device memory of one training step at its peak (see `Memory` and docs/planner.md)."""
     pls = planned_params(specs, layout, rules)
+    trained = tuple(p for p in pls if lora_lib.trainable(p.spec, shape))  # LoRA: the adapters; the base frozen
     states = {'params': PARAM_BYTES * sum(p.local for p in pls),
               'block_params': PARAM_BYTES * sum(p.local for p in pls if p.spec.is_block),
-              'update': PARAM_BYTES * sum(p.update_local for p in pls)}
-    optimizer = optimizer_bytes(pls, layout)
+              'trained': PARAM_BYTES * sum(p.local for p in trained),
+              'update': PARAM_BYTES * sum(p.update_local for p in trained)}
+    optimizer = optimizer_bytes(trained, layout)
     inputs = 4 * layout.global_batch * (shape.seq_len + 1) / layout.dp
     if layout.pipeline == 1:
         grads, acts, temps, detail = _plain_memory(shape, layout, states, attention)

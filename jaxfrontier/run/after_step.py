@@ -23,6 +23,7 @@ import jax
 
 from jaxfrontier import errors
 from jaxfrontier.checkpoint import manager as checkpoint_lib
+from jaxfrontier.checkpoint.format import FROZEN
 from jaxfrontier.checkpoint.fast import tiers
 from jaxfrontier.run.control import preemption as preemption_lib
 from jaxfrontier.run.control import watchdog as watchdog_lib
@@ -105,7 +106,7 @@ class AfterStep:
             self.watchdog.relax()  # the interval now running holds the saves' wait and the restore
             with self.ledger.span('checkpoint'):
                 self.commits.poll(committed=True)
-                rolled = self._roll_back()
+                rolled = self._roll_back(state)
                 self.commits.poll(committed=True)
             return rolled
         if save:
@@ -120,9 +121,12 @@ class AfterStep:
         self.commits.poll()
         return None
 
-    def _roll_back(self) -> tuple[State, int]:
-        """Back to the checkpoint before persistent spikes (guard.roll_back), logged as one metrics row."""
+    def _roll_back(self, current: State) -> tuple[State, int]:
+        """Back to the checkpoint before persistent spikes (guard.roll_back), logged as one metrics row;
+        LoRA's frozen base (never checkpointed) carried over from the `current` state."""
         state, back_to, skip = self.guard.roll_back(self.checkpointer, self.target)
+        if FROZEN in current:
+            state = {**state, FROZEN: current[FROZEN]}
         self.fast.discard_after(back_to)  # the fast tier's newer steps hold the data the roll-back skips
         self.writer.write(skip.spike_steps[-1], {
             'spike/rollback': len(self.guard.record.skips), 'spike/rollback_to': back_to,

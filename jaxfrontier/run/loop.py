@@ -30,6 +30,7 @@ from jaxfrontier import logs
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.checkpoint import manager as checkpoint_lib
 from jaxfrontier.checkpoint import target as target_lib
+from jaxfrontier.checkpoint.format import FROZEN, persistent
 from jaxfrontier.checkpoint.fast import tiers
 from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.data import loader as data_lib
@@ -153,7 +154,7 @@ def _loop(c: ml_collections.ConfigDict, state: State, after: after_step.AfterSte
             (state, step), pending = rolled, None
             continue
         stop = after.should_stop(done)
-        evals = None if stop else after.evaluate_if_due(done, state['params'], metrics)
+        evals = None if stop else after.evaluate_if_due(done, ts.model_params(state), metrics)
         watch.tick(done)
         pending, step = (done, metrics, evals), done
         if stop:
@@ -237,15 +238,22 @@ def _state(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
              f'at most {sched.act_slots} stashed micro-batches per stage')
     checkpointer = checkpoint_lib.Checkpointer(c, workdir)  # the resolved config: saved whole, compared on restore
     closing.callback(checkpointer.close)
-    fast = tiers.FastTier(c.checkpoint, mesh)  # node-local every few steps, with a peer's copy (docs/checkpoints.md)
+    # LoRA: the base each checkpoint tier records (a step over another base is refused; lora_base.py)
+    base = checkpointer.base_record()['fingerprint'] if layout.lora else ''
+    fast = tiers.FastTier(c.checkpoint, mesh, base)  # node-local every few steps, with a peer's copy (docs/checkpoints.md)
     closing.callback(fast.close)
     target = target_lib.abstract_target(layout.abstract_state, layout.state_shardings)
     fast_restored = fast.restore(target, checkpointer.latest_step(), checkpointer.health_ledger.unhealthy)  # only when newer than the persistent tier's
+    if fast_restored:  # LoRA: its frozen base read again (the tiers hold the adapters alone)
+        fast_restored = (checkpointer.with_base(fast_restored[0], target, init_from.load_params), fast_restored[1])
     state, origin = fast_restored or checkpointer.restore_or_init(
-        target, lambda: ts.init_train_state(c, layout), init_from.load_params)
+        target, lambda: ts.init_train_state(c, layout, frozen=False), init_from.load_params)
     if not fast_restored:
         fast.discard_after(int(state['step']))  # steps of a timeline this run does not continue
-    _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
+    trained = params_lib.count_params(state['params'])
+    what = (f'{trained:,} trained (LoRA adapters) over {params_lib.count_params(state[FROZEN]):,} frozen'
+            if layout.lora else f'{trained:,}')
+    _log(f'state: {what} parameters; zero1={c.sharding.zero1}; {origin}')
     return _Start(layout, checkpointer, fast, target, state, origin.startswith('restored'), bool(fast_restored))
 
 
@@ -350,7 +358,7 @@ class _CommitLog:
     def started(self, step: int, state: State) -> None:
         self.poll(committed=True)
         if self.gib is None:
-            self.gib = checkpoint_lib.describe_arrays(state)[1]
+            self.gib = checkpoint_lib.describe_arrays(persistent(state))[1]
         self.pending = (step, time.perf_counter())
 
     def poll(self, committed: bool = False) -> None:

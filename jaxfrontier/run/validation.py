@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.errors import ConfigError
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.run.observe import wandb_log
 
@@ -29,5 +30,9 @@ def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> 
     """
     data_lib.resolve_headers(c)
     config_lib.validate(c, n_devices)
+    if c.lora.rank and not c.checkpoint.init_params_from:
+        raise ConfigError('checkpoint.init_params_from', '', 'LoRA (lora.rank > 0) trains adapters over a base '
+                          'model, and names none', 'set it to the base: a Hugging Face directory, a .safetensors '
+                          'file or a checkpoint (or set lora.rank=0)')
     data_lib.check_data(c)
     wandb_log.check_installed(c.train)  # a missing optional extra: one line before JAX starts

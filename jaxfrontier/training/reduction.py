@@ -30,23 +30,24 @@ AXIS = layout_lib.DATA
 
 
 def data_local(fn, rules: mesh_lib.Rules):
-    """`fn(params, micro_abt, step, scale, aux_weight) -> (loss, aux, grads)` run per data-parallel
+    """`fn(params, micro_abt, step, scale, aux_weight[, frozen]) -> (loss, aux, grads)` run per data-parallel
     replica, reduced once.
 
     micro_abt's rows are split over `data` (each replica keeps the rows it already holds:
     step.split_micro_batches lays rows out data-major); loss, aux (per-micro-batch means over
     tokens, model/auxiliary.py) and gradients are averaged over the replicas with one `pmean` each.
-    `scale` (float16's loss scale) and `aux_weight` may be None.
+    `scale` (float16's loss scale), `aux_weight` and `frozen` (LoRA's base, replicated over `data` like the
+    parameters) may be None.
     """
     inner_rules = mesh_lib.without_axis(rules, AXIS)  # inside, `data` is no longer an automatic axis
 
-    def local(params, micro_abt, step, scale, aux_weight):
+    def local(params, micro_abt, step, scale, aux_weight, frozen):
         with mesh_lib.use_rules(inner_rules):
-            loss, aux, grads = fn(params, micro_abt, step, scale, aux_weight)
+            loss, aux, grads = fn(params, micro_abt, step, scale, aux_weight, *(() if frozen is None else (frozen,)))
         return jax.lax.pmean(loss, AXIS), jax.lax.pmean(aux, AXIS), jax.lax.pmean(grads, AXIS)
 
-    def run(params, micro_abt, step, scale=None, aux_weight=None):
-        return jax.shard_map(local, in_specs=(P(), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P()),
-                             axis_names={AXIS}, check_vma=False)(params, micro_abt, step, scale, aux_weight)
+    def run(params, micro_abt, step, scale=None, aux_weight=None, frozen=None):
+        return jax.shard_map(local, in_specs=(P(), P(None, AXIS), P(), P(), P(), P()), out_specs=(P(), P(), P()),
+                             axis_names={AXIS}, check_vma=False)(params, micro_abt, step, scale, aux_weight, frozen)
 
     return run

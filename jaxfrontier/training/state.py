@@ -14,6 +14,13 @@ Placement:
                  data-parallel axes; parameters keep their own (e.g. replicated) layout. The
                  gradients are constrained to the moments' layout before the update, so the
                  data-parallel reduction becomes a reduce-scatter and the update an all-gather.
+
+LoRA (`lora.rank` > 0; families/lora.py, model/lora.py): `params` holds the adapters alone, what the
+step differentiates and the optimizer updates (its state exists for them only), and the frozen base
+weights travel beside them as `state['frozen']` (checkpoint/format.py `FROZEN`): an input of the step
+that it binds with the adapters and returns unchanged (donated and aliased: no copy), never
+differentiated, so no gradient buffer exists for it. Checkpoints leave it out; it is read from
+`checkpoint.init_params_from` at every start (checkpoint/restore.py).
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import pipeline
 from jaxfrontier.checkpoint import target as target_lib
+from jaxfrontier.checkpoint.format import FROZEN, persistent
 from jaxfrontier.training import loss_scale
 from jaxfrontier.training import spikes
 from jaxfrontier.training import optimizer as optimizer_lib
+from jaxfrontier.model.lora import join, split
 from jaxfrontier.model.params import ModelDef, Params, init_params, split_virtual
 
 
@@ -80,10 +89,20 @@ class StatePlacement:
     lr_schedule: optax.Schedule
     mesh: Mesh
     rules: mesh_lib.Rules
-    param_shardings: Params
+    param_shardings: Params  # of what is trained: every parameter, or LoRA's adapters
     update_shardings: Params  # where gradients meet the optimizer state (ZeRO-1: sharded)
     state_shardings: dict[str, Any]
     abstract_state: dict[str, Any]
+
+    @property
+    def lora(self) -> bool:
+        """Whether the state trains LoRA adapters over a frozen base (`state['frozen']`)."""
+        return FROZEN in self.state_shardings
+
+    @property
+    def model_shardings(self) -> Params:
+        """The shardings of the model's whole params dict (the base joined with the adapters under LoRA)."""
+        return join(self.state_shardings[FROZEN], self.param_shardings) if self.lora else self.param_shardings
 
     @functools.cached_property
     def pipeline_schedule(self) -> Any:
@@ -104,6 +123,11 @@ def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.
     params = target_lib.param_placement(c, mesh)
     shape, model_def, rules, abstract_params, param_shardings = (
         params.shape, params.model_def, params.rules, params.abstract_params, params.param_shardings)
+    frozen = None
+    if shape.lora is not None:  # the optimizer sees the adapters alone; the base rides along frozen
+        (abstract_params, frozen_abstract), (param_shardings, frozen_shardings) = (
+            split(abstract_params), split(param_shardings))
+        frozen = (frozen_abstract, frozen_shardings)
     tx, lr_schedule = optimizer_lib.make_optimizer(c)
     tx = optimizer_lib.outside_gradient(tx, abstract_params)
     if c.sharding.zero1:
@@ -136,15 +160,29 @@ def make_placement(c: ml_collections.ConfigDict, mesh: Mesh, layout: layout_lib.
     if spikes.enabled(c):  # the running loss / grad-norm estimate travels with the state (and checkpoints)
         abstract_state['spike'] = spikes.abstract_state()
         state_shardings['spike'] = jax.tree.map(lambda _: replicated, abstract_state['spike'])
+    if frozen is not None:
+        abstract_state[FROZEN], state_shardings[FROZEN] = frozen
     return StatePlacement(layout, shape, model_def, tx, lr_schedule, mesh, rules, param_shardings, update_shardings,
                           state_shardings, abstract_state)
 
 
-def init_train_state(c: ml_collections.ConfigDict, layout: StatePlacement) -> dict[str, Any]:
-    """Materialises the train state directly in its shardings with one jitted init."""
+def init_train_state(c: ml_collections.ConfigDict, layout: StatePlacement, frozen: bool = True) -> dict[str, Any]:
+    """Materialises the train state directly in its shardings with one jitted init.
+
+    Under LoRA the adapters start as PEFT's do (b = 0: the model is its base); `frozen`: with a randomly
+    initialised base too (tests, benchmarks), else without it (a run reads its base, checkpoint/restore.py).
+    """
+    with_base = layout.lora and frozen
+    shardings = layout.state_shardings if with_base or not layout.lora else persistent(layout.state_shardings)
+
     def init(key):
         params = split_virtual(init_params(layout.shape, key), layout.layout.virtual)
+        base = None
+        if layout.lora:
+            params, base = split(params)
         state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': layout.tx.init(params)}
+        if with_base:
+            state[FROZEN] = base
         if loss_scale.enabled(c):
             state['loss_scale'] = loss_scale.init_state(c)
         if spikes.enabled(c):
@@ -152,4 +190,9 @@ def init_train_state(c: ml_collections.ConfigDict, layout: StatePlacement) -> di
         return state
 
     with jax.set_mesh(layout.mesh):
-        return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(c.seed))
+        return jax.jit(init, out_shardings=shardings)(jax.random.key(c.seed))
+
+
+def model_params(state: dict[str, Any]) -> Params:
+    """The model's whole params dict of a train state: its params, joined with the frozen base under LoRA."""
+    return join(state[FROZEN], state['params']) if FROZEN in state else state['params']

@@ -4,8 +4,10 @@
 micro-batch split, the loss and gradients (the accumulation scan, or the pipeline), the
 data-parallel reduction (once per step where `reduce_once` holds, training/reduction.py), the
 optimizer update and float16's loss scaling. `compile_steps` jits them with donated state and
-explicit shardings. Nothing here touches the workdir: the loop (loop.py) runs the steps, the
-planner's compile check (plan/compile_check.py) lowers them.
+explicit shardings. Under LoRA (training/state.py) the state's `params` are the adapters and its
+`frozen` the base: the loss binds both, the gradients and the update are the adapters' alone.
+Nothing here touches the workdir: the loop (loop.py) runs the steps, the planner's compile check
+(plan/compile_check.py) lowers them.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import ml_collections
 import optax
 from jax.sharding import NamedSharding
 
+from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier import pipeline
 from jaxfrontier.checkpoint import target as target_lib
+from jaxfrontier.checkpoint.format import FROZEN
 from jaxfrontier.model import auxiliary
+from jaxfrontier.model import lora as lora_lib
 from jaxfrontier.model.context import TokenOrder
 from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.training import loss_scale
@@ -48,7 +53,7 @@ def split_micro_batches(tokens_gt: jax.Array, accum_steps: int, dp_size: int) ->
 def dropout_keys(c: ml_collections.ConfigDict):
     """`key(step, micro)`: dropout randomness as a function of (seed, step, micro-batch), so the
     state holds no RNG and every layout draws the same masks; None without dropout."""
-    seed, on = c.seed, c.model.dropout_rate > 0.0
+    seed, on = c.seed, c.model.dropout_rate > 0.0 or config_lib.lora_dropout(c) > 0.0
 
     def key(step: jax.Array, micro: jax.Array) -> jax.Array | None:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), micro) if on else None
@@ -57,8 +62,9 @@ def dropout_keys(c: ml_collections.ConfigDict):
 
 
 def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_specs):
-    """`(params, micro_abt, step, scale=None, aux_weight=None) -> (mean loss, mean aux, mean grads)`
-    over the micro-batches (no pipeline); the contract of `make_loss_aux_and_grads`' `micro_fn`.
+    """`(params, micro_abt, step, scale=None, aux_weight=None, frozen=None) -> (mean loss, mean aux, mean grads)`
+    over the micro-batches (no pipeline); the contract of `make_loss_aux_and_grads`' `micro_fn`. `frozen`: LoRA's
+    base, bound with the params (the adapters) but not differentiated.
 
     Each micro-batch's gradient is that of its objective, the cross-entropy plus `aux_weight` x
     its aux's loss terms (model/auxiliary.py); the loss returned is the cross-entropy, the aux
@@ -68,31 +74,32 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_sp
     accum, model_def, dropout_key = layout.layout.accum_steps, layout.model_def, dropout_keys(c)
     order = TokenOrder.of(layout.layout, layout.shape.seq_len, packing_lib.from_config(c))
 
-    def micro_objective(params, tokens_bt, key, aux_weight):
-        loss, aux = order.loss_and_aux(model_def.bind(params), tokens_bt, key)
+    def micro_objective(params, tokens_bt, key, aux_weight, frozen):
+        bound = model_def.bind(params if frozen is None else lora_lib.join(frozen, params))
+        loss, aux = order.loss_and_aux(bound, tokens_bt, key)
         return auxiliary.objective(loss, aux, aux_weight), (loss, aux)
 
-    value_and_grad = jax.value_and_grad(micro_objective, has_aux=True)
+    value_and_grad = jax.value_and_grad(micro_objective, has_aux=True)  # of the params alone
 
-    def grad_fn(params, tokens_bt, key, scale, aux_weight):
+    def grad_fn(params, tokens_bt, key, scale, aux_weight, frozen):
         if scale is None:
-            (_, (loss, aux)), grads = value_and_grad(params, tokens_bt, key, aux_weight)
+            (_, (loss, aux)), grads = value_and_grad(params, tokens_bt, key, aux_weight, frozen)
             return loss, aux, grads
         # Loss scaling (float16): the backward pass starts from `scale`, not 1; the loss is unscaled.
-        _, pull, (loss, aux) = jax.vjp(lambda p: micro_objective(p, tokens_bt, key, aux_weight), params,
+        _, pull, (loss, aux) = jax.vjp(lambda p: micro_objective(p, tokens_bt, key, aux_weight, frozen), params,
                                        has_aux=True)
         return loss, aux, pull(scale.astype(loss.dtype))[0]
 
     constrain = lambda tree: jax.lax.with_sharding_constraint(tree, grad_specs)  # noqa: E731
 
-    def accumulate(params, micro_abt, step, scale=None, aux_weight=None):
+    def accumulate(params, micro_abt, step, scale=None, aux_weight=None, frozen=None):
         if accum == 1:
-            return grad_fn(params, micro_abt[0], dropout_key(step, 0), scale, aux_weight)
+            return grad_fn(params, micro_abt[0], dropout_key(step, 0), scale, aux_weight, frozen)
 
         def body(carry, xs):
             loss_sum, grad_sum = carry
             tokens_bt, index = xs
-            loss, aux, grads = grad_fn(params, tokens_bt, dropout_key(step, index), scale, aux_weight)
+            loss, aux, grads = grad_fn(params, tokens_bt, dropout_key(step, index), scale, aux_weight, frozen)
             return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), aux
 
         zeros = constrain(jax.tree.map(jnp.zeros_like, params))
@@ -105,7 +112,8 @@ def _accumulate(c: ml_collections.ConfigDict, layout: ts.StatePlacement, grad_sp
 
 
 def make_loss_aux_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
-    """Returns `loss_aux_and_grads(params, tokens, step, scale=None) -> (loss, aux, grads)` over the accumulation steps.
+    """Returns `loss_aux_and_grads(params, tokens, step, scale=None, frozen=None) -> (loss, aux, grads)` over the
+    accumulation steps (`frozen`: LoRA's base, `params` its adapters).
 
     The loss is the mean cross-entropy over all tokens of the global batch (over the counted ones
     with packed documents: model/packing.py); `aux` the layers' auxiliary outputs `{name: [L, ...]}`
@@ -129,12 +137,16 @@ def make_loss_aux_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacem
         if once:
             micro_fn = reduction.data_local(micro_fn, layout.rules)
 
-    def loss_aux_and_grads(params, tokens_gt, step, scale=None):
+    def loss_aux_and_grads(params, tokens_gt, step, scale=None, frozen=None):
         # float16: gradients come back multiplied by `scale`. Packed documents: the gradients are
         # multiplied by count_scale below, so the aux's loss terms enter divided by it (aux_weight).
         scale_n = None if packing is None else packing_lib.count_scale(tokens_gt, packing)
         aux_weight = None if packing is None or packing.boundary_loss else 1.0 / scale_n
-        loss, aux, grads = micro_fn(params, split_micro_batches(tokens_gt, accum, dp), step, scale, aux_weight)
+        micro_abt = split_micro_batches(tokens_gt, accum, dp)
+        if frozen is None:
+            loss, aux, grads = micro_fn(params, micro_abt, step, scale, aux_weight)
+        else:  # LoRA (config.validate keeps it out of pipelines)
+            loss, aux, grads = micro_fn(params, micro_abt, step, scale, aux_weight, frozen)
         if packing is not None:  # the mean over all predictions -> over the counted ones (model/packing.py)
             loss, grads = loss * scale_n, jax.tree.map(lambda g: g * scale_n, grads)
         return loss, aux, jax.lax.with_sharding_constraint(grads, layout.update_shardings)
@@ -143,12 +155,12 @@ def make_loss_aux_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacem
 
 
 def make_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
-    """Returns `loss_and_grads(params, tokens, step, scale=None) -> (loss, grads)`: `make_loss_aux_and_grads`
-    without the aux (the planner, verify, benchmarks)."""
+    """Returns `loss_and_grads(params, tokens, step, scale=None, frozen=None) -> (loss, grads)`:
+    `make_loss_aux_and_grads` without the aux (the planner, verify, benchmarks)."""
     loss_aux_and_grads = make_loss_aux_and_grads(c, layout)
 
-    def loss_and_grads(params, tokens_gt, step, scale=None):
-        loss, _, grads = loss_aux_and_grads(params, tokens_gt, step, scale)
+    def loss_and_grads(params, tokens_gt, step, scale=None, frozen=None):
+        loss, _, grads = loss_aux_and_grads(params, tokens_gt, step, scale, frozen)
         return loss, grads
 
     return loss_and_grads
@@ -160,9 +172,9 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     loss_aux_and_grads = make_loss_aux_and_grads(c, layout)
 
     def train_step(state: State, tokens_gt: jax.Array) -> tuple[State, dict[str, jax.Array]]:
-        params, scale_state = state['params'], state.get('loss_scale')
+        params, scale_state, frozen = state['params'], state.get('loss_scale'), state.get(FROZEN)
         scale = None if scale_state is None else scale_state['scale']
-        loss, aux, grads = loss_aux_and_grads(params, tokens_gt, state['step'], scale)
+        loss, aux, grads = loss_aux_and_grads(params, tokens_gt, state['step'], scale, frozen)
         if scale_state is not None:
             grads = loss_scale.unscale(c, scale_state, grads)
         updates, opt_state = tx.update(grads, state['opt_state'], params)
@@ -170,6 +182,8 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
         new_params = layout.model_def.update_outside_gradient(new_params, aux)  # e.g. the MoE router's bias
         new_params = jax.lax.with_sharding_constraint(new_params, layout.param_shardings)
         new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
+        if frozen is not None:  # LoRA's base, unchanged (donated with the state: the same buffers)
+            new_state[FROZEN] = frozen
         extra, grad_norm = {}, optax.tree.norm(grads)
         if scale_state is not None:  # float16: an overflowing step keeps the old params and moments
             (new_state['params'], new_state['opt_state']), new_state['loss_scale'], extra = loss_scale.finish_step(
@@ -189,7 +203,8 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
 
 
 def make_eval_loss_and_aux(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
-    """Returns `eval_loss_and_aux(params, tokens) -> (mean loss, mean aux)`, micro-batched like training
+    """Returns `eval_loss_and_aux(params, tokens) -> (mean loss, mean aux)` of the model's whole params dict
+    (`state.model_params`: LoRA's base joined with its adapters), micro-batched like training
     (with packed documents, the mean over the batch's counted predictions; training/evaluation.py
     weighs batches). The loss is the cross-entropy alone; the aux `{name: [L, ...]}` (model/auxiliary.py)
     averaged over the micro-batches, as training reports it."""
@@ -240,10 +255,10 @@ def compile_steps(c: ml_collections.ConfigDict, layout: ts.StatePlacement):
     """Jits and compiles the train and eval steps ahead of time for this layout (validated: layouts this
     jax cannot compile are refused by `config.validate`, config/checks.check_compiles)."""
     train_jit, state, batch = jit_train_step(c, layout)
-    eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(layout.param_shardings, batch.sharding))
+    eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(layout.model_shardings, batch.sharding))
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
         train_compiled = train_jit.lower(state, batch).compile()
-        eval_compiled = eval_jit.lower(state['params'], batch).compile()
+        eval_compiled = eval_jit.lower(ts.model_params(state), batch).compile()
     return train_compiled, eval_compiled, batch.sharding
 
 

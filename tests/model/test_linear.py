@@ -148,7 +148,7 @@ def test_every_weight_matmul_goes_through_the_seam(monkeypatch, family, tied, re
 
 def test_a_matmul_by_hand_is_caught(monkeypatch):
     """The check can fail: SwiGLU's up projection written as `x @ w` again is found outside the seam."""
-    def by_hand(self, x_nd):
+    def by_hand(self, x_nd, key=None):
         gate_nf = linear.project(self, 'w_gate', 'nd,df->nf', x_nd)
         up_nf = x_nd @ self.w_up[...].astype(x_nd.dtype)
         return linear.project(self, 'w_down', 'nf,fd->nd', jax.nn.silu(gate_nf) * up_nf)

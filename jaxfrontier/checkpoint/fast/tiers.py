@@ -97,8 +97,10 @@ class FastTier:
         fast.close()
     """
 
-    def __init__(self, cc: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
-        """`cc`: the run's `checkpoint` section (enabled, fast_dir, fast_every_steps, fast_keep, restore_step)."""
+    def __init__(self, cc: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, base: str = ''):
+        """`cc`: the run's `checkpoint` section (enabled, fast_dir, fast_every_steps, fast_keep, restore_step);
+        `base`: LoRA's base fingerprint (lora_base.py; a step saved over another base is not restored here, so
+        the persistent tier's restore refuses it with one line), '' without LoRA."""
         self.enabled = bool(cc.enabled and cc.fast_dir)
         self.every, self.keep, self.restore_step = cc.fast_every_steps, cc.fast_keep, cc.restore_step
         self.restored_meta: dict[str, Any] | None = None
@@ -122,7 +124,8 @@ class FastTier:
         self.local = peer.local_order()
         self.order = peer.device_order()
         self.head = {'process_count': self.count, 'device_count': len(self.order),
-                     'local_device_count': len(self.local), 'mesh': {k: int(v) for k, v in mesh.shape.items()}}
+                     'local_device_count': len(self.local), 'mesh': {k: int(v) for k, v in mesh.shape.items()},
+                     **({'lora_base': base} if base else {})}
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='fast_tier')
         warning = peer.offset_warning(hosts, self.offset)
         if warning:
@@ -167,6 +170,7 @@ class FastTier:
         """
         if not (self.enabled and (force or self.due(step))):
             return False
+        state = format_lib.persistent(state)  # LoRA's frozen base is not saved (training/state.py)
         if health is None and metrics is not None:
             health = integrity.health(metrics)
         if health is not None and (health['finite'] is False or health.get('healthy') is False):
@@ -294,6 +298,7 @@ class FastTier:
         """
         if not self.enabled or self.restore_step >= 0:
             return None
+        target = format_lib.persistent(target)  # LoRA: the adapters' state; the caller reads the base
         own, own_other = self._listing('own', self.process)
         held, held_other = self._listing('peer', self._source())
         row = np.full(2 * _KEEP_LISTED + 1, -1, np.int32)

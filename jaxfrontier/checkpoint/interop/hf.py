@@ -13,6 +13,7 @@ whatever the depth:
   (checkpoints store block arrays in one-layer chunks, checkpoint/manager.py;
   readers.ParamReader), converts it and writes it to the safetensors file before reading the
   next (safetensors.write_safetensors takes a generator; the header is computed from shapes).
+  A LoRA checkpoint's layers come merged into its base (lora_merge.py), layer by layer too.
 - Import reads one layer of one HF tensor (hf_files.read_tensor: a seek and a read, from
   model.safetensors or the shard its index names; F32, F16, BF16 or F64), places that layer on
   the devices in the parameter's sharding minus its layer axes, and writes it into the stacked parameter on the
@@ -41,6 +42,7 @@ from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint.interop import hf_files
+from jaxfrontier.checkpoint.interop import lora_merge
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import run_files
 from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
@@ -120,7 +122,7 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
     m = config['model']
     converter = converter_of_family(m.get('family', families.DEFAULT_FAMILY), step_dir)
     converter.check_exportable(m, step_dir)
-    reader = readers.ParamReader(step_dir, config)
+    reader = lora_merge.merged_reader(step_dir, meta)  # LoRA: the base with the adapters merged in
     tokenizer, header = _tokenizer_of(config)
     hf = converter.hf_config(m, header.get('eot_id'))
     groups = _tensors(converter, reader, m, hf)

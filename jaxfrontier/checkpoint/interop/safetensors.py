@@ -28,12 +28,14 @@ import orbax.checkpoint as ocp
 
 from jaxfrontier.errors import CheckpointError, UserError
 from jaxfrontier import config as config_lib
+from jaxfrontier import families
 from jaxfrontier import files
 from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import reshard
 from jaxfrontier.checkpoint import run_files
 from jaxfrontier.checkpoint import saved_meta
+from jaxfrontier.checkpoint.interop import lora_merge
 
 FORMAT = 'jaxfrontier-params'
 
@@ -114,6 +116,8 @@ def export_params(source: str, out_path: str, allow_nonfinite: bool = False) -> 
     _check_out_path(out_path)
     step_dir = readers.resolve_step_dir(source)
     meta = readers.read_checkpoint_meta(step_dir)
+    if lora_merge.lora_of(meta['config']) is not None:  # the adapters merged into their base
+        return _export_merged(step_dir, meta, out_path, allow_nonfinite)
     saved = {name: (tuple(m.shape), np.dtype(m.dtype))  # {name: (shape, dtype)} of the saved parameters
              for name, m in readers.flatten_names(readers.saved_tree(step_dir)['params']).items()}
     # Interleaved pipelines store block arrays [V, L / V, ...]; the file has them [L, ...].
@@ -132,6 +136,40 @@ def export_params(source: str, out_path: str, allow_nonfinite: bool = False) -> 
             bad = int(value.size - np.count_nonzero(np.isfinite(value)))
             if bad and not allow_nonfinite:
                 raise _nonfinite_error(step_dir, name, bad, int(value.size))
+            yield value
+
+    write_safetensors(out_path, shapes, metadata, arrays())
+    return {name: shape for name, (shape, _) in shapes.items()}
+
+
+def _export_merged(step_dir: str, meta: dict[str, Any], out_path: str, allow_nonfinite: bool
+                   ) -> dict[str, tuple[int, ...]]:
+    """export_params of a LoRA checkpoint: the base's parameters with the adapters merged in (lora_merge.py),
+    one stacked parameter at a time, recorded as a model without LoRA (a start for init_params_from)."""
+    config = lora_merge.base_config(meta['config'])
+    c = ml_collections.ConfigDict(config)
+    reader, v = lora_merge.merged_reader(step_dir, meta), c.model.vocab_size
+    specs = families.get(c.model.family).param_specs(config_lib.model_shape(c))
+    shapes = {p.path: (p.shape, np.dtype('float32')) for p in specs}
+    metadata = {'format': FORMAT, 'step': str(meta['step']), 'source': step_dir,
+                'config': json.dumps(config, sort_keys=True), 'vocab_size': str(v)}
+
+    def read(p) -> np.ndarray:
+        if p.is_block:
+            return np.stack([reader.layer(p.path.removeprefix('blocks/'), layer) for layer in range(p.shape[0])])
+        if p.path in ('wte', 'head'):  # the real vocabulary rows; the padding zero, as a fresh model's
+            out = np.zeros(p.shape, np.float32)
+            rows = (slice(0, v),) if p.path == 'wte' else (slice(None), slice(0, v))
+            out[rows] = reader.read(p.path, rows)
+            return out
+        return reader.read(p.path)
+
+    def arrays():
+        for p in specs:
+            value = np.asarray(read(p), np.float32)
+            bad = int(value.size - np.count_nonzero(np.isfinite(value)))
+            if bad and not allow_nonfinite:
+                raise _nonfinite_error(step_dir, p.path, bad, int(value.size))
             yield value
 
     write_safetensors(out_path, shapes, metadata, arrays())

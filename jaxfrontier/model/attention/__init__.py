@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.families import Lora
 from jaxfrontier.model.attention import ring
 from jaxfrontier.model.attention.blockwise import blockwise_attention
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
@@ -212,7 +213,7 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, *, impl: str, init_std: float, out_std: float,
-                 rngs: nnx.Rngs, blocks: tuple[int, int] = (64, 64)):
+                 rngs: nnx.Rngs, blocks: tuple[int, int] = (64, 64), lora: Lora | None = None):
         head_dim = d_model // num_heads
         self.num_heads, self.impl = num_heads, impl
         self.blocks = blocks  # (block_q, block_kv) of the blockwise kernel
@@ -221,20 +222,23 @@ class Attention(nnx.Module):
         self.b_qkv = param(None, (3, num_heads, head_dim), ('qkv', 'heads', 'head_dim'), 0.0)
         self.w_out = param(rngs.params(), (num_heads, head_dim, d_model), ('heads', 'head_dim', 'embed'), out_std)
         self.b_out = param(None, (d_model,), ('embed',), 0.0)
+        for name in ('w_qkv', 'w_out'):  # LoRA adapters of the targeted ones (layers/linear.py)
+            linear.adapt(self, name, lora, rngs)
 
     def __call__(self, x_nd: jax.Array, seq: int | Seq, cache: KVCache | None = None,
-                 positions_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+                 positions_bt: jax.Array | None = None, key: jax.Array | None = None
+                 ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Attention of `x_nd` ([B*T, d], T = seq's length); with `cache`, also the extended cache.
 
         Training passes no cache; decoding passes this layer's cache {'k', 'v'} [B, S, H, K]
-        and the tokens' positions [B, T] (`attend`).
+        and the tokens' positions [B, T] (`attend`). `key`: LoRA adapters' dropout (training).
         """
-        qkv_n3hk = linear.project(self, 'w_qkv', 'nd,dahk->nahk', x_nd, bias='b_qkv')
+        qkv_n3hk = linear.project(self, 'w_qkv', 'nd,dahk->nahk', x_nd, bias='b_qkv', key=key)
         n, _, h, k = qkv_n3hk.shape
         seq_len = as_seq(seq).length
         qkv_bt3hk = unflatten_tokens(qkv_n3hk, n // seq_len, seq_len)  # [B, T, 3, H, K]
         o_bthk, cache = attend(qkv_bt3hk[:, :, 0], qkv_bt3hk[:, :, 1], qkv_bt3hk[:, :, 2], self.impl, self.blocks,
                                cache, positions_bt, seq)
         o_nhk = flatten_tokens(o_bthk)  # [N, H, K]
-        y_nd = linear.project(self, 'w_out', 'nhk,hkd->nd', o_nhk, bias='b_out', out_names=ACT_ND)
+        y_nd = linear.project(self, 'w_out', 'nhk,hkd->nd', o_nhk, bias='b_out', out_names=ACT_ND, key=key)
         return y_nd if cache is None else (y_nd, cache)

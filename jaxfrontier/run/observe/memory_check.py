@@ -19,6 +19,7 @@ import jax
 import ml_collections
 
 from jaxfrontier import hardware
+from jaxfrontier.checkpoint.format import FROZEN
 from jaxfrontier.errors import UserError
 from jaxfrontier.training import step as step_lib
 
@@ -31,12 +32,15 @@ FIXES = ('get layouts of this model that fit with `python -m jaxfrontier.main --
 
 
 def state_parts(abstract_state: Any, shardings: Any) -> dict[str, int]:
-    """Bytes per device of the parameters and the optimizer state (from their shardings)."""
+    """Bytes per device of the parameters, the optimizer state and LoRA's frozen base (from their shardings)."""
     def per_device(tree, tree_shardings) -> int:
         sizes = jax.tree.map(lambda a, s: math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize, tree, tree_shardings)
         return sum(jax.tree.leaves(sizes))
-    return {'parameters': per_device(abstract_state['params'], shardings['params']),
-            'optimizer state': per_device(abstract_state['opt_state'], shardings['opt_state'])}
+    parts = {'parameters': per_device(abstract_state['params'], shardings['params']),
+             'optimizer state': per_device(abstract_state['opt_state'], shardings['opt_state'])}
+    if FROZEN in abstract_state:  # LoRA: the trained parameters are the adapters; the base rides along frozen
+        parts['frozen base (LoRA)'] = per_device(abstract_state[FROZEN], shardings[FROZEN])
+    return parts
 
 
 def needed_parts(compiled: Any, abstract_state: Any, shardings: Any) -> tuple[int, dict[str, int]] | None:
