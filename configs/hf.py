@@ -20,8 +20,15 @@ from jaxfrontier.checkpoint.interop import hf_files
 from jaxfrontier.errors import ConfigError
 
 
+ARGS = dict(path='', seq_len=0, data=0, fsdp=1, tensor=1, pipeline=1, micro_batch=1, accum=1)
+
+
 def get_config(arg=None):
-    a = config_lib.parse_arg(arg, path='', seq_len=0, data=0, fsdp=1, tensor=1, pipeline=1, micro_batch=1, accum=1)
+    return from_args(config_lib.parse_arg(arg, **ARGS))
+
+
+def from_args(a):
+    """The config of parsed arguments (ARGS' keys); configs/sft.py starts from it."""
     if not a.path:
         raise ConfigError('<arg>.path', a.path, 'no Hugging Face directory named',
                           'use --config=configs/hf.py:path=<directory with config.json and model.safetensors>')

@@ -59,6 +59,11 @@ _EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors
 _PROMPT = flags.DEFINE_multi_string('prompt', [], 'mode=sample: a text to continue; repeat the flag for several '
                                     '(one batch, each printed with its own continuation).')
 _PROMPT_FILE = flags.DEFINE_string('prompt_file', '', 'mode=sample: a file of prompts, one per line (one batch).')
+_CHAT = flags.DEFINE_multi_string('chat', [], 'mode=sample: a conversation as JSON, [{"role": "user", "content": '
+                                  '"..."}], rendered with the run\'s chat template and answered as the assistant '
+                                  '(ends at its end-of-turn token); repeatable.')
+_CHAT_FILE = flags.DEFINE_string('chat_file', '', 'mode=sample: a file of conversations, one JSON list of messages '
+                                 'per line (as --chat).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'mode=sample: tokens to generate per prompt.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'mode=sample: softmax temperature (0: greedy).')
 _TOP_K = flags.DEFINE_integer('top_k', 0, 'mode=sample: sample among the k most likely tokens (0: all).')
@@ -230,9 +235,18 @@ def _run_inference(config) -> str:
         return evaluate.report(evaluate.evaluate(config, _WORKDIR.value, _EVAL_PATH.value))
     from jaxfrontier.inference import generate, sample
     rule = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _REPETITION_PENALTY.value)
-    prompts = sample.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
+    chats = None
+    if _CHAT.value or _CHAT_FILE.value:
+        if _PROMPT.value or _PROMPT_FILE.value:
+            raise UserError('both --chat/--chat_file and --prompt/--prompt_file given. Fix: pass conversations '
+                            '(rendered with the chat template) or plain prompts, not both.')
+        from jaxfrontier.inference import chat_prompts
+        chats, prompts = chat_prompts.read_chats(_CHAT.value, _CHAT_FILE.value), []
+    else:
+        prompts = sample.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
     return sample.report(sample.sample(config, _WORKDIR.value, prompts, max_new=_MAX_NEW.value, rule=rule,
-                                       seed=_SEED.value, stops=tuple(_STOP.value), eot=not _IGNORE_EOT.value))
+                                       seed=_SEED.value, stops=tuple(_STOP.value), eot=not _IGNORE_EOT.value,
+                                       chats=chats))
 
 
 def _check_lm_eval_flags() -> None:

@@ -29,6 +29,7 @@ from absl import app, flags
 from jaxfrontier import cli
 from jaxfrontier.data import documents
 from jaxfrontier.data import encode as tokenize_lib
+from jaxfrontier.data import dpo as dpo_lib
 from jaxfrontier.data import sft as sft_lib
 from jaxfrontier.errors import FlagError, UserError
 
@@ -59,6 +60,10 @@ _MAX_TOKENS = flags.DEFINE_integer('max_tokens', 0, '--sft: at most this many to
                                    'included (e.g. model.seq_len + 1); 0: no bound. Longer ones: --overlong.')
 _OVERLONG = flags.DEFINE_string('overlong', 'truncate', '--sft: a conversation over --max_tokens is cut to it '
                                 '(truncate) or left out (drop); either is counted and reported.')
+_DPO = flags.DEFINE_bool('dpo', False, 'Preference pairs for DPO: --input is JSONL of {"prompt", "chosen", '
+                          '"rejected"}, each side rendered with --tokenizer\'s chat template into a row of --seq_len + 1 '
+                          'tokens (row 2i chosen, 2i + 1 rejected; data/dpo.py).')
+_SEQ_LEN = flags.DEFINE_integer('seq_len', 2048, '--dpo: the model\'s seq_len; each row holds seq_len + 1 tokens.')
 _MESSAGES_FIELD = flags.DEFINE_string('messages_field', 'messages', '--sft: the JSONL field holding the list of '
                                       'messages (records with "prompt" and "completion" are read too).')
 _SFT_ONLY = ('loss_on', 'max_tokens', 'overlong', 'messages_field')
@@ -92,6 +97,8 @@ def main(argv: list[str]) -> int:
         split = documents.Split(_VAL_FRACTION.value, _VAL_DOCUMENTS.value, _SEED.value, _SHUFFLE.value)
         common = dict(eot_token=_EOT_TOKEN.value, workers=_WORKERS.value, progress=progress, split=split,
                       batch_bytes=max(1, int(_BATCH_MB.value * 1e6)))
+        if _DPO.value:
+            return _prepare_dpo(files)
         if _SFT.value:
             result = sft_lib.prepare(files, _OUTPUT.value, tokenizer_path=_sft_tokenizer(), options=sft_lib.Options(
                 _LOSS_ON.value, _MAX_TOKENS.value, _OVERLONG.value, _MESSAGES_FIELD.value), **common)
@@ -117,6 +124,19 @@ def main(argv: list[str]) -> int:
         header = next(iter(result.headers.values()))
         print(sft_line(header['sft'], num_tokens, sum(h['counted_tokens'] for h in result.headers.values()),
                        header['eot_token']))
+    return 0
+
+
+def _prepare_dpo(files: list[str]) -> int:
+    """--dpo: preference pairs -> rows of seq_len + 1 (data/dpo.py); one line per file written."""
+    headers = dpo_lib.prepare(files, _OUTPUT.value, tokenizer_path=_sft_tokenizer(), seq_len=_SEQ_LEN.value,
+                              overlong=_OVERLONG.value, val_fraction=_VAL_FRACTION.value, seed=_SEED.value)
+    for part, h in headers.items():
+        n = h['dpo']['pairs']
+        print(f'dpo: {h["dpo"]["pairs_in_file"]:,} pairs{" (" + part + ")" if part else ""} as rows of '
+              f'{h["row_length"]} tokens ({h["dpo"]["rendering"]}); of all pairs {n["written"]:,} written, '
+              f'{n["truncated"]:,} truncated, {n["dropped_overlong"]:,} dropped as over-long (--overlong='
+              f'{h["dpo"]["overlong"]})')
     return 0
 
 

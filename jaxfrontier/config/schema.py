@@ -175,6 +175,10 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict(dict(
         steps=100,
+        # DPO (training/dpo.py, docs/post_training.md): beta of the loss -log sigmoid(beta * (the policy's
+        # log-ratio to the reference on the chosen answer minus on the rejected one)).
+        dpo_beta=0.1,
+        objective='lm',  # lm: next-token cross-entropy | dpo: preference pairs of prepare --dpo (training/dpo.py)
         global_batch=8,  # sequences per optimizer step
         micro_batch=8,  # sequences per data-parallel replica per accumulation step
         accum_steps=1,

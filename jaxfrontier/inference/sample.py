@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.errors import UserError
+from jaxfrontier.inference import chat_prompts
 from jaxfrontier.inference import generate as gen
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import stops as stops_lib
@@ -81,15 +82,37 @@ def check_rule(rule: gen.Sampling, vocab: int) -> None:
                         'repeats).')
 
 
+class _Rendered:
+    """The token ids of prompts already rendered (chat), for encode_prompts' checks."""
+
+    def __init__(self, texts: list[str], ids: list[list[int]]):
+        self.ids = dict(zip(texts, ids))
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.ids[prompt]
+
+
 def sample(c: ml_collections.ConfigDict, workdir: str, prompts: list[str], *, max_new: int, rule: gen.Sampling,
-           seed: int, stops: tuple[str, ...] = (), eot: bool = True) -> Result:
-    """Continues each prompt by up to `max_new` tokens (`eot`: a row ends at end-of-text); see the module docstring."""
+           seed: int, stops: tuple[str, ...] = (), eot: bool = True, chats: list | None = None) -> Result:
+    """Continues each prompt by up to `max_new` tokens (`eot`: a row ends at end-of-text); see the module docstring.
+
+    `chats` (conversations, instead of `prompts`) are rendered with the run's chat template and end
+    at its end-of-turn token too (inference/chat_prompts.py).
+    """
     stops = stops_lib.check_stops(list(stops))
     loaded = load_lib.load(c, workdir)
-    check_rule(rule, loaded.config.model.vocab_size)
-    codec = text.run_codec(loaded.run_config.get('data', {}), loaded.config.model.vocab_size, loaded.hf_dir)
-    rule = dataclasses.replace(rule, eot_ids=codec.eot_ids if eot else ())
-    encoded = encode_prompts(codec, prompts, max_new, loaded.config.model.seq_len)
+    vocab, run_data = loaded.config.model.vocab_size, loaded.run_config.get('data', {})
+    check_rule(rule, vocab)
+    codec = text.run_codec(run_data, vocab, loaded.hf_dir)
+    eot_ids = codec.eot_ids
+    if chats:
+        tokenizer = chat_prompts.chat_tokenizer(loaded.hf_dir, run_data, vocab)
+        prompts, ids = chat_prompts.render(tokenizer, chats)
+        eot_ids = tuple(dict.fromkeys(eot_ids + chat_prompts.end_of_turn_ids(tokenizer)))
+        encoded = encode_prompts(_Rendered(prompts, ids), prompts, max_new, loaded.config.model.seq_len)
+    else:
+        encoded = encode_prompts(codec, prompts, max_new, loaded.config.model.seq_len)
+    rule = dataclasses.replace(rule, eot_ids=eot_ids if eot else ())
     return continue_tokens(loaded, codec, prompts, encoded, max_new=max_new, rule=rule, seed=seed, stops=stops)
 
 

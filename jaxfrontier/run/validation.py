@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.data import dpo as dpo_data
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.run.observe import wandb_log
@@ -35,4 +36,5 @@ def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> 
                           'model, and names none', 'set it to the base: a Hugging Face directory, a .safetensors '
                           'file or a checkpoint (or set lora.rank=0)')
     data_lib.check_data(c)
+    dpo_data.check_run(c)  # train.objective
     wandb_log.check_installed(c.train)  # a missing optional extra: one line before JAX starts

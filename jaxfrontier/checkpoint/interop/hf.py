@@ -145,8 +145,10 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
         shutil.copyfile(tokenizer, os.path.join(out_dir, 'tokenizer.json'))
         eot = header.get('eot_token')
         with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
+            template = (header.get('sft') or {}).get('chat_template')  # prepare --sft's: chat as trained
             json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': m['seq_len'],
-                       **({'eos_token': eot, 'bos_token': eot} if eot else {})}, f, indent=2)
+                       **({'eos_token': eot, 'bos_token': eot} if eot else {}),
+                       **({'chat_template': template} if template else {})}, f, indent=2)
     return {'step': meta['step'], 'tensors': len(shapes), 'tokenizer': bool(tokenizer), 'source': step_dir,
             'architecture': hf['architectures'][0]}
 
