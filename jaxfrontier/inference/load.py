@@ -94,9 +94,7 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
         meta = readers.read_meta(readers.step_dir_of(source))
         step, run_config, model = meta['step'], meta['config'], meta['config']['model']
     c = decode_config(c, model)
-    if config_lib.num_devices(c) != jax.device_count():
-        raise ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
-                                     f'devices but {jax.device_count()} are present', 'change the mesh sizes')
+    config_lib.check_device_count(c, jax.device_count(), jax.default_backend())
     mesh = mesh_lib.mesh_from_config(c)
     layout = target_lib.param_placement(c, mesh)  # the parameters alone: no optimizer state
     return Loaded(c, layout, init_from.load_params(source, c, layout.target()), source, step, run_config, hf_dir)

@@ -170,9 +170,9 @@ def _validate(c: ml_collections.ConfigDict, validated: bool) -> None:
     """Everything is checked before anything is written or compiled: by main before JAX started
     (`validated`: then only the device count, which needs JAX), else here."""
     if validated:
-        config_lib.check_device_count(c, jax.device_count())
+        config_lib.check_device_count(c, jax.device_count(), jax.default_backend())
     else:
-        validation.validate_run(c, jax.device_count())
+        validation.validate_run(c, jax.device_count(), jax.default_backend())
 
 
 def _lock(c: ml_collections.ConfigDict, workdir: str, locks: list,
