@@ -69,6 +69,9 @@ _STOP = flags.DEFINE_multi_string('stop', [], 'mode=sample: end a row when its t
 _IGNORE_EOT = flags.DEFINE_bool('ignore_eot', False, 'mode=sample: do not end a row at the tokenizer\'s end-of-text '
                                 'token (always --max_new_tokens, e.g. to measure speed).')
 _SEED = flags.DEFINE_integer('seed', 0, 'mode=sample: random seed of the sampling.')
+_CPU_FP32 = flags.DEFINE_bool('cpu_fp32', True, 'mode=sample, eval and lm_eval: on a CPU, compute in float32 whatever '
+                              'model.dtype (XLA:CPU has no fast 16-bit matmul, and a bf16 greedy continuation drifts '
+                              'from the fp32 one transformers computes there); --nocpu_fp32 keeps model.dtype.')
 _EVAL_PATH = flags.DEFINE_string('eval_path', '', 'mode=eval: a token file to score whole (default: the run\'s '
                                  'data.val_path, else its validation split).')
 _TASKS = flags.DEFINE_list('tasks', [], 'mode=lm_eval: harness task names (or globs), comma-separated.')
@@ -215,6 +218,7 @@ def _run_inference(config) -> str:
         summary = hf.export_hf(_WORKDIR.value, out)
         return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face {summary["architecture"]} ' \
                f'directory {out} ({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]})'
+    _log_compute_dtype(config)
     if _MODE.value == 'lm_eval':
         return _run_lm_eval(config)
     if _MODE.value == 'eval':
@@ -225,6 +229,18 @@ def _run_inference(config) -> str:
     prompts = sample.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
     return sample.report(sample.sample(config, _WORKDIR.value, prompts, max_new=_MAX_NEW.value, rule=rule,
                                        seed=_SEED.value, stops=tuple(_STOP.value), eot=not _IGNORE_EOT.value))
+
+
+def _log_compute_dtype(config) -> None:
+    """mode=sample, eval, lm_eval: the compute dtype, float32 on a CPU unless --nocpu_fp32 (said in the first lines)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    dtype = config.model.dtype
+    if _CPU_FP32.value and jax.default_backend() == 'cpu' and dtype != 'float32':
+        config.model.dtype = 'float32'
+        logging.info(f'compute: float32 on the CPU, not model.dtype={dtype} (--nocpu_fp32 keeps it); parameters '
+                     'float32')
+    else:
+        logging.info(f'compute: {dtype} (model.dtype); parameters float32')
 
 
 def _check_lm_eval_flags() -> None:

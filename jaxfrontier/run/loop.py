@@ -245,7 +245,8 @@ def _state(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
         target, lambda: ts.init_train_state(c, layout), init_from.load_params)
     if not fast_restored:
         fast.discard_after(int(state['step']))  # steps of a timeline this run does not continue
-    _log(f'state: {params_lib.count_params(state["params"]):,} parameters; zero1={c.sharding.zero1}; {origin}')
+    _log(f'state: {params_lib.count_params(state["params"]):,} parameters in float32, computing in {c.model.dtype} '
+         f'(model.dtype), remat {c.model.remat}; zero1={c.sharding.zero1}; {origin}')
     return _Start(layout, checkpointer, fast, target, state, origin.startswith('restored'), bool(fast_restored))
 
 
