@@ -43,7 +43,8 @@ _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safeten
 _EXPORT_ALLOW_NONFINITE = flags.DEFINE_bool('export_allow_nonfinite', False, 'mode=export: write parameters '
                                             'that hold NaN or Inf instead of refusing.')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export', 'sample', 'eval', 'lm_eval'],
-                          'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
+                          'train: run training. plan: parameters, memory and FLOPs of the layout, no devices: exit 0 if it '
+                          'fits, 1 if not (its last line names a layout that fits). '
                           'verify: the layout shrunk to a small model on simulated CPU devices against one device: '
                           'a certificate, exit 0 (pass) or 1 (docs/preflight.md). '
                           'export: parameters of the newest checkpoint in --workdir to --export_path. '
@@ -146,9 +147,11 @@ def main(argv: list[str]) -> int:
     try:
         if _MODE.value == 'plan':
             from jaxfrontier.plan import report as plan_report  # pylint: disable=g-import-not-at-top
-            print(plan_report.report(config, hardware=_HARDWARE.value, search=_SEARCH.value,
-                                     search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
-                                     json_path=_PLAN_JSON.value))
+            planned = plan_report.make(config, hardware=_HARDWARE.value, search=_SEARCH.value,
+                                       search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
+                                       json_path=_PLAN_JSON.value)
+            print(planned.text)
+            return 0 if planned.fits else 1  # a script tests it (docs/planner.md)
         elif _MODE.value == 'verify':
             distributed.initialize(processes, config.distributed)  # the workers of a multi-process check
             from jaxfrontier.plan import verify  # pylint: disable=g-import-not-at-top
