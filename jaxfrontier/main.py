@@ -40,6 +40,9 @@ _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/default', 'Directory for met
 _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safetensors file to write from the newest '
                                    'checkpoint of --workdir (default <workdir>/params.safetensors; '
                                    'with --export_format=hf a directory, default <workdir>/hf).')
+_EXPORT_MAX_POSITIONS = flags.DEFINE_integer('export_max_positions', 0, 'mode=export --export_format=hf: a rotary '
+                                             "model's max_position_embeddings (0: the imported Hugging Face model's "
+                                             'where the run continued one, else the training seq_len).')
 _EXPORT_ALLOW_NONFINITE = flags.DEFINE_bool('export_allow_nonfinite', False, 'mode=export: write parameters '
                                             'that hold NaN or Inf instead of refusing.')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export', 'sample', 'eval', 'lm_eval'],
@@ -218,9 +221,10 @@ def _run_inference(config) -> str:
     if _MODE.value == 'export':
         from jaxfrontier.checkpoint.interop import hf
         out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'hf')
-        summary = hf.export_hf(_WORKDIR.value, out)
+        summary = hf.export_hf(_WORKDIR.value, out, _EXPORT_MAX_POSITIONS.value)
         return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face {summary["architecture"]} ' \
-               f'directory {out} ({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]})'
+               f'directory {out} ({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]}, ' \
+               f'max positions: {summary["max_positions"]})'
     _log_compute_dtype(config)
     if _MODE.value == 'lm_eval':
         return _run_lm_eval(config)

@@ -465,6 +465,7 @@ def test_continue_training_then_export_through_the_clis(dirs, tmp_path, name):
     theirs, model = their_logits(out, tokens_bt)
     assert type(model).__name__ == ('Qwen2ForCausalLM' if name == 'qwen2' else 'LlamaForCausalLM')
     assert model.config.vocab_size == VOCAB  # the padded rows are not exported
+    assert model.config.max_position_embeddings == 64  # the imported model's, not the training seq_len 32
     c = tiny.get_config()
     loaded = load_lib.load(c, str(workdir))
     assert loaded.step == 20
