@@ -202,7 +202,9 @@ def _mesh(c: ml_collections.ConfigDict) -> jax.sharding.Mesh:
 def _data(c: ml_collections.ConfigDict, workdir: str) -> tuple[Any, Any]:
     """(train, validation) sources of the `data` section, windows as the model and batch need."""
     train_source, val_source = data_lib.make_datasets(c.data, workdir, data_lib.BatchSpec.of(c))
-    _log(f'data: train {train_source.describe()}; validation {val_source.describe()}')
+    packing = (f'packed documents (attention within each, end-of-text id {c.data.eot_id})' if c.data.pack_documents
+               else 'windows across documents (pack_documents=False)')
+    _log(f'data: train {train_source.describe()}; validation {val_source.describe()}; {packing}')
     tail_warning = data_lib.tail_split_warning(c.data)
     if tail_warning:
         _warn(f'warning: {tail_warning}')
@@ -385,5 +387,6 @@ def _done(c: ml_collections.ConfigDict, after: after_step.AfterStep, memory: dic
         elif jax.process_index() == 0:
             print(f'preempted by {received} after step {done} inside a loss spike: no checkpoint '
                   f'saved after step {newest}; rerun the same command to resume.', flush=True)
-    _log('done: ' + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+    # Six significant digits, not four decimals: a final learning rate of 1e-5 is not 0.0 (issue 39).
+    _log('done: ' + json.dumps({k: float(f'{v:.6g}') if isinstance(v, float) else v for k, v in record.items()}))
     return record
