@@ -40,10 +40,14 @@ _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/default', 'Directory for met
 _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safetensors file to write from the newest '
                                    'checkpoint of --workdir (default <workdir>/params.safetensors; '
                                    'with --export_format=hf a directory, default <workdir>/hf).')
+_EXPORT_MAX_POSITIONS = flags.DEFINE_integer('export_max_positions', 0, 'mode=export --export_format=hf: a rotary '
+                                             "model's max_position_embeddings (0: the imported Hugging Face model's "
+                                             'where the run continued one, else the training seq_len).')
 _EXPORT_ALLOW_NONFINITE = flags.DEFINE_bool('export_allow_nonfinite', False, 'mode=export: write parameters '
                                             'that hold NaN or Inf instead of refusing.')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export', 'sample', 'eval', 'lm_eval'],
-                          'train: run training. plan: parameters, memory and FLOPs of the layout, no devices. '
+                          'train: run training. plan: parameters, memory and FLOPs of the layout, no devices: exit 0 if it '
+                          'fits, 1 if not (its last line names a layout that fits). '
                           'verify: the layout shrunk to a small model on simulated CPU devices against one device: '
                           'a certificate, exit 0 (pass) or 1 (docs/preflight.md). '
                           'export: parameters of the newest checkpoint in --workdir to --export_path. '
@@ -76,6 +80,9 @@ _STOP = flags.DEFINE_multi_string('stop', [], 'mode=sample: end a row when its t
 _IGNORE_EOT = flags.DEFINE_bool('ignore_eot', False, 'mode=sample: do not end a row at the tokenizer\'s end-of-text '
                                 'token (always --max_new_tokens, e.g. to measure speed).')
 _SEED = flags.DEFINE_integer('seed', 0, 'mode=sample: random seed of the sampling.')
+_CPU_FP32 = flags.DEFINE_bool('cpu_fp32', True, 'mode=sample, eval and lm_eval: on a CPU, compute in float32 whatever '
+                              'model.dtype (XLA:CPU has no fast 16-bit matmul, and a bf16 greedy continuation drifts '
+                              'from the fp32 one transformers computes there); --nocpu_fp32 keeps model.dtype.')
 _EVAL_PATH = flags.DEFINE_string('eval_path', '', 'mode=eval: a token file to score whole (default: the run\'s '
                                  'data.val_path, else its validation split).')
 _TASKS = flags.DEFINE_list('tasks', [], 'mode=lm_eval: harness task names (or globs), comma-separated.')
@@ -150,9 +157,11 @@ def main(argv: list[str]) -> int:
     try:
         if _MODE.value == 'plan':
             from jaxfrontier.plan import report as plan_report  # pylint: disable=g-import-not-at-top
-            print(plan_report.report(config, hardware=_HARDWARE.value, search=_SEARCH.value,
-                                     search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
-                                     json_path=_PLAN_JSON.value))
+            planned = plan_report.make(config, hardware=_HARDWARE.value, search=_SEARCH.value,
+                                       search_devices=_SEARCH_DEVICES.value, check=_PLAN_CHECK.value,
+                                       json_path=_PLAN_JSON.value)
+            print(planned.text)
+            return 0 if planned.fits else 1  # a script tests it (docs/planner.md)
         elif _MODE.value == 'verify':
             distributed.initialize(processes, config.distributed)  # the workers of a multi-process check
             from jaxfrontier.plan import verify  # pylint: disable=g-import-not-at-top
@@ -225,9 +234,11 @@ def _run_inference(config) -> str:
     if _MODE.value == 'export':
         from jaxfrontier.checkpoint.interop import hf
         out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'hf')
-        summary = hf.export_hf(_WORKDIR.value, out)
+        summary = hf.export_hf(_WORKDIR.value, out, _EXPORT_MAX_POSITIONS.value)
         return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face {summary["architecture"]} ' \
-               f'directory {out} ({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]})'
+               f'directory {out} ({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]}, ' \
+               f'max positions: {summary["max_positions"]})'
+    _log_compute_dtype(config)
     if _MODE.value == 'lm_eval':
         return _run_lm_eval(config)
     if _MODE.value == 'eval':
@@ -247,6 +258,18 @@ def _run_inference(config) -> str:
     return sample.report(sample.sample(config, _WORKDIR.value, prompts, max_new=_MAX_NEW.value, rule=rule,
                                        seed=_SEED.value, stops=tuple(_STOP.value), eot=not _IGNORE_EOT.value,
                                        chats=chats))
+
+
+def _log_compute_dtype(config) -> None:
+    """mode=sample, eval, lm_eval: the compute dtype, float32 on a CPU unless --nocpu_fp32 (said in the first lines)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    dtype = config.model.dtype
+    if _CPU_FP32.value and jax.default_backend() == 'cpu' and dtype != 'float32':
+        config.model.dtype = 'float32'
+        logging.info(f'compute: float32 on the CPU, not model.dtype={dtype} (--nocpu_fp32 keeps it); parameters '
+                     'float32')
+    else:
+        logging.info(f'compute: {dtype} (model.dtype); parameters float32')
 
 
 def _check_lm_eval_flags() -> None:

@@ -22,3 +22,18 @@ def test_checkpoint_modules_log_under_their_own_names(caplog):
     with caplog.at_level(logging.INFO, logger='jaxfrontier.checkpoint.manager'):
         manager.log('probe')
     assert [(r.name, r.getMessage()) for r in caplog.records] == [('jaxfrontier.checkpoint.manager', 'probe')]
+
+
+def test_optax_schedule_info_is_dropped_and_absl_warnings_kept(monkeypatch, caplog):
+    """--mode=verify's shrunk configs (no warmup) made optax log INFO lines about its schedules (issue 39)."""
+    import optax  # pylint: disable=g-import-not-at-top
+    absl_logger = logging.getLogger('absl')
+    monkeypatch.setattr(absl_logger, 'filters', [])
+    logs.quiet_library_logs()
+    logs.quiet_library_logs()
+    assert len(absl_logger.filters) == 1  # idempotent
+    with caplog.at_level(logging.INFO, logger='absl'):
+        optax.polynomial_schedule(1.0, 0.0, 1, transition_steps=0)
+        absl_logger.info('ours')
+        absl_logger.warning('a warning')
+    assert [r.getMessage() for r in caplog.records] == ['ours', 'a warning']

@@ -77,22 +77,39 @@ def _divides(divisor_field: str, divisor: int, field: str, value: int, what: str
              if divided != value else f'choose {field} as a multiple of {divisor}, or change {divisor_field}')
 
 
-def check_device_count(c: ml_collections.ConfigDict, n_devices: int) -> None:
-    """The one rule `validate` cannot check before JAX starts: the mesh uses every device present."""
+def check_device_count(c: ml_collections.ConfigDict, n_devices: int, platform: str | None = None) -> None:
+    """The one rule `validate` cannot check before JAX starts: the mesh uses every device present.
+
+    `platform` (JAX's backend name, where known): on the CPU the fix names `mesh.cpu_devices`, which
+    simulates the devices a mesh needs on one host.
+    """
     if num_devices(c) != n_devices:
-        shape = ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
-        raise ConfigError('mesh', shape, f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
-                          'run on a machine or allocation with that many devices, change config.mesh.* so the '
-                          'product equals the devices present, or get a plan without devices: '
-                          'python -m jaxfrontier.main --config=... --mode=plan')
+        raise ConfigError('mesh', _mesh_text(c), f'the mesh needs {num_devices(c)} devices but {n_devices} are present',
+                          device_count_fix(c, platform))
 
 
-def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
+def _mesh_text(c: ml_collections.ConfigDict) -> str:
+    return ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
+
+
+def device_count_fix(c: ml_collections.ConfigDict, platform: str | None = None) -> str:
+    """The fix of a mesh that is not the devices present; on the CPU first the simulated devices."""
+    others = ('change config.mesh.* so the product equals the devices present, or get a plan without devices: '
+              'python -m jaxfrontier.main --config=... --mode=plan')
+    if platform == 'cpu':
+        n = num_devices(c)
+        return (f'on the CPU, simulate them: --config.mesh.cpu_devices={n} (or the config argument cpu_devices={n} '
+                f'where it takes one); or {others}')
+    return f'run on a machine or allocation with that many devices, {others}'
+
+
+def validate(c: ml_collections.ConfigDict, n_devices: int | None = None, platform: str | None = None) -> None:
     """Checks every rule of `c`; raises ConfigError naming the first broken one.
 
     Args:
       c: the config.
       n_devices: devices present; None skips the device-count rule (e.g. for planning).
+      platform: JAX's backend where known ('cpu': the device-count fix names mesh.cpu_devices).
     """
     m, t = c.model, c.train
     max_sizes = {f'model.{k}': v for family in families.all_families() for k, v in family.max_sizes.items()}
@@ -108,7 +125,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     _require(c.train.workdir_lease_s > 0, 'train.workdir_lease_s', c.train.workdir_lease_s, 'must be > 0',
              'set the lease in seconds, e.g. 600')
     if n_devices is not None:
-        check_device_count(c, n_devices)
+        check_device_count(c, n_devices, platform)
 
     _require(isinstance(m.scan_unroll, int) and m.scan_unroll >= 0, 'model.scan_unroll', m.scan_unroll,
              'must be an integer >= 0', 'set 0 (auto), 1 (rolled) or the layers per scan iteration')

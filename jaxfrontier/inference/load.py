@@ -104,9 +104,7 @@ def load(c: ml_collections.ConfigDict, workdir: str) -> Loaded:
     lora = lora_np.section_of(run_config) if run_config else {'rank': 0}
     if lora['rank']:  # a LoRA run: its adapters over its base, as it trained (c builds the model with them)
         c.lora.update(lora)
-    if config_lib.num_devices(c) != jax.device_count():
-        raise ConfigError('mesh', config_lib.mesh_shape(c), f'needs {config_lib.num_devices(c)} '
-                                     f'devices but {jax.device_count()} are present', 'change the mesh sizes')
+    config_lib.check_device_count(c, jax.device_count(), jax.default_backend())
     mesh = mesh_lib.mesh_from_config(c)
     layout = target_lib.param_placement(c, mesh)  # the parameters alone: no optimizer state
     params = _lora_params(c, source, layout) if lora['rank'] else init_from.load_params(source, c, layout.target())

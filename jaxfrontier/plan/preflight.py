@@ -66,7 +66,9 @@ def overrides(layout: layout_lib.Layout) -> str:
     return ' '.join(out)
 
 
-def _suggestion(c: ml_collections.ConfigDict, hw: hw_lib.Hardware, num_devices: int) -> str:
+def suggestion(c: ml_collections.ConfigDict, hw: hw_lib.Hardware, num_devices: int) -> str:
+    """A layout of `num_devices` devices that fits, as --config overrides, or that none does (the fix of a
+    refusal here and of --mode=plan's `does not fit:` line)."""
     plans, planned, _ = search_lib.search(c, hw, num_devices, top=1)
     if plans:
         best = plans[0]
@@ -110,5 +112,5 @@ def check(c: ml_collections.ConfigDict, devices: Sequence[Any] | None = None, *,
         f'by the planner\'s estimate this layout needs {need / GIB:.2f} GiB per device but a device has '
         f'{capacity / GIB:.2f} GiB ({source}): {need:,.0f} bytes needed, {capacity:,} available ({p.memory.stage}; '
         f'largest parts: {described}); refused before allocating anything. Fix: '
-        f'{_suggestion(c, hw, config_lib.num_devices(c))}; or go ahead anyway with '
+        f'{suggestion(c, hw, config_lib.num_devices(c))}; or go ahead anyway with '
         '--config.train.ignore_memory_check=True')

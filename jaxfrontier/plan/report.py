@@ -4,6 +4,9 @@
   python -m jaxfrontier.main --config=configs/175b.py --mode=plan --plan_check=compile
   python -m jaxfrontier.main --config=configs/175b.py --mode=plan --search --search_devices=1024
 
+Exit code: 0 when the layout fits (with --search: when one does), 1 when not (the last line names a
+layout of the same devices that fits, as training's memory refusal does), 2 for a config mistake.
+
 Checks (`--plan_check`): `lower` traces and lowers the real sharded train step on an
 AbstractMesh of the config's full size (seconds, no devices); `compile` also compiles a copy
 with at most 2048 simulated CPU devices (data parallelism reduced, compute in fp32 where
@@ -26,6 +29,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier.plan import search as plan_search
 from jaxfrontier.plan import planner
+from jaxfrontier.plan import preflight
 
 
 def lower_check(c: ml_collections.ConfigDict) -> tuple[str, dict[str, Any]]:
@@ -58,9 +62,26 @@ def cpu_check(c: ml_collections.ConfigDict, hardware: hw_lib.Hardware) -> tuple[
                   'relative': rel, 'compile_s': result.compile_s, 'collective_bytes': result.collective_bytes}
 
 
-def report(c: ml_collections.ConfigDict, *, hardware: str = 'mi250x', search: bool = False,
-           search_devices: int = 0, check: str = 'lower', json_path: str = '') -> str:
-    """Everything `--mode=plan` prints; also writes the JSON to `json_path` when given."""
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What `--mode=plan` prints, and whether the layout fits (the exit code: 0 fits, 1 does not)."""
+
+    text: str
+    fits: bool
+
+
+def report(c: ml_collections.ConfigDict, **kwargs: Any) -> str:
+    """Everything `--mode=plan` prints (`make`'s text)."""
+    return make(c, **kwargs).text
+
+
+def make(c: ml_collections.ConfigDict, *, hardware: str = 'mi250x', search: bool = False,
+         search_devices: int = 0, check: str = 'lower', json_path: str = '') -> Report:
+    """The plan (or the search) as text, and whether it fits; also writes the JSON to `json_path` when given.
+
+    A layout that does not fit ends with the line training's memory refusal gives (plan/preflight.py):
+    a layout of the same devices that fits, as --config overrides, or that none does.
+    """
     hw = hw_lib.get(hardware)
     if search:
         plans, planned, fitting = plan_search.search(c, hw, search_devices)
@@ -69,10 +90,15 @@ def report(c: ml_collections.ConfigDict, *, hardware: str = 'mi250x', search: bo
         text += plan_search.format_search(plans, planned, fitting)
         record = {**plan_search.search_to_json(plans, planned, fitting), 'hardware': hw.name,
                   **({'hardware_calibration': hw.calibration} if hw.calibration else {})}
-        text += '\nJSON: ' + json.dumps(record, default=float)
+        text += f'\nevery plan as JSON: {json_path}' if json_path else '\nevery plan as JSON: --plan_json=FILE'
+        fits = fitting > 0
+        if not fits:
+            n = search_devices or config_lib.num_devices(c)
+            text += (f'\nnone fits: no layout of {n:,} x {hw.name} holds this model and batch. Fix: more devices '
+                     '(--search_devices=N), devices with more memory (--hardware), or a smaller model')
     else:
         p = planner.plan(c, hw)
-        text, record = planner.format_plan(p), planner.plan_to_json(p)
+        text, record, fits = planner.format_plan(p), planner.plan_to_json(p), p.fits
         compiled = compile_time.estimate(c.model.num_layers, c.model.scan_unroll, c.mesh.pipeline, hw)
         text += '\n' + compiled.line()
         record['compile_time'] = dataclasses.asdict(compiled)
@@ -82,7 +108,11 @@ def report(c: ml_collections.ConfigDict, *, hardware: str = 'mi250x', search: bo
         if check == 'compile':
             line, record['compile'] = cpu_check(c, hw)
             text += '\ncheck: ' + line
+        if not fits:
+            text += (f'\ndoes not fit: {p.memory.total_bytes / hw_lib.GIB:,.1f} GiB per device on '
+                     f'{config_lib.num_devices(c):,} x {hw.name} ({hw.memory_gib:.0f} GiB each). Fix: '
+                     f'{preflight.suggestion(c, hw, config_lib.num_devices(c))}')
     if json_path:
         with open(json_path, 'w', encoding='utf-8') as f:
             json.dump(record, f, indent=1, default=float)
-    return text
+    return Report(text, fits)

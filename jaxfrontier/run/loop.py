@@ -171,9 +171,9 @@ def _validate(c: ml_collections.ConfigDict, validated: bool) -> None:
     """Everything is checked before anything is written or compiled: by main before JAX started
     (`validated`: then only the device count, which needs JAX), else here."""
     if validated:
-        config_lib.check_device_count(c, jax.device_count())
+        config_lib.check_device_count(c, jax.device_count(), jax.default_backend())
     else:
-        validation.validate_run(c, jax.device_count())
+        validation.validate_run(c, jax.device_count(), jax.default_backend())
 
 
 def _lock(c: ml_collections.ConfigDict, workdir: str, locks: list,
@@ -203,7 +203,9 @@ def _mesh(c: ml_collections.ConfigDict) -> jax.sharding.Mesh:
 def _data(c: ml_collections.ConfigDict, workdir: str) -> tuple[Any, Any]:
     """(train, validation) sources of the `data` section, windows as the model and batch need."""
     train_source, val_source = data_lib.make_datasets(c.data, workdir, data_lib.BatchSpec.of(c))
-    _log(f'data: train {train_source.describe()}; validation {val_source.describe()}')
+    packing = (f'packed documents (attention within each, end-of-text id {c.data.eot_id})' if c.data.pack_documents
+               else 'windows across documents (pack_documents=False)')
+    _log(f'data: train {train_source.describe()}; validation {val_source.describe()}; {packing}')
     tail_warning = data_lib.tail_split_warning(c.data)
     if tail_warning:
         _warn(f'warning: {tail_warning}')
@@ -253,7 +255,8 @@ def _state(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
     trained = params_lib.count_params(state['params'])
     what = (f'{trained:,} trained (LoRA adapters) over {params_lib.count_params(state[FROZEN]):,} frozen'
             if layout.lora else f'{trained:,}')
-    _log(f'state: {what} parameters; zero1={c.sharding.zero1}; {origin}')
+    _log(f'state: {what} parameters in float32, computing in {c.model.dtype} (model.dtype), remat {c.model.remat}; '
+         f'zero1={c.sharding.zero1}; {origin}')
     return _Start(layout, checkpointer, fast, target, state, origin.startswith('restored'), bool(fast_restored))
 
 
@@ -393,5 +396,6 @@ def _done(c: ml_collections.ConfigDict, after: after_step.AfterStep, memory: dic
         elif jax.process_index() == 0:
             print(f'preempted by {received} after step {done} inside a loss spike: no checkpoint '
                   f'saved after step {newest}; rerun the same command to resume.', flush=True)
-    _log('done: ' + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+    # Six significant digits, not four decimals: a final learning rate of 1e-5 is not 0.0 (issue 39).
+    _log('done: ' + json.dumps({k: float(f'{v:.6g}') if isinstance(v, float) else v for k, v in record.items()}))
     return record

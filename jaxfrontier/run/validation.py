@@ -18,19 +18,19 @@ from jaxfrontier.data import loader as data_lib
 from jaxfrontier.run.observe import wandb_log
 
 
-def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
+def validate_run(c: ml_collections.ConfigDict, n_devices: int | None = None, platform: str | None = None) -> None:
     """Resolves `model.vocab_size=0`, packing's `data.eot_id=-1` and `data.loss_mask='auto'` from the token
     file headers (data.loader.resolve_headers), then checks the config and its data.
 
     `n_devices`: the devices present, where known (None before JAX starts: then
     `train_and_evaluate(..., validated=True)` checks only the device count,
-    `config.check_device_count`).
+    `config.check_device_count`); `platform`, JAX's backend where known, words that check's fix.
 
     Raises:
       ConfigError: naming the field, the value and the fix (also: W&B asked for, `wandb` not installed).
     """
     data_lib.resolve_headers(c)
-    config_lib.validate(c, n_devices)
+    config_lib.validate(c, n_devices, platform)
     if c.lora.rank and not c.checkpoint.init_params_from:
         raise ConfigError('checkpoint.init_params_from', '', 'LoRA (lora.rank > 0) trains adapters over a base '
                           'model, and names none', 'set it to the base: a Hugging Face directory, a .safetensors '

@@ -465,6 +465,7 @@ def test_continue_training_then_export_through_the_clis(dirs, tmp_path, name):
     theirs, model = their_logits(out, tokens_bt)
     assert type(model).__name__ == ('Qwen2ForCausalLM' if name == 'qwen2' else 'LlamaForCausalLM')
     assert model.config.vocab_size == VOCAB  # the padded rows are not exported
+    assert model.config.max_position_embeddings == 64  # the imported model's, not the training seq_len 32
     c = tiny.get_config()
     loaded = load_lib.load(c, str(workdir))
     assert loaded.step == 20
@@ -474,3 +475,25 @@ def test_continue_training_then_export_through_the_clis(dirs, tmp_path, name):
     assert np.abs(ours - before).max() > 1e-2  # 20 steps changed the model
 
     assert greedy_sample(*common, prompt=prompt) == their_greedy(model, tokenizer, prompt)
+
+
+@pytest.mark.slow
+def test_hf_config_samples_on_the_cpu_as_transformers_does(dirs, tmp_path):
+    """configs/hf.py computes in bf16 (for GPUs); on the CPU sampling computes in float32 unless --nocpu_fp32,
+    said on its `compute:` line, so 20 greedy tokens are transformers' own (in bf16 a random model drifts from
+    them within a few tokens: issue 39 measured token 6 of 20)."""
+    write_corpus(tmp_path)  # its tokenizer, beside the model
+    source = tmp_path / 'source'
+    shutil.copytree(dirs['llama'], source)
+    shutil.copyfile(tmp_path / 'corpus.tokenizer.json', source / 'tokenizer.json')
+    prompt = 'the cat sat'
+    stdout, log = run_main(f'--config=configs/hf.py:path={source}', f'--workdir={tmp_path / "none"}', '--mode=sample',
+                           f'--prompt={prompt}', '--temperature=0', '--max_new_tokens=20', '--ignore_eot')
+    assert 'compute: float32 on the CPU, not model.dtype=bfloat16' in log, log[-3000:]
+    ours = json.loads(stdout.strip().splitlines()[-1].removeprefix('sample: '))['tokens'][0]
+    _, original = their_logits(source, np.zeros((1, 1), np.int64))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(source / 'tokenizer.json'))
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+    with torch.no_grad():
+        out = original.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, ids.shape[1]:].tolist()

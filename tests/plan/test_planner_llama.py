@@ -30,6 +30,7 @@ from jaxfrontier.plan import estimate
 from jaxfrontier.plan import flop_count
 from jaxfrontier.plan import planner
 from jaxfrontier.plan import preflight
+from jaxfrontier.plan import report as plan_report
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
 
@@ -203,3 +204,24 @@ def test_memory_preflight_refuses_a_llama_that_cannot_fit(monkeypatch):
     with pytest.raises(preflight.UserError, match='a layout of these 8 devices that fits') as e:
         preflight.check(c, jax.local_devices())
     assert '\n' not in str(e.value)
+
+
+def test_plan_cli_of_a_layout_that_does_not_fit_exits_1_and_names_a_fix():
+    """Issue 39: a script can test --mode=plan's exit code; the last line says what to do (as training's
+    memory refusal does), and a search's JSON goes to --plan_json, not stdout."""
+    out = subprocess.run([sys.executable, '-m', 'jaxfrontier.main', '--config=configs/llama.py:size=70b',
+                          '--mode=plan', '--plan_check=none'], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith('does not fit: 1,324.2 GiB per device on 1 x mi250x') and 'Fix: ' in last, last
+
+
+def test_plan_of_a_layout_that_does_not_fit_names_a_layout_of_its_devices_that_does():
+    c = llama_configs.get_config('size=8b,data=8')
+    c.model.seq_len = 1024
+    planned = plan_report.make(c, hardware='mi250x', check='none')
+    last = planned.text.splitlines()[-1]
+    assert not planned.fits and 'Fix: a layout of these 8 devices that fits' in last and '--config.mesh.fsdp=' in last
+    searched = plan_report.make(c, hardware='mi250x', search=True)
+    assert searched.fits and '{' not in searched.text and 'every plan as JSON: --plan_json=FILE' in searched.text

@@ -105,15 +105,16 @@ def _tensors(converter, reader: readers.ParamReader, m: dict[str, Any], hf: dict
     return groups
 
 
-def export_hf(source: str, out_dir: str) -> dict[str, Any]:
+def export_hf(source: str, out_dir: str, max_positions: int = 0) -> dict[str, Any]:
     """Writes a checkpoint as a `transformers` directory (config.json, model.safetensors, tokenizer).
 
     Args:
       source: a training workdir (its newest checkpoint), its checkpoints/ directory or a step directory.
       out_dir: the directory to write; model.safetensors is replaced atomically.
+      max_positions: a rotary model's `max_position_embeddings` (0: `_max_positions` chooses).
 
     Returns:
-      A summary: step, tensors written, whether a tokenizer was copied, the architecture.
+      A summary: step, tensors written, whether a tokenizer was copied, the architecture, max_positions.
     """
     run_files.check_export_dir(out_dir)
     step_dir = readers.step_dir_of(source)
@@ -125,6 +126,9 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
     reader = lora_merge.merged_reader(step_dir, meta)  # LoRA: the base with the adapters merged in
     tokenizer, header = _tokenizer_of(config)
     hf = converter.hf_config(m, header.get('eot_id'))
+    positions = m['seq_len']
+    if not converter.position_table and 'max_position_embeddings' in hf:
+        positions = hf['max_position_embeddings'] = max_positions or _max_positions(config)
     groups = _tensors(converter, reader, m, hf)
     shapes = {name: shape for names, _ in groups for name, shape in names}
     os.makedirs(out_dir, exist_ok=True)
@@ -146,11 +150,26 @@ def export_hf(source: str, out_dir: str) -> dict[str, Any]:
         eot = header.get('eot_token')
         with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
             template = (header.get('sft') or {}).get('chat_template')  # prepare --sft's: chat as trained
-            json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': m['seq_len'],
+            json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': positions,
                        **({'eos_token': eot, 'bos_token': eot} if eot else {}),
                        **({'chat_template': template} if template else {})}, f, indent=2)
     return {'step': meta['step'], 'tensors': len(shapes), 'tokenizer': bool(tokenizer), 'source': step_dir,
-            'architecture': hf['architectures'][0]}
+            'architecture': hf['architectures'][0], 'max_positions': positions}
+
+
+def _max_positions(config: dict[str, Any]) -> int:
+    """A rotary model's `max_position_embeddings`: the imported directory's (a run that continued a Hugging
+    Face model, still readable there) where larger than the training context, else the training context.
+    A fine-tune at a shorter context does not shrink the model's advertised one (issue 39)."""
+    seq_len = config['model']['seq_len']
+    start = (config.get('checkpoint') or {}).get('init_params_from') or ''
+    if not (start and hf_files.looks_like_hf(start)):
+        return seq_len
+    try:
+        imported = read_hf_config(start).get('max_position_embeddings')
+    except (OSError, ValueError):
+        return seq_len
+    return max(seq_len, imported) if isinstance(imported, int) else seq_len
 
 
 # --------------------------------------------------------------------------- the Hugging Face side
