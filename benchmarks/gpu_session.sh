@@ -44,6 +44,16 @@ fi
 python -c 'import jaxfrontier.run.loop, ml_collections, jmp' >> "$OUT/env.txt" 2>&1 ||
   { echo "the project does not import: see $OUT/env.txt"; tail -5 "$OUT/env.txt"; exit 1; }
 
+# PEERS=1: jaxfrontier against torch.compile on the GPU shapes (benchmarks/peers.py, issue 38) in
+# peers.md/peers.json; a second call of the device tool (each size compiles for minutes). The Llama
+# sizes need transformers' wheel in $WHEELS (add it to PACKAGES): PEERS_SIZES=gpt1.3b,llama1b,llama8b_4l.
+if [[ "${PEERS:-0}" == "1" ]]; then
+  timeout "${PEERS_BUDGET_S:-540}" python benchmarks/peers.py --sizes "${PEERS_SIZES:-gpt1.3b}" --families gpt,llama \
+    --peers jf,torch_compile --rounds 3 --steps 3 --out "$OUT/peers.json" > "$OUT/peers.md" 2> "$OUT/peers.err"
+  echo "peers exit $?" >> "$OUT/peers.md"; tail -12 "$OUT/peers.md"
+  exit 0
+fi
+
 timeout 120 python benchmarks/repro_nested_shard_map.py > "$OUT/repro.txt" 2>&1
 echo "repro exit $?" >> "$OUT/repro.txt"
 

@@ -56,11 +56,36 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def time_step(c, steps: int = 5, warmup: int = 2, model: nn.Module | None = None) -> dict:
-    """Median step time, tokens/s and MFU (jaxfrontier's FLOP convention) of config `c`'s model.
+def hf_llama(c) -> nn.Module:
+    """transformers' LlamaForCausalLM of config `c`'s Llama shape (sdpa attention, tied embeddings as `c`),
+    wrapped so that `forward(tokens, targets)` is the mean next-token loss, as `GPT`'s."""
+    import transformers  # pylint: disable=g-import-not-at-top  (the test extra)
+    m = c.model
+    hf = transformers.LlamaConfig(vocab_size=config_lib.padded_vocab(c), hidden_size=m.d_model,
+                                  intermediate_size=m.mlp_dim, num_hidden_layers=m.num_layers,
+                                  num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+                                  max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+                                  rope_theta=m.rope_theta, tie_word_embeddings=m.tied_embeddings,
+                                  attn_implementation='sdpa')
 
-    `model`: a module of `c`'s shape whose `forward(tokens, targets)` is the mean loss (another
-    family's peer, benchmarks/compare_llama.py); this module's GPT by default.
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.llama = transformers.LlamaForCausalLM(hf)
+
+        def forward(self, tokens, targets):
+            logits = self.llama(input_ids=tokens).logits
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    return Loss()
+
+
+def make_step(c, model: nn.Module | None = None, compiled: bool = True):
+    """One training step of config `c`'s shape: (step() -> loss, info), eager or under torch.compile.
+
+    `model`: a module whose `forward(tokens, targets)` is the mean loss (`hf_llama`); this module's
+    GPT by default. The step runs forward, backward, clipping, AdamW and zeroing the gradients on
+    one fixed batch; `step()` blocks on the loss (`float`). Nothing is compiled before the first call.
     """
     device = 'cuda' if torch.cuda.is_available() else 'cpu'  # ROCm builds of torch report 'cuda' too
     m, batch = c.model, c.train.micro_batch
@@ -81,15 +106,26 @@ def time_step(c, steps: int = 5, warmup: int = 2, model: nn.Module | None = None
         opt.zero_grad(set_to_none=True)
         return loss
 
-    compiled = torch.compile(step)
+    run = torch.compile(step) if compiled else step
     tokens = torch.randint(0, m.vocab_size, (batch, m.seq_len + 1), device=device)
-    sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
+    info = {'torch': torch.__version__, 'device': device, 'threads': torch.get_num_threads(),
+            'params': sum(p.numel() for p in model.parameters())}
+    return (lambda: float(run(tokens))), info
+
+
+def time_step(c, steps: int = 5, warmup: int = 2, model: nn.Module | None = None) -> dict:
+    """Median step time, tokens/s and MFU (jaxfrontier's FLOP convention) of config `c`'s model.
+
+    `model`: a module of `c`'s shape whose `forward(tokens, targets)` is the mean loss (`hf_llama`);
+    this module's GPT by default. Timed under torch.compile.
+    """
+    step, info = make_step(c, model)
+    device, m, batch = info['device'], c.model, c.train.micro_batch
     t0 = time.perf_counter()
     times = []
     for i in range(warmup + steps):
-        sync()
         start = time.perf_counter()
-        loss = float(compiled(tokens))
+        loss = step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
         if i == 0:
