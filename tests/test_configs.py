@@ -31,7 +31,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 pytestmark = pytest.mark.filterwarnings('ignore:the load_module:DeprecationWarning')
 
 HELPERS = {'paper.py'}  # shared settings imported by configs, not configs themselves
-FROM_A_DIRECTORY = {'hf.py'}  # builds its model from a Hugging Face directory: tests/checkpoint/test_hf_llama.py
+FROM_A_DIRECTORY = {'hf.py', 'sft.py'}  # models from a Hugging Face directory: tests/checkpoint/test_hf_llama.py, tests/post_training
 
 # (file, arg) for every config: each gpt.py size, the paper's models, the default.
 CONFIGS = [('tiny.py', None)] + [('gpt.py', f'size={s}') for s in ('125m', '350m', '1.3b', '6.7b')] + [
@@ -39,6 +39,9 @@ CONFIGS = [('tiny.py', None)] + [('gpt.py', f'size={s}') for s in ('125m', '350m
 
 # llama.py's sizes: Meta's published shapes (their parameter counts: tests/model/test_llama.py).
 LLAMA_CONFIGS = [('llama.py', f'size={s}') for s in ('tiny', '1b', '3b', '8b', '70b', '405b')]
+
+# configs/moe.py's sizes: published MoE shapes (their parameter counts: tests/plan/test_planner_moe.py).
+MOE_CONFIGS = [('moe.py', f'size={s}') for s in ('tiny', 'mixtral_8x7b', 'qwen3_30b_a3b', 'qwen3_235b_a22b', 'moe_1t')]
 
 # FRONTIER.md's parameter counts of the paper's models.
 PAPER_PARAMS = {'22b.py': 22.1e9, '175b.py': 174.6e9, '1t.py': 1.008e12}
@@ -65,9 +68,16 @@ def closed_form_params(c):
 
 def test_every_config_file_is_covered():
     files = {f for f in os.listdir(CONFIG_DIR) if f.endswith('.py')}
-    assert files - HELPERS - FROM_A_DIRECTORY == {name for name, _ in CONFIGS + LLAMA_CONFIGS}
+    assert files - HELPERS - FROM_A_DIRECTORY == {name for name, _ in CONFIGS + LLAMA_CONFIGS + MOE_CONFIGS}
     for helper in HELPERS:  # a helper must not pretend to be a config
         assert not hasattr(_load_module(helper), 'get_config')
+
+
+@pytest.mark.parametrize('name,arg', MOE_CONFIGS, ids=[f'{n}:{a}' for n, a in MOE_CONFIGS])
+def test_moe_config_validates(name, arg):
+    c = load_config(name, arg)
+    config_lib.validate(c, config_lib.num_devices(c))
+    assert config_lib.model_shape(c).moe is not None
 
 
 @pytest.mark.parametrize('name,arg', CONFIGS, ids=[f'{n}:{a}' if a else n for n, a in CONFIGS])

@@ -112,7 +112,9 @@ def test_rules_without_tokens_get_length_then_batch():
     rules = tuple(r for r in config_lib.DEFAULT_RULES if r[0] != 'tokens')
     shape = config_lib.model_shape(config_lib.base_config())
     assert dict(config_lib.resolve_rules(rules, shape, {}))['tokens'] == ('context', 'data', 'fsdp')
-    assert dict(config_lib.DEFAULT_RULES)['tokens'] == ('context', 'data', 'fsdp')
+    # the table names expert too; a mesh leaves it out at size 1, and so do the resolved rules
+    assert dict(config_lib.DEFAULT_RULES)['tokens'] == ('context', 'data', 'fsdp', 'expert')
+    assert dict(config_lib.resolve_rules(config_lib.DEFAULT_RULES, shape, {}))['tokens'] == ('context', 'data', 'fsdp')
 
 
 def test_layout_and_shrink_keep_context():

@@ -89,7 +89,8 @@ def check_device_count(c: ml_collections.ConfigDict, n_devices: int, platform: s
 
 
 def _mesh_text(c: ml_collections.ConfigDict) -> str:
-    return ' x '.join(f'{a} {s}' for a, s in mesh_shape(c).items())
+    sizes = mesh_shape(c)
+    return ' x '.join(f'{a} {sizes[a]}' for a in axes_lib.in_mesh(sizes))  # expert only where it is > 1
 
 
 def device_count_fix(c: ml_collections.ConfigDict, platform: str | None = None) -> str:
@@ -182,10 +183,10 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None, platfor
     _require(isinstance(t.compile_cache_min_s, (int, float)) and t.compile_cache_min_s >= 0,
              'train.compile_cache_min_s', t.compile_cache_min_s, 'must be a number >= 0',
              'set the seconds a compile must take to be cached, e.g. 1.0')
-    dp = data_parallel_size(c)
+    dp, present = data_parallel_size(c), axes_lib.in_mesh(mesh_shape(c))
     _require(t.global_batch == t.micro_batch * t.accum_steps * dp, 'train.global_batch', t.global_batch,
              f'must equal train.micro_batch ({t.micro_batch}) x train.accum_steps ({t.accum_steps}) x '
-             f'data-parallel size ({" x ".join(a.field for a in axes_lib.of_role("batch"))} = {dp}) = '
+             f'data-parallel size ({" x ".join(a.field for a in axes_lib.of_role("batch") if a.name in present)} = {dp}) = '
              f'{t.micro_batch * t.accum_steps * dp}',
              'change train.global_batch, train.micro_batch or train.accum_steps so that the product holds')
 

@@ -362,8 +362,9 @@ def test_vocab_parallel_embedding_lookup_matches_take(shape):
     expected_grad = np.zeros_like(table)
     np.add.at(expected_grad, ids, dout)  # repeated ids accumulate
 
-    mesh = mesh_lib.make_mesh({'pipeline': 1, 'data': 1, 'fsdp': 1, 'tensor': 1, **shape})
-    rules = config_lib.DEFAULT_RULES
+    sizes = {'pipeline': 1, 'data': 1, 'fsdp': 1, 'tensor': 1, **shape}
+    mesh = mesh_lib.make_mesh(sizes)
+    rules = config_lib.resolve_rules(config_lib.DEFAULT_RULES, config_lib.model_shape(config_lib.base_config()), sizes)
     table_sharding = NamedSharding(mesh, mesh_lib.logical_to_spec(('vocab', 'embed'), rules))
     ids_sharding = NamedSharding(mesh, mesh_lib.batch_spec(rules))
 

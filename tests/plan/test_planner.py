@@ -80,7 +80,7 @@ def paper_config(name):
 def test_param_table_matches_eval_shape(tied, virtual):
     c = make_config(layers=4, d=48, heads=3, seq=20, vocab=97, tied=tied, pipeline=2 if virtual > 1 else 1,
                     schedule='interleaved' if virtual > 1 else '1f1b', virtual=virtual, accum=2, batch=4)
-    mesh = jax.sharding.AbstractMesh((2, 1, 1, 1, 1), config_lib.MESH_AXES, axis_types=(AxisType.Auto,) * len(config_lib.MESH_AXES))
+    mesh = jax.sharding.AbstractMesh((2, 1, 1, 1, 1), config_lib.axes.in_mesh({}), axis_types=(AxisType.Auto,) * 5)
     layout = ts.make_placement(c, mesh)
     abstract = jax.tree_util.tree_flatten_with_path(layout.abstract_state['params'])[0]
     logical = params_lib.split_virtual_specs(layout.model_def.logical_specs(), virtual)
@@ -121,7 +121,7 @@ def test_flops_match_closed_forms_and_megatron():
                                         ('save_dots', 2)])
 def test_hardware_flops_match_traced_train_step(remat, pipe):
     c = make_config(remat=remat, pipeline=pipe, accum=2 if pipe > 1 else 1, layers=4, d=32, seq=16, batch=4)
-    mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1, 1), config_lib.MESH_AXES, axis_types=(AxisType.Auto,) * len(config_lib.MESH_AXES))
+    mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1, 1), config_lib.axes.in_mesh({}), axis_types=(AxisType.Auto,) * 5)
     layout = ts.make_placement(c, mesh)
     weights = None
     if pipe > 1:

@@ -107,7 +107,7 @@ def test_8b_flops_are_megatrons_gqa_swiglu_count():
 @pytest.mark.parametrize('remat,pipe', [('none', 1), ('full', 1), ('save_dots_no_batch', 1), ('full', 2)])
 def test_hardware_flops_match_traced_train_step(remat, pipe, **model):
     c = make_config(remat=remat, pipeline=pipe, accum=2 if pipe > 1 else 1, layers=4, d=32, seq=16, batch=4, **model)
-    mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1, 1), config_lib.MESH_AXES, axis_types=(AxisType.Auto,) * len(config_lib.MESH_AXES))
+    mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1, 1), config_lib.axes.in_mesh({}), axis_types=(AxisType.Auto,) * 5)
     placement = ts.make_placement(c, mesh)
     weights = pipeline.build_schedule(layout_lib.Layout.from_config(c)).flop_weights if pipe > 1 else None
     loss_and_grads = step_lib.make_loss_and_grads(c, placement)
