@@ -26,7 +26,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.run import loop
 from jaxfrontier.training import state as ts
-from tests import processes
+import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 2e-6

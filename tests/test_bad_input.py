@@ -18,7 +18,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader, token_files
 from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.run import loop
-from tests import processes
+import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

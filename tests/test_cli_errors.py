@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from jaxfrontier import errors
-from tests import processes
+import processes
 
 
 def run(*args, env=None, module='jaxfrontier.main'):

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests import processes
+import processes
 
 sys.path.insert(0, os.path.join(processes.REPO, 'benchmarks'))
 import doc_commands  # noqa: E402  (benchmarks/doc_commands.py)

@@ -16,7 +16,7 @@ from jaxfrontier.checkpoint import run_files
 from jaxfrontier.errors import UserError
 from jaxfrontier.checkpoint.interop import hf
 from jaxfrontier.checkpoint.interop import safetensors as export
-from tests import processes
+import processes
 
 
 @pytest.fixture(scope='module')

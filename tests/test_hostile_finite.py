@@ -21,7 +21,7 @@ from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.training import state as ts
-from tests import processes
+import processes
 
 TINY = (*processes.TINY, '--config.model.num_heads=2')
 

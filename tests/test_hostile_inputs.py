@@ -22,7 +22,7 @@ from jaxfrontier.data import corpus
 from jaxfrontier.data.corpus import FlagError
 from jaxfrontier.errors import UserError
 from jaxfrontier.inference import load as load_lib
-from tests import processes
+import processes
 from test_hostile_finite import tiny_config, write_params
 
 

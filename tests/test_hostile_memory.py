@@ -18,7 +18,7 @@ from jaxfrontier.plan import planner
 from jaxfrontier.plan import preflight
 from jaxfrontier import hardware
 from jaxfrontier.run.observe import memory_check
-from tests import processes
+import processes
 
 GIB = 2**30
 

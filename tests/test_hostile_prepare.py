@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.data import long_words
-from tests import processes
+import processes
 
 
 def test_bounded_cuts_only_long_runs():

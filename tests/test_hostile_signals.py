@@ -18,7 +18,7 @@ import pytest
 from ml_collections import config_flags
 
 from jaxfrontier.run import loop
-from tests import processes
+import processes
 
 
 def tiny(steps):

@@ -22,7 +22,7 @@ from processes import read_metrics
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
     make_config, layout_for, target_of, random_state, save_state, read_numpy, flat_numpy, no_init, main)
-from tests.processes import error_line
+from processes import error_line
 
 pytestmark = pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
 

@@ -13,7 +13,7 @@ from jaxfrontier.run import loop
 
 from checkpoint_common import (  # noqa: F401  (fixtures are used by name)
     REPO, make_config, layout_for, target_of, no_init, _largest_file, vocab300, main)
-from tests.processes import error_line
+from processes import error_line
 
 # A failed Orbax read (the corruption tests) leaves TensorStore callbacks aimed at the asyncio
 # loop it has closed; Python reports them as unraisable at some later test. Nothing leaks.

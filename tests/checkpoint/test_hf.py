@@ -26,7 +26,7 @@ from jaxfrontier.data import token_files  # noqa: E402
 from jaxfrontier.inference import load as load_lib  # noqa: E402
 from jaxfrontier.checkpoint.interop import hf  # noqa: E402
 from jaxfrontier.checkpoint import readers  # noqa: E402
-from tests import processes  # noqa: E402
+import processes  # noqa: E402
 
 EOT = '<|endoftext|>'
 WORDS = 'the a cat dog sat ran on under mat log big small red blue and then quickly slowly'.split()

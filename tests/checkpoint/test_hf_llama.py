@@ -39,7 +39,7 @@ from jaxfrontier.checkpoint import target as target_lib  # noqa: E402
 from jaxfrontier.errors import UserError  # noqa: E402
 from jaxfrontier.inference import load as load_lib  # noqa: E402
 from test_hf import write_corpus  # noqa: E402
-from tests import processes  # noqa: E402
+import processes  # noqa: E402
 
 hf_llama = families.get('llama').hf  # the family's converter
 

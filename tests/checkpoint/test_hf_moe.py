@@ -38,7 +38,7 @@ from jaxfrontier.inference import generate as gen  # noqa: E402
 from jaxfrontier.inference import load as load_lib  # noqa: E402
 from test_hf_llama import (VOCAB, ParamsReader, _edit, _randomize, _set, hf_config_of, our_logits,  # noqa: E402
                            target_of)
-from tests import processes  # noqa: E402
+import processes  # noqa: E402
 
 converter = families.get('llama').hf  # the Llama family's converter reads Mixtral and Qwen3-MoE too
 pytestmark = pytest.mark.filterwarnings('ignore:the load_module:DeprecationWarning')

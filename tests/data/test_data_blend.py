@@ -10,7 +10,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier.data import loader, token_files
 from jaxfrontier.data import sampling
 from jaxfrontier.errors import ConfigError
-from tests import processes
+import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LEN, BATCH = 7, 10

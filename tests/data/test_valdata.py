@@ -20,7 +20,7 @@ from jaxfrontier.data import loader, token_files
 from jaxfrontier.errors import ConfigError
 from jaxfrontier.training import evaluation
 from jaxfrontier.run import validation
-from tests import processes
+import processes
 
 REPO = processes.REPO
 SEQ_LEN, BATCH = 32, 16  # processes.TINY's sequence and configs/tiny.py's global batch

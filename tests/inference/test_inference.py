@@ -17,7 +17,7 @@ from jaxfrontier.inference import generate as gen
 from jaxfrontier.inference import sample
 from jaxfrontier.model.params import ModelDef, init_params
 from jaxfrontier.training import state as ts
-from tests import processes
+import processes
 
 # Prime-ish sizes so a swapped axis fails: 3 layers, 4 heads of 8, 40 positions, 259 tokens (padded).
 SHAPE = dict(num_layers=3, d_model=32, num_heads=4, seq_len=40, vocab_size=259)

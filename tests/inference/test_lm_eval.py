@@ -23,8 +23,8 @@ from jaxfrontier.errors import UserError
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import scoring
 from jaxfrontier.model.params import ModelDef
-from tests import processes
-from tests.inference.test_inference import small_config, sharp_params
+import processes
+from test_inference import small_config, sharp_params
 
 
 def direct_logprob(forward, params, context, continuation, seq_len):
@@ -154,7 +154,7 @@ def test_cli_tasks_equal_direct_computation(tmp_path):
     lm_utils = pytest.importorskip('lm_eval.utils', reason='lm-eval is an optional extra '
                                    '(pip install jaxfrontier[lm_eval])')
     # test_sampling's CLI model (it imports torch: only here, not in the fast tier's import)
-    from tests.inference.test_sampling import PRINTABLE, cli_config, printable_params  # pylint: disable=import-outside-toplevel
+    from test_sampling import PRINTABLE, cli_config, printable_params  # pylint: disable=import-outside-toplevel
     c, model_flags = cli_config('gpt')
     seq_len, real = c.model.seq_len, c.model.vocab_size
     model_def = ModelDef.create(config_lib.model_shape(c))

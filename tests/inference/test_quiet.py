@@ -13,8 +13,8 @@ from jaxfrontier import logs
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.checkpoint import manager as ckpt_lib
 from jaxfrontier.training import state as ts
-from tests import processes
-from tests.inference.test_inference import small_config
+import processes
+from test_inference import small_config
 
 NOISE = ("Unable to initialize backend", "Involuntary full rematerialization", "BasePyTreeCheckpointHandler",
          "throughput", "gbytes_per_sec", "Read ratio")

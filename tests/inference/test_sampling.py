@@ -24,8 +24,8 @@ from jaxfrontier.inference import generate as gen
 from jaxfrontier.inference import sample
 from jaxfrontier.inference import stops
 from jaxfrontier.model.params import ModelDef
-from tests import processes
-from tests.inference.test_inference import FAMILIES, SHAPE, prompts, sharp_params, small_config
+import processes
+from test_inference import FAMILIES, SHAPE, prompts, sharp_params, small_config
 
 PROMPTS = ['Hello', 'ab', 'The quick fox']
 MAX_NEW = 24

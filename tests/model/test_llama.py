@@ -309,7 +309,7 @@ def test_dropout_masks_do_not_depend_on_the_layout(reference_step0):
 
 def run_main(*args):
     """stdout of `python -m jaxfrontier.main` with configs/llama.py's tiny size on data 2 x tensor 2."""
-    from tests import processes  # pylint: disable=g-import-not-at-top
+    import processes  # pylint: disable=g-import-not-at-top
     proc = processes.run_main('--config=configs/llama.py:size=tiny,data=2,tensor=2', '--config.mesh.cpu_devices=4',
                               '--config.model.seq_len=32', '--config.train.log_every=1',
                               '--config.train.progress=False',
@@ -322,7 +322,7 @@ def run_main(*args):
 @pytest.mark.slow
 def test_main_trains_resumes_evaluates_and_samples(tmp_path):
     """configs/llama.py:size=tiny through the CLI: 4 steps with a checkpoint, a resume to 6, eval, greedy sample."""
-    from tests import processes  # pylint: disable=g-import-not-at-top
+    import processes  # pylint: disable=g-import-not-at-top
     workdir = str(tmp_path / 'run')
     run_main(f'--workdir={workdir}', '--config.train.steps=4', '--config.train.eval_every=0',
              '--config.checkpoint.every_steps=2')

@@ -28,7 +28,7 @@ from jaxfrontier import layout as layout_lib
 from jaxfrontier.plan import calibrate as fit_lib
 from jaxfrontier.plan import measured
 from jaxfrontier.plan import planner
-from tests import processes
+import processes
 
 from processes import REPO, subprocess_env
 

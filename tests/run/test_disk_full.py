@@ -20,7 +20,7 @@ import tensorstore as ts
 
 from jaxfrontier import errors
 from jaxfrontier.checkpoint import manager
-from tests import processes
+import processes
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from jaxfrontier.run.observe import goodput
 from jaxfrontier.run.observe import metrics
 from jaxfrontier.run.observe import stragglers
 from jaxfrontier.run.observe import wandb_log
-from tests import processes
+import processes
 
 
 class Clock:

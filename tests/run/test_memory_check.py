@@ -18,8 +18,8 @@ from jaxfrontier import hardware
 from jaxfrontier.run.observe import memory_check
 from jaxfrontier.training import state as ts
 from jaxfrontier import mesh as mesh_lib
-from tests import processes
-from tests.test_bad_input import good_config
+import processes
+from test_bad_input import good_config
 
 GIB = 2**30
 

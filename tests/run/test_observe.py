@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests import processes
+import processes
 
 ARGS = (*processes.TINY, '--config.data.kind=synthetic', '--config.checkpoint.every_steps=2',
         '--config.train.eval_every=2')

@@ -14,7 +14,7 @@ import pytest
 from ml_collections import config_flags
 
 from jaxfrontier.run import loop
-from tests import processes
+import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

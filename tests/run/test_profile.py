@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests import processes
+import processes
 
 
 def run_main(workdir, *more):

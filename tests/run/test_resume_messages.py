@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests import processes
+import processes
 
 ARGS = (*processes.TINY, '--config.data.kind=synthetic', '--config.checkpoint.keep=5')
 

@@ -18,8 +18,8 @@ import pytest
 from jaxfrontier.errors import UserError
 from jaxfrontier.run import loop
 from jaxfrontier.run.control import workdir_lock
-from tests import processes
-from tests.test_bad_input import good_config
+import processes
+from test_bad_input import good_config
 
 
 def write_lock(workdir, **fields):
