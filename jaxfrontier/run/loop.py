@@ -33,6 +33,7 @@ from jaxfrontier.checkpoint import target as target_lib
 from jaxfrontier.checkpoint.format import FROZEN, persistent
 from jaxfrontier.checkpoint.fast import tiers
 from jaxfrontier.checkpoint.interop import init_from
+from jaxfrontier.data import dpo as dpo_data
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import NonFiniteLossError
 from jaxfrontier.model import packing as packing_lib
@@ -51,6 +52,7 @@ from jaxfrontier.run.observe import profile as profile_lib
 from jaxfrontier.run.observe import report
 from jaxfrontier.run.observe import stragglers
 from jaxfrontier.run.observe import wandb_log
+from jaxfrontier.training import dpo
 from jaxfrontier.training import evaluation
 from jaxfrontier.training import spikes
 from jaxfrontier.training import state as ts
@@ -108,7 +110,7 @@ def _train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, locks: list,
             closing.close()
             return _nothing_ran(c, start.step)
         sinks = _wandb_sinks(c, workdir, handlers, phase)
-        steps = _compile(c, start.layout, phase)  # 5. compile
+        steps = _compile(c, start, phase)  # 5. compile
         ledger = goodput.Ledger(workdir, started, write=jax.process_index() == 0)  # start-up until the first step
         ledger.phases(phase.phases)
         memory = _check_memory(c, steps, start.layout, phase)
@@ -202,7 +204,10 @@ def _mesh(c: ml_collections.ConfigDict) -> jax.sharding.Mesh:
 
 def _data(c: ml_collections.ConfigDict, workdir: str) -> tuple[Any, Any]:
     """(train, validation) sources of the `data` section, windows as the model and batch need."""
-    train_source, val_source = data_lib.make_datasets(c.data, workdir, data_lib.BatchSpec.of(c))
+    if c.train.objective == 'dpo':  # whole preference pairs, not windows of a stream (data/dpo.py)
+        train_source, val_source = dpo_data.make_sources(c.data, c.model.vocab_size, c.seed)
+    else:
+        train_source, val_source = data_lib.make_datasets(c.data, workdir, data_lib.BatchSpec.of(c))
     packing = (f'packed documents (attention within each, end-of-text id {c.data.eot_id})' if c.data.pack_documents
                else 'windows across documents (pack_documents=False)')
     _log(f'data: train {train_source.describe()}; validation {val_source.describe()}; {packing}')
@@ -298,8 +303,12 @@ class _Steps:
     compile_s: float
 
 
-def _compile(c: ml_collections.ConfigDict, layout: ts.StatePlacement, phase: report.PhaseTimer) -> _Steps:
-    train_step, eval_step, batch_sharding = step_lib.compile_steps(c, layout)
+def _compile(c: ml_collections.ConfigDict, start: _Start, phase: report.PhaseTimer) -> _Steps:
+    if c.train.objective == 'dpo':  # the reference: the start's parameters, re-read (training/dpo.py)
+        reference = init_from.load_params(c.checkpoint.init_params_from, c, start.target['params'])
+        train_step, eval_step, batch_sharding = dpo.compile_steps(c, start.layout, reference)
+    else:
+        train_step, eval_step, batch_sharding = step_lib.compile_steps(c, start.layout)
     return _Steps(train_step, eval_step, batch_sharding, phase.done('compile'))
 
 
@@ -339,7 +348,8 @@ def _services(c: ml_collections.ConfigDict, workdir: str, start: _Start, steps: 
     # A stuck step ends the process with its stacks on disk (exit 5, run/control/watchdog.py).
     watchdog = watchdog_lib.Watchdog(t, workdir, process)
     closing.callback(watchdog.stop)
-    evaluate = functools.partial(evaluation.evaluate, steps.eval, source=val_source,
+    evaluate = functools.partial(dpo.evaluate if c.train.objective == 'dpo' else evaluation.evaluate, steps.eval,
+                                 source=val_source,
                                  batch_sharding=steps.batch_sharding, eval_batches=t.eval_batches,
                                  global_batch=t.global_batch, packing=packing_lib.from_config(c))
     after = after_step.AfterStep(t.steps, t.eval_every, start.checkpointer, start.fast, guard, start.target,

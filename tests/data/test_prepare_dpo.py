@@ -13,7 +13,8 @@ pytest.importorskip('transformers')
 
 from jaxfrontier.data import dpo, token_files  # noqa: E402
 from jaxfrontier.data import loss_mask  # noqa: E402
-from tests import chat_models, processes  # noqa: E402
+import chat_models  # noqa: E402
+import processes  # noqa: E402
 
 V = chat_models.VOCAB
 EOT, START, END = V['<|endoftext|>'], V['<|im_start|>'], V['<|im_end|>']

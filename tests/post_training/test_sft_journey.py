@@ -13,7 +13,8 @@ import pytest
 transformers = pytest.importorskip('transformers')
 torch = pytest.importorskip('torch')
 
-from tests import chat_models, processes  # noqa: E402
+import chat_models  # noqa: E402
+import processes  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings('ignore:the load_module:DeprecationWarning')
 
