@@ -33,7 +33,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DOCS = ('README.md',) + tuple(f'docs/{name}.md' for name in (
     'models', 'data', 'your_run', 'training', 'inference', 'checkpoints', 'long_context', 'preflight', 'planner',
-    'sweeps', 'frontier'))
+    'sweeps', 'frontier', 'post_training'))
 PROGRAMS = ('python ', 'python3 ', 'pip ', 'sbatch ', 'srun ', 'salloc ', 'export ', 'cd ')
 KINDS = ('cpu', 'long', 'gpu', 'cluster', 'network', 'elided')
 
