@@ -57,6 +57,7 @@ def test_expert_parallel_equals_one_device(skewed_init):
     check('skewed', expert=2)
 
 
+@pytest.mark.slow  # ~20-40 s of compiles: the fast tier keeps the layer's dense-reference checks (test_moe.py)
 def test_expert_x_data_with_accumulation_equals_one_device(skewed_init):
     """The once-per-step reduction (training/reduction.data_local): a replica's balancing-loss gradient
     from its own tokens' probabilities, the loads counted over every replica."""

@@ -37,7 +37,8 @@ from jaxfrontier.inference import load as load_lib  # noqa: E402
 from jaxfrontier.run import loop  # noqa: E402
 from test_hf_llama import hf_config_of, save_llama  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings('ignore:the load_module:DeprecationWarning')
+# slow: the module's training run (~20 s) feeds every test here
+pytestmark = [pytest.mark.filterwarnings('ignore:the load_module:DeprecationWarning'), pytest.mark.slow]
 TARGETS = 'q,v,o,down'
 
 

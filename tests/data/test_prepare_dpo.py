@@ -87,7 +87,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize('name', list(BAD))
+@pytest.mark.parametrize('name', [n if n == 'identical pair' else pytest.param(n, marks=pytest.mark.slow) for n in BAD])
 def test_bad_pairs_are_one_line_exit_2_nothing_written(tmp_path, tokenizer_dir, name):
     records, words = BAD[name]
     good = chat_models.preference_pairs(2)

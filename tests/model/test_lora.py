@@ -56,7 +56,7 @@ def tokens_of(seq_len, batch=3):
     return jax.random.randint(jax.random.key(7), (batch, seq_len + 1), 0, 251)
 
 
-@pytest.mark.parametrize('case', sorted(CASES))
+@pytest.mark.parametrize('case', [c if c == 'llama' else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)])
 def test_forward_equals_the_merged_weights(case):
     """x W + alpha / r (x a) b through the seam = x (W + alpha / r a b): the model with adapters against the
     model without them on the merged weights (model/lora.merge), and families/lora.merged (numpy) = merge."""
@@ -208,6 +208,7 @@ def test_dropout_on_the_adapter_input_only_in_training():
     assert float(loss_of(base, params, tokens, jax.random.key(3))) == float(evaluation)
 
 
+@pytest.mark.slow
 def test_loss_is_differentiable_in_the_adapters_alone():
     """jax.grad of the adapters with the base closed over: gradients shaped like the adapters, nonzero for
     a and b once b is not zero."""
