@@ -47,7 +47,8 @@ def check_config(new, config_lib) -> None:
     c.mesh[new.name] = 2
     batch = new.role == 'batch'
     if batch:  # a batch axis splits the rows: the global batch follows
-        batch_fields = ' x '.join(a.field for a in config_lib.axes.of_role('batch'))
+        present = config_lib.axes.in_mesh(dict(c.mesh))  # an axis left out at size 1 (expert) is not named
+        batch_fields = ' x '.join(a.field for a in config_lib.axes.of_role('batch') if a.name in present)
         raises(lambda: config_lib.validate(c), 'train.global_batch', f'{batch_fields} = 2')
         c.train.global_batch *= 2
     assert config_lib.data_parallel_size(c) == (2 if batch else 1)

@@ -31,7 +31,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 pytestmark = pytest.mark.filterwarnings('ignore:the load_module:DeprecationWarning')
 
 HELPERS = {'paper.py'}  # shared settings imported by configs, not configs themselves
-FROM_A_DIRECTORY = {'hf.py', 'sft.py'}  # models from a Hugging Face directory: tests/checkpoint/test_hf_llama.py, tests/post_training
+FROM_A_DIRECTORY = {'hf.py', 'sft.py', 'dpo.py'}  # models from a Hugging Face directory: tests/checkpoint/test_hf_llama.py, tests/post_training
 
 # (file, arg) for every config: each gpt.py size, the paper's models, the default.
 CONFIGS = [('tiny.py', None)] + [('gpt.py', f'size={s}') for s in ('125m', '350m', '1.3b', '6.7b')] + [
