@@ -33,6 +33,13 @@ def run_main(*args: str, tiny: bool = True, module: str = 'jaxfrontier.main', en
     return subprocess.run(cmd, cwd=cwd, env=env or subprocess_env(), capture_output=True, text=text, timeout=timeout)
 
 
+def run_ok(*args: str, module: str = 'jaxfrontier.main', timeout: float = 900) -> tuple[str, str]:
+    """(stdout, stderr) of `python -m MODULE ARGS` (no TINY flags), which must exit 0."""
+    proc = run_main(*args, tiny=False, module=module, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, proc.stderr
+
+
 def error_line(proc: subprocess.CompletedProcess, code: int | None = 2) -> str:
     """The one `error:` line of a refused command: exit `code` (unless None), no traceback, exactly one line."""
     stderr = proc.stderr if isinstance(proc.stderr, str) else proc.stderr.decode(errors='replace')

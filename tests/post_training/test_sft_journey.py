@@ -19,10 +19,7 @@ import processes  # noqa: E402
 pytestmark = pytest.mark.filterwarnings('ignore:the load_module:DeprecationWarning')
 
 
-def run(*args, module='jaxfrontier.main'):
-    proc = processes.run_main(*args, tiny=False, module=module, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout, proc.stderr
+run = processes.run_ok
 
 
 @pytest.mark.slow
