@@ -60,6 +60,8 @@ def subprocess_env(**more: str) -> dict[str, str]:
     """The test environment for a jaxfrontier subprocess: CPU, no fixed device count, and the
     session's compilation cache (JAX_COMPILATION_CACHE_DIR, set by conftest)."""
     env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO, PYTHONUNBUFFERED='1')
+    # Scripts (launch/*.sh) call `python`: the one running the tests, even from an unactivated venv.
+    env['PATH'] = os.pathsep.join([os.path.dirname(sys.executable), env.get('PATH', '')])
     flags = [f for f in env.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
     env['XLA_FLAGS'] = ' '.join(flags)
     env.update(more)

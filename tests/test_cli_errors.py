@@ -72,7 +72,10 @@ def test_help_into_a_closed_pipe_is_quiet(module):
 
 def test_ctrl_c_outside_the_training_loop_is_one_line():
     """Ctrl-C before the loop's own handler (flags, imports, preflight): one line and 130, no traceback."""
+    # A shell's background job starts with SIGINT ignored (and Python then keeps it ignored): install the
+    # handler a terminal's Python has, so that the test means the same from any shell.
     script = ('import os, signal\n'
+              'signal.signal(signal.SIGINT, signal.default_int_handler)\n'
               'from jaxfrontier import cli\n'
               'def main(argv):\n'
               '    os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt here\n'

@@ -356,8 +356,12 @@ class Family:
         default = self.fields[field]
         if m[field] == default:
             return True
-        return self.effective is not None and (
-            self.effective(m)[field] == self.effective({**dict(m.items()), field: default})[field])
+        if self.effective is None:
+            return False
+        try:  # a value this family would refuse (multiple_of 0) is not its default either
+            return self.effective(m)[field] == self.effective({**dict(m.items()), field: default})[field]
+        except (ArithmeticError, TypeError, ValueError):
+            return False
 
     def shape(self, m: Mapping[str, Any], **common: Any) -> ModelShape:
         """The model's shape: ModelShape's fields (`common`) and the family's own from model.* `m`."""

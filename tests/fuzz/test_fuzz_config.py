@@ -70,4 +70,5 @@ def test_config_overrides(budget):
     fuzz('config overrides (validate + plan)', overrides, check, budget, deadline_ms=5000,
          examples=[[(('model', 'init_std'), math.nan)], [(('optim', 'lr'), math.inf)],
                    [(('model', 'seq_len'), 2**62)], [(('sharding', 'rules'), None)],
-                   [(('model', 'dropout_rate'), 0.5)], [(('model', 'mlp_ratio'), 1)]])
+                   [(('model', 'dropout_rate'), 0.5)], [(('model', 'mlp_ratio'), 1)],
+                       [(('model', 'multiple_of'), 0)]])
