@@ -133,7 +133,7 @@ def path_name(path) -> str:
 
 def corrupted_error(directory: str, step: int | str, error: Exception, fix: str = '') -> CheckpointError:
     """The error for a checkpoint that Orbax or TensorStore could not read (`fix`: what to do instead)."""
-    detail = ' '.join(str(error).split())[:300]
+    detail = integrity.read_error_text(error)[:400]
     if integrity.is_checksum_error(error):
         return CheckpointError(
             f'checkpoint {directory}/{step} fails its checksum ({detail}): its files were changed on disk. '

@@ -57,10 +57,21 @@ def install_chunk_checksums() -> None:
         tensorstore_utils._build_zarr3_metadata = _with_chunk_checksum(build)  # pylint: disable=protected-access
 
 
+def read_error_text(error: BaseException) -> str:
+    """A failed read's message on one line: Orbax's (which array index) without the array's whole
+    TensorStore spec it appends ('See full TensorStore details: ...'), then TensorStore's own (its cause)."""
+    text = ' '.join(str(error).split(' See full TensorStore details')[0].split())
+    cause = error.__cause__
+    if cause is not None and str(cause):
+        text += f' ({" ".join(str(cause).split())})'
+    return text
+
+
 def is_checksum_error(error: BaseException) -> bool:
-    """Whether a failed read is TensorStore's checksum mismatch (corrupted bytes on disk)."""
-    text = str(error)
-    return 'Digest mismatch' in text or 'crc32c' in text.lower()
+    """Whether a failed read is TensorStore's checksum mismatch (corrupted bytes on disk), not another
+    failure of a read (a truncated file: OUT_OF_RANGE), whose spec merely names the crc32c codec."""
+    text = read_error_text(error)
+    return 'Digest mismatch' in text or 'checksum mismatch' in text.lower()
 
 
 def health(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ log = logs.process0(__name__).info  # process 0 only
 
 
 _ORBAX = f'{os.sep}orbax{os.sep}'
+_ORBAX_READ = '_read_array_index_and_device_put'  # serialization.py: one array index of a restore
 
 
 class _QuietOrbax(pylogging.Filter):
@@ -55,7 +56,11 @@ class _QuietOrbax(pylogging.Filter):
     record is Orbax's when Orbax logged it (the absl logger) or its exception was raised in Orbax's
     code (the asyncio logger). Of those, only records whose exception or text `errors.disk_full`
     recognises are dropped (an OSError ENOSPC / EDQUOT in the chain, or errors.DISK_FULL_TEXTS),
-    so any other failure still shows.
+    so any other failure still shows. A restore is the same: when one of its reads fails (a truncated
+    or corrupted file) the first failure is raised, and the restore reports it in one line; the
+    other reads that failed are logged by asyncio as never retrieved, each with the array's whole
+    TensorStore spec (a hundred lines). Those records, raised in Orbax's read of an array index, are
+    dropped too.
     """
 
     def filter(self, record) -> bool:
@@ -70,6 +75,8 @@ class _QuietOrbax(pylogging.Filter):
             message = record.getMessage()
         except (TypeError, ValueError):  # arguments that do not fit: the handler reports that itself
             message = str(record.msg)
+        if exception is not None and any(f.name == _ORBAX_READ for f in traceback.extract_tb(exception.__traceback__)):
+            return False  # a read the failed restore left behind: the first failure was raised (one line)
         return errors.disk_full(exception) is None and not any(t in message for t in errors.DISK_FULL_TEXTS)
 
 
@@ -92,17 +99,34 @@ def _closed_loop_wakeup(unraisable) -> bool:
             and all(f.filename == asyncio.base_events.__file__ for f in frames))
 
 
+def _abandoned_orbax_read(unraisable) -> bool:
+    """Whether an unraisable exception is an Orbax read abandoned by a restore that failed.
+
+    A restore reads every array index in one `gather` on a loop Orbax closes when it raises
+    (asyncio_utils.run_sync): the first failed read (a corrupted or truncated file) is raised to the
+    restore, which reports it in one line (format.corrupted_error); the reads still suspended are
+    closed whenever the garbage collector finds them, sometimes much later. Orbax's
+    `_read_array_index_and_device_put` catches BaseException around its read and raises a new
+    Exception, so closing it turns GeneratorExit into an error Python can only print, with the
+    array's whole TensorStore spec (about 100 lines each, dozens per restore). Exactly that is
+    recognised: the coroutine of that function in Orbax's code, its exception caused by GeneratorExit.
+    """
+    code = getattr(unraisable.object, 'cr_code', None)
+    return (code is not None and code.co_name == _ORBAX_READ and _ORBAX in code.co_filename
+            and isinstance(getattr(unraisable.exc_value, '__cause__', None), GeneratorExit))
+
+
 def _unraisable_hook(previous):
     def hook(unraisable) -> None:
-        if not _closed_loop_wakeup(unraisable):
+        if not (_closed_loop_wakeup(unraisable) or _abandoned_orbax_read(unraisable)):
             previous(unraisable)
     hook.drops_closed_loop_wakeups = True
     return hook
 
 
 def quiet_orbax_logs() -> None:
-    """Installs _QuietOrbax on the absl logger and on asyncio's, and the closed-loop filter on
-    sys.unraisablehook (_closed_loop_wakeup), once per process."""
+    """Installs _QuietOrbax on the absl logger and on asyncio's, and the filters of Orbax's leftovers on
+    sys.unraisablehook (_closed_loop_wakeup, _abandoned_orbax_read), once per process."""
     for logger in (logging.get_absl_logger(), pylogging.getLogger('asyncio')):
         if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
             logger.addFilter(_QuietOrbax())

@@ -158,13 +158,15 @@ def test_an_orbax_write_task_left_unawaited_after_a_full_disk_is_not_logged_and_
     ours_file = os.path.join(os.sep, 'jaxfrontier', 'training', 'loop.py')
     writers = {}
     for name, file in (('orbax', orbax_file), ('ours', ours_file)):
-        exec(compile('async def write_fragment(e):\n    raise e\n', file, 'exec'), writers.setdefault(name, {}))
+        exec(compile('async def write_fragment(e):\n    raise e\n'
+                     'async def _read_array_index_and_device_put(e):\n    raise e\n', file, 'exec'),
+             writers.setdefault(name, {}))
     enospc = ('RESOURCE_EXHAUSTED: Error writing local file "/w/checkpoints/2/x": '
               "Failed to write 3827 bytes to file 17: No space left on device [os_error_code='28']")
 
-    def orphaned(writer: str, message: str) -> list[logging.LogRecord]:
+    def orphaned(writer: str, message: str, task: str = 'write_fragment') -> list[logging.LogRecord]:
         async def save():
-            write = writers[writer]['write_fragment']
+            write = writers[writer][task]
             first, _second = asyncio.ensure_future(write(ValueError(message))), asyncio.ensure_future(write(ValueError(message)))
             await asyncio.sleep(0)
             await first  # raises; `_second` is never awaited
@@ -182,6 +184,10 @@ def test_an_orbax_write_task_left_unawaited_after_a_full_disk_is_not_logged_and_
         assert orphaned('orbax', enospc) == []
         assert len(orphaned('orbax', 'DATA_LOSS: checksum mismatch')) == 1  # not a full disk
         assert len(orphaned('ours', enospc)) == 1  # not Orbax's task: a bug of ours to see
+        # A restore's reads of a truncated file: the first failure is raised (one line); the rest are dropped.
+        out_of_range = 'OUT_OF_RANGE: Error reading shard entry {0, 0}/{1, 1}: Requested byte range is not valid'
+        assert orphaned('orbax', out_of_range, '_read_array_index_and_device_put') == []
+        assert len(orphaned('ours', out_of_range, '_read_array_index_and_device_put')) == 1
 
 
 def test_quiet_orbax_logs_installs_each_filter_once(monkeypatch):
@@ -194,3 +200,30 @@ def test_quiet_orbax_logs_installs_each_filter_once(monkeypatch):
     assert sum(isinstance(f, manager._QuietOrbax) for f in absl_filters) == 1
     asyncio_filters = logging.getLogger('asyncio').filters
     assert sum(isinstance(f, manager._QuietOrbax) for f in asyncio_filters) == 1
+
+
+def test_an_orbax_read_abandoned_by_a_failed_restore_is_not_printed_and_others_are():
+    """A failed restore's still-suspended Orbax reads, closed by the collector, print nothing; an Orbax
+    read that failed for another reason, and a coroutine of anyone else closed the same way, still do."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    async def ours():
+        pass
+
+    seen = []
+    hook = manager._unraisable_hook(seen.append)
+    for coroutine, cause, printed in [
+            (serialization._read_array_index_and_device_put([], (), None, global_shape=(), new_shard_shape=(),
+                                                            dtype=None, byte_limiter=None, strict=True, dll=None,
+                                                            memory_kind=None), GeneratorExit(), False),
+            (serialization._read_array_index_and_device_put([], (), None, global_shape=(), new_shard_shape=(),
+                                                            dtype=None, byte_limiter=None, strict=True, dll=None,
+                                                            memory_kind=None), ValueError('DATA_LOSS'), True),
+            (ours(), GeneratorExit(), True)]:
+        error = Exception('Encountered error while reading array index')
+        error.__cause__ = cause
+        seen.clear()
+        hook(types.SimpleNamespace(exc_type=Exception, exc_value=error, exc_traceback=None, object=coroutine,
+                                   err_msg=None))
+        coroutine.close()  # never started: closing runs none of its code
+        assert len(seen) == printed, (coroutine, cause)
