@@ -135,3 +135,25 @@ def test_layouts_that_split_pairs_or_pipeline_are_refused(layout, field):
     with pytest.raises(ConfigError) as e:
         dpo_data.check_run(dpo_config(**layout))
     assert e.value.field == field and '\n' not in str(e.value)
+
+
+def test_under_lora_the_reference_is_the_base_with_adapters_off():
+    """DPO's reference under LoRA: the base with the adapters off, not a copy. With b = 0 (PEFT's start) the
+    policy is its base, so step 0's rewards and margins are exactly 0 (loss log 2); the compiled step's arguments
+    are the state and the batch alone (no reference copy of the base); after the update (b != 0) the policy
+    moves from the unchanged reference and the margins are no longer 0."""
+    c = dpo_config()
+    c.lora.update(rank=4, alpha=8.0, targets='q,v')
+    mesh = mesh_lib.make_mesh(config_lib.mesh_shape(c), jax.devices()[:1])
+    layout = ts.make_placement(c, mesh)
+    state = ts.init_train_state(c, layout)
+    train, _, sharding = dpo.compile_steps(c, layout, None)
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+    batch = jax.device_put(pair_batch()[0], sharding)
+    assert train.memory_analysis().argument_size_in_bytes == per_device + batch.addressable_shards[0].data.nbytes
+    with jax.set_mesh(mesh), mesh_lib.use_rules(layout.rules):
+        state, first = jax.device_get(train(state, batch))
+        _, second = jax.device_get(train(state, batch))
+    assert first['dpo/margin'] == 0 and first['dpo/reward_chosen'] == 0 and first['dpo/reward_rejected'] == 0
+    assert first['dpo/loss'] == pytest.approx(np.log(2), abs=1e-6) and first['train/grad_norm'] > 0
+    assert second['dpo/margin'] != 0 and second['dpo/reward_chosen'] != 0
