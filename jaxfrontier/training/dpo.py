@@ -12,10 +12,9 @@ training), which gets no gradient. Reported (`dpo/*`): the loss, the implicit re
 beta * (logp - ref) of chosen and rejected, their margin, and the accuracy (the share of pairs
 whose chosen reward is higher).
 
-The per-row sums come from the model's own masked cross-entropy (`TokenOrder.loss`, the same
-head, padded-vocabulary exclusion and tensor-parallel logits as every loss here) with one weight
-vector per row, vmapped: only the weighting is batched, the forward pass runs once. So no model
-code changes and every non-pipelined layout computes it as the plain loss is computed.
+The per-row sums and the loss of pairs live in model/preference.py (inference's `--mode=eval` of a DPO
+run uses them too): the model's own masked cross-entropy with one weight vector per row, vmapped, so
+every non-pipelined layout computes them as the plain loss is computed.
 
 The reference: a frozen copy of the initial parameters, an input of the compiled step (no gradient, no
 optimizer state, sharded like the parameters). The memory trade-off
@@ -43,57 +42,13 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.checkpoint import target as target_lib
 
 from jaxfrontier.checkpoint.format import FROZEN
-from jaxfrontier.model import lora as lora_lib
 from jaxfrontier.model.context import TokenOrder
+from jaxfrontier.model.preference import dpo_loss, logps
 from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
 
 METRICS = ('dpo/loss', 'dpo/reward_chosen', 'dpo/reward_rejected', 'dpo/margin', 'dpo/accuracy')
-
-
-def logps(model_def, order: TokenOrder, params: Any, reference: Any, tokens_bt1: jax.Array,
-          frozen: Any = None) -> tuple[jax.Array, jax.Array]:
-    """([B] the policy's, [B] the reference's, without gradient) sums of the response tokens' log-probabilities.
-
-    `frozen`: LoRA's base, `params` its adapters. `reference` None (LoRA): the reference is the policy's own
-    weights with the adapters off, so the step holds no second copy of the base."""
-    whole = params if frozen is None else lora_lib.join(frozen, params)
-    if reference is None:
-        with lora_lib.adapters_off():
-            ref_b = sequence_logps(model_def.bind(whole), tokens_bt1, order)
-    else:
-        ref_b = sequence_logps(model_def.bind(reference), tokens_bt1, order)
-    return sequence_logps(model_def.bind(whole), tokens_bt1, order), jax.lax.stop_gradient(ref_b)
-
-
-def row_weights(tokens_bt1: jax.Array, order: TokenOrder) -> jax.Array:
-    """[B, B, T]: for each row b, the response predictions of row b (1) and nothing else (0)."""
-    weights_bt = order.weights(tokens_bt1)
-    b = weights_bt.shape[0]
-    return jnp.eye(b, dtype=weights_bt.dtype)[:, :, None] * weights_bt[None]
-
-
-def sequence_logps(model, tokens_bt1: jax.Array, order: TokenOrder) -> jax.Array:
-    """[B]: each row's sum of the log-probabilities of its counted (response) tokens."""
-    b, t = tokens_bt1.shape[0], tokens_bt1.shape[1] - 1
-    inputs, targets = order.inputs(tokens_bt1), order.targets(tokens_bt1)
-    positions = order.positions(tokens_bt1)
-
-    def row_loss(weights_bt):  # the mean over B * T predictions of weight * token loss
-        return model.loss(inputs, targets, None, positions, None, weights_bt)
-
-    return -jax.vmap(row_loss)(row_weights(tokens_bt1, order)) * (b * t)
-
-
-def dpo_loss(policy_b: jax.Array, reference_b: jax.Array, beta: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean DPO loss over the pairs of rows [2P] (chosen, rejected, ...) and its metrics."""
-    rewards_p2 = beta * (policy_b - reference_b).reshape(-1, 2)  # [P, 2]: chosen, rejected
-    margin_p = rewards_p2[:, 0] - rewards_p2[:, 1]
-    loss = -jnp.mean(jax.nn.log_sigmoid(margin_p))
-    return loss, {'dpo/loss': loss, 'dpo/reward_chosen': jnp.mean(rewards_p2[:, 0]),
-                  'dpo/reward_rejected': jnp.mean(rewards_p2[:, 1]), 'dpo/margin': jnp.mean(margin_p),
-                  'dpo/accuracy': jnp.mean((margin_p > 0).astype(jnp.float32))}
 
 
 def make_dpo_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement) -> Callable[..., Any]:

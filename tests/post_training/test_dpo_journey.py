@@ -56,6 +56,10 @@ def test_dpo_from_preference_pairs_to_a_hf_model(tmp_path):
     # one): their margin rises from 0 (measured 1.81, accuracy 1.0)
     assert last['eval/dpo/margin'] > 1 and last['eval/dpo/accuracy'] > 0.9, last
 
+    stdout, _ = run(*config, '--mode=eval', f'--workdir={workdir}')  # the run's dpo/* over its held-out pairs
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert result['pairs'] == 24 and result['dpo/margin'] == pytest.approx(last['eval/dpo/margin'], rel=1e-5), result
+
     run(*config, '--mode=export', '--export_format=hf', f'--export_path={out}', f'--workdir={workdir}')
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     start = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
