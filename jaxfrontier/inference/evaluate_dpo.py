@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.data import dpo as dpo_data
-from jaxfrontier.errors import ConfigError, UserError
+from jaxfrontier.errors import ConfigError, FlagError, UserError
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.model.context import TokenOrder
@@ -37,12 +37,13 @@ def _pairs(loaded: load_lib.Loaded, eval_path: str) -> tuple[str, np.ndarray]:
     if not path:
         raise UserError('the DPO run names no held-out pairs (data.val_path). Fix: pass --eval_path=PAIRS_val.bin '
                         '(python -m jaxfrontier.prepare --dpo).')
+    where = f'--eval_path={path}' if eval_path else f'the run\'s data.val_path {path}'
     try:
         rows = dpo_data.read_rows(path, loaded.config.model.vocab_size)
-    except ConfigError as e:  # it names data.path: the file is --eval_path's or data.val_path's here
-        raise UserError(f'{path}: {str(e).split(": ", 1)[-1]}') from None
+    except (ConfigError, FlagError) as e:  # it names data.path: the file is --eval_path's or data.val_path's here
+        raise UserError(f'{where}: {str(e).split(": ", 1)[-1]}') from None
     if rows.shape[1] != loaded.config.model.seq_len + 1:
-        raise UserError(f'{path} has rows of {rows.shape[1]} tokens, the model seq_len + 1 = '
+        raise UserError(f'{where} has rows of {rows.shape[1]} tokens, the model seq_len + 1 = '
                         f'{loaded.config.model.seq_len + 1}. Fix: prepare it with the run\'s --seq_len.')
     return path, rows
 
