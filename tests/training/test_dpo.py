@@ -134,6 +134,7 @@ def test_layout_equals_one_device(one_device, name):
 
 
 @pytest.mark.parametrize('layout,field', [(dict(pipeline=2, accum=2), 'mesh.pipeline'),
+                                          (dict(context=2), 'mesh.context'),
                                           (dict(data=4, accum=4), 'train.micro_batch')])
 def test_layouts_that_split_pairs_or_pipeline_are_refused(layout, field):
     with pytest.raises(ConfigError) as e:
