@@ -52,7 +52,8 @@ _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export',
                           'a certificate, exit 0 (pass) or 1 (docs/preflight.md). '
                           'export: parameters of the newest checkpoint in --workdir to --export_path. '
                           'sample: continue --prompt with the newest checkpoint. eval: loss, perplexity and bits '
-                          'per byte over --eval_path or the validation split (docs/inference.md). lm_eval: '
+                          'per byte over --eval_path or the validation split (docs/inference.md); of a DPO run, '
+                          'dpo/* over its held-out pairs (docs/post_training.md). lm_eval: '
                           'lm-evaluation-harness --tasks on the newest checkpoint (pip install jaxfrontier[lm_eval]).')
 _EXPORT_FORMAT = flags.DEFINE_enum('export_format', 'safetensors', ['safetensors', 'hf', 'peft'],
                                    'mode=export: our safetensors names, or a Hugging Face directory in the '
@@ -84,7 +85,8 @@ _CPU_FP32 = flags.DEFINE_bool('cpu_fp32', True, 'mode=sample, eval and lm_eval: 
                               'model.dtype (XLA:CPU has no fast 16-bit matmul, and a bf16 greedy continuation drifts '
                               'from the fp32 one transformers computes there); --nocpu_fp32 keeps model.dtype.')
 _EVAL_PATH = flags.DEFINE_string('eval_path', '', 'mode=eval: a token file to score whole (default: the run\'s '
-                                 'data.val_path, else its validation split).')
+                                 'data.val_path, else its validation split); of a DPO run, a file of prepare --dpo '
+                                 'whose pairs\' dpo/* it reports.')
 _TASKS = flags.DEFINE_list('tasks', [], 'mode=lm_eval: harness task names (or globs), comma-separated.')
 _NUM_FEWSHOT = flags.DEFINE_integer('num_fewshot', None, 'mode=lm_eval: few-shot examples per prompt '
                                     '(default: each task\'s own).')

@@ -61,13 +61,21 @@ def conversations(n, seed=0):
             for i in rng.integers(0, len(NUMBERS) - 1, n)]
 
 
-def preference_pairs(n, seed=0):
-    """`n` pairs: the prompt a question, chosen the right answer, rejected a wrong one."""
+def preference_pairs(n, seed=0, rule=False):
+    """`n` pairs: the prompt a question, chosen the right answer, rejected a wrong one.
+
+    `rule`: the chosen answer also says 'yes' first and the rejected 'no', a preference every pair shares
+    whatever its prompt. Without it the preference is conditional on the prompt (every number word is chosen
+    for one question and rejected for others), which a random tiny model does not learn in a few dozen steps:
+    held-out pairs' margins did not rise (docs/post_training.md)."""
     rng = np.random.default_rng(seed)
     pairs = []
     for i in rng.integers(0, len(NUMBERS) - 1, n):
         wrong = (i + 1 + rng.integers(1, len(NUMBERS) - 1)) % len(NUMBERS)
-        pairs.append({'prompt': question(i)[0]['content'], 'chosen': NUMBERS[i + 1], 'rejected': NUMBERS[wrong]})
+        chosen, rejected = NUMBERS[i + 1], NUMBERS[wrong]
+        if rule:
+            chosen, rejected = f'yes {chosen}', f'no {rejected}'
+        pairs.append({'prompt': question(i)[0]['content'], 'chosen': chosen, 'rejected': rejected})
     return pairs
 
 

@@ -9,7 +9,8 @@ trained with packed documents (its saved data.pack_documents) is scored with its
 apart, and without the predictions from an end-of-text token unless it counted them
 (data.boundary_loss; model/packing.py). A run trained with a loss mask (its resolved
 data.loss_mask 'on') scores only the predictions the evaluated file's mask counts, where the file
-has one (docs/data.md); `loss_mask` in the result says whether it did.
+has one (docs/data.md); `loss_mask` in the result says whether it did. A DPO run (train.objective
+'dpo') reports its held-out pairs' dpo/* metrics instead (inference/evaluate_dpo.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.data import builtin, token_files
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import ConfigError, UserError
+from jaxfrontier.inference import evaluate_dpo
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import scoring
 from jaxfrontier.inference import text
@@ -120,6 +122,8 @@ def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, 
 def evaluate(c: ml_collections.ConfigDict, workdir: str, eval_path: str) -> dict[str, float]:
     """Loss (nats/token), perplexity and bits per byte; see the module docstring."""
     loaded = load_lib.load(c, workdir)
+    if evaluate_dpo.is_dpo(loaded):  # preference pairs, not a token stream: the run's dpo/* metrics
+        return evaluate_dpo.evaluate(loaded, eval_path)
     c, layout = loaded.config, loaded.layout
     path, start, stop, codec = _range(loaded, eval_path, workdir)
     token_file = token_files.open_token_file(path, c.model.vocab_size)

@@ -24,14 +24,15 @@ import numpy as np
 from flax import nnx
 
 from jaxfrontier.model import auxiliary
+from jaxfrontier.model.layers.linear import without_adapter_products
 
 LAYERS = 'layers'  # the stacked axis of the pipelined group (`params['blocks']`): split over `pipeline`
 STEM_LAYERS = 'stem_layers'  # the stacked axis of any other group: not mapped by the rules (replicated)
 
-REMAT_POLICIES = {
+REMAT_POLICIES = {  # none saves a LoRA adapter's product (layers/linear.py `without_adapter_products`)
     'full': None,  # save only each layer's input, recompute everything inside it
-    'save_dots': jax.checkpoint_policies.checkpoint_dots,
-    'save_dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'save_dots': without_adapter_products(jax.checkpoint_policies.checkpoint_dots),
+    'save_dots_no_batch': without_adapter_products(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
 
 

@@ -304,8 +304,9 @@ class _Steps:
 
 
 def _compile(c: ml_collections.ConfigDict, start: _Start, phase: report.PhaseTimer) -> _Steps:
-    if c.train.objective == 'dpo':  # the reference: the start's parameters, re-read (training/dpo.py)
-        reference = init_from.load_params(c.checkpoint.init_params_from, c, start.target['params'])
+    if c.train.objective == 'dpo':  # the reference: the start's parameters re-read, or LoRA's base (training/dpo.py)
+        reference = None if start.layout.lora else init_from.load_params(c.checkpoint.init_params_from, c,
+                                                                         start.target['params'])
         train_step, eval_step, batch_sharding = dpo.compile_steps(c, start.layout, reference)
     else:
         train_step, eval_step, batch_sharding = step_lib.compile_steps(c, start.layout)

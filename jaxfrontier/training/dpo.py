@@ -12,20 +12,19 @@ training), which gets no gradient. Reported (`dpo/*`): the loss, the implicit re
 beta * (logp - ref) of chosen and rejected, their margin, and the accuracy (the share of pairs
 whose chosen reward is higher).
 
-The per-row sums come from the model's own masked cross-entropy (`TokenOrder.loss`, the same
-head, padded-vocabulary exclusion and tensor-parallel logits as every loss here) with one weight
-vector per row, vmapped: only the weighting is batched, the forward pass runs once. So no model
-code changes and every non-pipelined layout computes it as the plain loss is computed.
+The per-row sums and the loss of pairs live in model/preference.py (inference's `--mode=eval` of a DPO
+run uses them too): the model's own masked cross-entropy with one weight vector per row, vmapped, so
+every non-pipelined layout computes them as the plain loss is computed.
 
-The reference: `reference_params(state)` gives the parameters the reference log-probabilities are
-computed with; here a frozen copy of the initial parameters held in the train state under
-'reference' (no gradient, no optimizer state, sharded like the parameters). The memory trade-off
+The reference: a frozen copy of the initial parameters, an input of the compiled step (no gradient, no
+optimizer state, sharded like the parameters). The memory trade-off
 (docs/post_training.md): the copy costs one more set of parameters per device (fp32: 4 bytes per
 parameter, divided over fsdp and tensor like the parameters) and one more forward pass per step
 (about a third more FLOPs than the policy's forward and backward); a precomputed first pass
 (ref_c, ref_r written beside the pairs, as TRL's `precompute_ref_log_probs`) saves both but costs a
 pass over the data before training and pins the data order. With LoRA the reference is the base
-with the adapters off: no copy; `reference_params` is the hook to wire that.
+with the adapters off (`model/lora.adapters_off`): the weights the policy already holds, no copy
+(`reference` None in `logps`; the compiled steps take no reference argument).
 """
 
 from __future__ import annotations
@@ -42,51 +41,18 @@ from jaxfrontier.data import loader as data_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.checkpoint import target as target_lib
 
+from jaxfrontier.checkpoint.format import FROZEN
 from jaxfrontier.model.context import TokenOrder
+from jaxfrontier.model.preference import dpo_loss, logps
 from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.training import state as ts
 from jaxfrontier.training import step as step_lib
 
-REFERENCE = 'reference'  # the train state's key of the frozen reference parameters
 METRICS = ('dpo/loss', 'dpo/reward_chosen', 'dpo/reward_rejected', 'dpo/margin', 'dpo/accuracy')
 
 
-def reference_params(state: dict[str, Any]) -> Any:
-    """The parameters the reference log-probabilities are computed with (the hook LoRA replaces)."""
-    return state[REFERENCE]
-
-
-def row_weights(tokens_bt1: jax.Array, order: TokenOrder) -> jax.Array:
-    """[B, B, T]: for each row b, the response predictions of row b (1) and nothing else (0)."""
-    weights_bt = order.weights(tokens_bt1)
-    b = weights_bt.shape[0]
-    return jnp.eye(b, dtype=weights_bt.dtype)[:, :, None] * weights_bt[None]
-
-
-def sequence_logps(model, tokens_bt1: jax.Array, order: TokenOrder) -> jax.Array:
-    """[B]: each row's sum of the log-probabilities of its counted (response) tokens."""
-    b, t = tokens_bt1.shape[0], tokens_bt1.shape[1] - 1
-    inputs, targets = order.inputs(tokens_bt1), order.targets(tokens_bt1)
-    positions = order.positions(tokens_bt1)
-
-    def row_loss(weights_bt):  # the mean over B * T predictions of weight * token loss
-        return model.loss(inputs, targets, None, positions, None, weights_bt)
-
-    return -jax.vmap(row_loss)(row_weights(tokens_bt1, order)) * (b * t)
-
-
-def dpo_loss(policy_b: jax.Array, reference_b: jax.Array, beta: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean DPO loss over the pairs of rows [2P] (chosen, rejected, ...) and its metrics."""
-    rewards_p2 = beta * (policy_b - reference_b).reshape(-1, 2)  # [P, 2]: chosen, rejected
-    margin_p = rewards_p2[:, 0] - rewards_p2[:, 1]
-    loss = -jnp.mean(jax.nn.log_sigmoid(margin_p))
-    return loss, {'dpo/loss': loss, 'dpo/reward_chosen': jnp.mean(rewards_p2[:, 0]),
-                  'dpo/reward_rejected': jnp.mean(rewards_p2[:, 1]), 'dpo/margin': jnp.mean(margin_p),
-                  'dpo/accuracy': jnp.mean((margin_p > 0).astype(jnp.float32))}
-
-
 def make_dpo_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacement) -> Callable[..., Any]:
-    """`(params, reference, tokens_gt) -> (loss, metrics, grads)` over the accumulation steps.
+    """`(params, reference, tokens_gt, frozen=None) -> (loss, metrics, grads)` over the accumulation steps.
 
     Each micro-batch holds whole pairs (an even number of rows per replica: checked by
     `check_config`), so the mean over the step's pairs is the mean of the micro-batches' means.
@@ -95,17 +61,16 @@ def make_dpo_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacem
     lay, model_def, beta = layout.layout, layout.model_def, c.train.dpo_beta
     order = TokenOrder.of(lay, layout.shape.seq_len, packing_lib.Packing(None, loss_mask=True))
 
-    def micro(params, reference, tokens_bt1):
-        ref_b = jax.lax.stop_gradient(sequence_logps(model_def.bind(reference), tokens_bt1, order))
-        return dpo_loss(sequence_logps(model_def.bind(params), tokens_bt1, order), ref_b, beta)
+    def micro(params, reference, tokens_bt1, frozen):
+        return dpo_loss(*logps(model_def, order, params, reference, tokens_bt1, frozen), beta)
 
     value_and_grad = jax.value_and_grad(micro, has_aux=True)
 
-    def loss_and_grads(params, reference, tokens_gt):
+    def loss_and_grads(params, reference, tokens_gt, frozen=None):
         micro_abt = step_lib.split_micro_batches(tokens_gt, lay.accum_steps, lay.dp)
 
         def body(grad_sum, tokens_bt1):
-            (_, metrics), grads = value_and_grad(params, reference, tokens_bt1)
+            (_, metrics), grads = value_and_grad(params, reference, tokens_bt1, frozen)
             return jax.tree.map(jnp.add, grad_sum, grads), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -119,16 +84,19 @@ def make_dpo_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacem
 
 def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement) -> Callable[..., Any]:
     """`train_step(state, reference, tokens) -> (state, metrics)`: the DPO loss's update (no loss scaling or
-    spike guard: `check_config` refuses them), reported as `train/*` and `dpo/*`."""
+    spike guard: `check_run` refuses them), reported as `train/*` and `dpo/*`; `reference` None under LoRA."""
     tx, lr_schedule = layout.tx, layout.lr_schedule
     loss_and_grads = make_dpo_loss_and_grads(c, layout)
 
     def train_step(state, reference, tokens_gt):
-        params = state['params']
-        loss, metrics, grads = loss_and_grads(params, reference, tokens_gt)
+        params, frozen = state['params'], state.get(FROZEN)
+        loss, metrics, grads = loss_and_grads(params, reference, tokens_gt, frozen)
         updates, opt_state = tx.update(grads, state['opt_state'], params)
         new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), layout.param_shardings)
-        return {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}, {
+        new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
+        if frozen is not None:  # LoRA's base, unchanged (donated with the state: the same buffers)
+            new_state[FROZEN] = frozen
+        return new_state, {
             'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads), 'train/param_norm': optax.tree.norm(new_params),
             'train/lr': lr_schedule(state['step']), **metrics}
 
@@ -136,14 +104,14 @@ def make_train_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement) -> 
 
 
 def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement) -> Callable[..., Any]:
-    """`eval_step(params, reference, tokens) -> the dpo/* metrics` of held-out pairs, micro-batched like training."""
+    """`eval_step(params, reference, tokens) -> the dpo/* metrics` of held-out pairs, micro-batched like training
+    (`params` the model's whole params dict; `reference` None under LoRA)."""
     lay, model_def, beta = layout.layout, layout.model_def, c.train.dpo_beta
     order = TokenOrder.of(lay, layout.shape.seq_len, packing_lib.Packing(None, loss_mask=True))
 
     def eval_step(params, reference, tokens_gt):
         def micro(tokens_bt1):
-            return dpo_loss(sequence_logps(model_def.bind(params), tokens_bt1, order),
-                            sequence_logps(model_def.bind(reference), tokens_bt1, order), beta)[1]
+            return dpo_loss(*logps(model_def, order, params, reference, tokens_bt1), beta)[1]
 
         metrics_a = jax.lax.map(micro, step_lib.split_micro_batches(tokens_gt, lay.accum_steps, lay.dp))
         return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_a)
@@ -167,17 +135,25 @@ class WithReference:
 
 def compile_steps(c: ml_collections.ConfigDict, layout: ts.StatePlacement, reference: Any):
     """The DPO train and eval steps compiled for this layout, each holding `reference`, and the batch sharding
-    (as training/step.compile_steps)."""
+    (as training/step.compile_steps). Under LoRA `reference` is None and the steps take none (the base with the
+    adapters off is the reference)."""
     batch_sharding = NamedSharding(layout.mesh, mesh_lib.batch_spec(layout.rules))
     batch = jax.ShapeDtypeStruct((c.train.global_batch, c.model.seq_len + 1), jnp.int32, sharding=batch_sharding)
     state = target_lib.abstract_target(layout.abstract_state, layout.state_shardings)
-    params = layout.param_shardings
-    train_jit = jax.jit(make_train_step(c, layout), in_shardings=(layout.state_shardings, params, batch_sharding),
+    whole, model = ts.model_params(state), layout.model_shardings
+    train_step, eval_step = make_train_step(c, layout), make_eval_step(c, layout)
+    if layout.lora:
+        train_jit = jax.jit(lambda s, t: train_step(s, None, t), in_shardings=(layout.state_shardings, batch_sharding),
+                            out_shardings=(layout.state_shardings, None), donate_argnums=0)
+        eval_jit = jax.jit(lambda p, t: eval_step(p, None, t), in_shardings=(model, batch_sharding))
+        with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
+            return train_jit.lower(state, batch).compile(), eval_jit.lower(whole, batch).compile(), batch_sharding
+    train_jit = jax.jit(train_step, in_shardings=(layout.state_shardings, model, batch_sharding),
                         out_shardings=(layout.state_shardings, None), donate_argnums=0)
-    eval_jit = jax.jit(make_eval_step(c, layout), in_shardings=(params, params, batch_sharding))
+    eval_jit = jax.jit(eval_step, in_shardings=(model, model, batch_sharding))
     with jax.set_mesh(layout.mesh), mesh_lib.use_rules(layout.rules):
-        train = train_jit.lower(state, state['params'], batch).compile()
-        evaluate = eval_jit.lower(state['params'], state['params'], batch).compile()
+        train = train_jit.lower(state, whole, batch).compile()
+        evaluate = eval_jit.lower(whole, whole, batch).compile()
     return WithReference(train, reference), WithReference(evaluate, reference), batch_sharding
 
 
