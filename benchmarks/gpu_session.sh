@@ -21,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu_wheels
-PACKAGES=(ml_collections tensorboardX jmp tokenizers safetensors tqdm absl-py pytest pytest-xdist)
+PACKAGES=(ml_collections tensorboardX jmp tokenizers safetensors tqdm absl-py pytest pytest-xdist transformers)
 
 if [[ "${1:-}" == "--download" ]]; then
   pip download -q --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
@@ -46,7 +46,8 @@ python -c 'import jaxfrontier.run.loop, ml_collections, jmp' >> "$OUT/env.txt" 2
 
 # PEERS=1: jaxfrontier against torch.compile on the GPU shapes (benchmarks/peers.py, issue 38) in
 # peers.md/peers.json; a second call of the device tool (each size compiles for minutes). The Llama
-# sizes need transformers' wheel in $WHEELS (add it to PACKAGES): PEERS_SIZES=gpt1.3b,llama1b,llama8b_4l.
+# rows use transformers, whose wheel and dependencies --download packs (33 MB in all, 2026-12-04;
+# everything resolves from $WHEELS but numpy, which the image has): PEERS_SIZES=gpt1.3b,llama1b,llama8b_4l.
 if [[ "${PEERS:-0}" == "1" ]]; then
   timeout "${PEERS_BUDGET_S:-540}" python benchmarks/peers.py --sizes "${PEERS_SIZES:-gpt1.3b}" --families gpt,llama \
     --peers jf,torch_compile --rounds 3 --steps 3 --out "$OUT/peers.json" > "$OUT/peers.md" 2> "$OUT/peers.err"

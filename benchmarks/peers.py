@@ -196,14 +196,21 @@ def main() -> None:
             group = run_group(size, family, rows_for(size, family, args.peers.split(','), args.variant),
                               args.rounds, steps, args.warmup)
             rows += summarise(size, family, group)
+            write(args.out, started, t0, rows)  # after every group: a run cut short keeps what it measured
     print_table(rows)
+    print(f'{len(rows)} rows in {(time.perf_counter() - t0) / 60:.1f} min')
+
+
+def write(out: str, started: str, t0: float, rows: list[dict]) -> None:
+    """The JSON of the rows so far (`--out`; nothing without it)."""
+    if not out:
+        return
     result = {'started': started, 'wall_s': time.perf_counter() - t0, 'argv': sys.argv[1:], 'cpus': os.cpu_count(),
               'loadavg_end': os.getloadavg(), 'rows': rows}
-    print(f'{len(rows)} rows in {result["wall_s"] / 60:.1f} min')
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, 'w') as f:
-            json.dump(result, f, indent=1)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + '.tmp', 'w') as f:
+        json.dump(result, f, indent=1)
+    os.replace(out + '.tmp', out)
 
 
 if __name__ == '__main__':

@@ -2,6 +2,7 @@
 
   JAX_PLATFORMS=cpu python benchmarks/profile_step.py --size small --family llama          # jaxfrontier
   JAX_PLATFORMS=cpu python benchmarks/profile_step.py --size small --family llama --torch  # torch.compile
+  JAX_PLATFORMS=cpu python benchmarks/profile_step.py --size small --family llama --torch --eager
   ... --override model.scan_unroll=6   (jaxfrontier config overrides, as peers.py's --variant)
 
 jaxfrontier's side prints two things. The compiled program's statistics, read from its optimized
@@ -89,24 +90,102 @@ def trace_ops(step, steps: int, logdir: str) -> list[tuple[str, float, int]]:
     return [(name, t / whole, count[name]) for name, t in total.most_common()]
 
 
+_COMP = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\s*$')
+
+
+def hlo_categories(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> category of the optimized HLO, with its while-loop depth in the name.
+
+    Categories: `dot (YNNPACK)` (a fusion calling YNNPACK/XNNPACK), `dot (XLA Eigen)` (a dot left
+    to XLA's own runtime), `loop fusion` (XLA's own
+    element-wise kLoop/kInput fusions), `copy`, `transpose`, `other`; the suffix ` @depth N` says how
+    many while bodies enclose it (0: the step's top level; 1: the rolled layer scan's body or an
+    attention block loop at top level; 2: an attention block loop inside the layer scan)."""
+    comp_of, body_of = {}, {}  # instruction -> its computation; while body -> the while's computation
+    kind, comp = {}, ''
+    for line in hlo_text.splitlines():
+        c = _COMP.match(line)
+        if c and not line.startswith(' '):  # a computation's header (instructions are indented)
+            comp = c.group(1)
+            continue
+        m = _INSTR.match(line) or re.match(r'^\s*(?:ROOT )?%?([\w.\-]+) = \(.*?\) (\w[\w\-]*)\(', line)
+        if not m:
+            continue
+        name, op = m.group(1), m.groups()[-1]
+        comp_of[name] = comp
+        if op == 'while':
+            body = re.search(r'body=%?([\w.\-]+)', line)
+            if body:
+                body_of[body.group(1)] = comp
+        if op == 'fusion' and re.search(r'__(?:ynn|xnn)_fusion|kind=kCustom', line):
+            kind[name] = 'dot (YNNPACK)'
+        elif op in ('dot', 'convolution') or (op == 'custom-call' and 'matmul' in line.lower()):
+            kind[name] = 'dot (XLA Eigen)'
+        elif op == 'fusion':
+            kind[name] = 'loop fusion'
+        elif op in ('copy', 'transpose', 'while'):
+            kind[name] = op
+        else:
+            kind[name] = 'other'
+
+    def depth(c: str) -> int:
+        d = 0
+        while c in body_of and d < 8:
+            c, d = body_of[c], d + 1
+        return d
+    return {n: f'{k} @depth {depth(comp_of[n])}' for n, k in kind.items()}
+
+
+def by_category(ops: list[tuple[str, float, int]], categories: dict[str, str]) -> dict[str, float]:
+    """Shares of the traced time summed by `hlo_categories`' category (`unmatched`: an event name
+    that is no instruction of the program, e.g. a runtime marker)."""
+    out = collections.Counter()
+    for name, share, _ in ops:
+        if not name.startswith('while'):
+            out[categories.get(name, 'unmatched')] += share
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def profile_jf(size: str, family: str, overrides: tuple[str, ...], steps: int) -> dict:
     import harness
     c = peer_workers.jf_config(peer_workers.SHAPES[size], family, overrides)
     run = harness.build_train_step(c)
-    stats = hlo_stats(run.compiled.as_text())
+    hlo_text = run.compiled.as_text()
+    stats = hlo_stats(hlo_text)
     for _ in range(2):
         run.step()
     with tempfile.TemporaryDirectory() as d:
         ops = trace_ops(run.step, steps, d)
     return {'attention': run.attention, 'scan_unroll': run.scan_unroll, 'hlo': stats,
+            'by_category': by_category(ops, hlo_categories(hlo_text)),
             'top_ops': [{'op': n, 'share': s, 'count': k} for n, s, k in ops[:40]]}
 
 
-def profile_torch(size: str, family: str, steps: int) -> dict:
+_TORCH_CATEGORIES = (  # (category, substrings of an op's key), first match wins
+    ('optimizer (AdamW, clipping)', ('adam', '_foreach', 'clip_grad', 'vector_norm', 'optimizer')),
+    ('attention (sdpa)', ('scaled_dot_product', 'flash_attention', '_efficient_attention')),
+    ('matmul (mm/bmm/addmm/linear)', ('aten::mm', 'aten::bmm', 'aten::addmm', 'aten::matmul', 'aten::linear',
+                                     'extern_kernels.mm', 'extern_kernels.bmm', 'extern_kernels.addmm')),
+    ('copies (copy_/clone/contiguous/cat)', ('copy_', 'clone', 'contiguous', 'aten::cat', 'aten::to', '_to_copy')),
+    ('inductor fused kernels', ('cpp_fused', 'triton_', 'graph_', 'kernel')),
+    ('compiled-region and autograd overhead', ('torch-compiled region', 'compiledfunction', 'autograd',
+                                              'dynamo', 'aotdispatch')),
+)
+
+
+def torch_category(key: str) -> str:
+    low = key.lower()
+    for cat, subs in _TORCH_CATEGORIES:
+        if any(s.lower() in low for s in subs):
+            return cat
+    return 'other (element-wise, embedding, loss, ...)'
+
+
+def profile_torch(size: str, family: str, steps: int, compiled: bool = True) -> dict:
     import torch
     import torch_gpt
     c = peer_workers.jf_config(peer_workers.SHAPES[size], family)
-    step, _ = torch_gpt.make_step(c, model=torch_gpt.hf_llama(c) if family == 'llama' else None)
+    step, _ = torch_gpt.make_step(c, model=torch_gpt.hf_llama(c) if family == 'llama' else None, compiled=compiled)
     for _ in range(3):
         step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -115,7 +194,14 @@ def profile_torch(size: str, family: str, steps: int) -> dict:
     table = prof.key_averages()
     whole = sum(e.self_cpu_time_total for e in table) or 1
     rows = sorted(table, key=lambda e: -e.self_cpu_time_total)
-    return {'top_ops': [{'op': e.key, 'share': e.self_cpu_time_total / whole, 'count': e.count} for e in rows[:40]]}
+    cats = collections.Counter()
+    for e in table:
+        cats[torch_category(e.key)] += e.self_cpu_time_total / whole
+    # AdamW's per-tensor ops (mul_, lerp_, addcmul_, sqrt) share names with the model's: its share is
+    # read from torch's own `Optimizer.step#AdamW.step` range (inclusive time) instead
+    opt_share = sum(e.cpu_time_total for e in table if e.key.startswith('Optimizer.step')) / whole
+    return {'compiled': compiled, 'by_category': dict(cats.most_common()), 'optimizer_step_inclusive': opt_share,
+            'top_ops': [{'op': e.key, 'share': e.self_cpu_time_total / whole, 'count': e.count} for e in rows[:40]]}
 
 
 def main() -> None:
@@ -125,9 +211,10 @@ def main() -> None:
     ap.add_argument('--override', action='append', default=[])
     ap.add_argument('--steps', type=int, default=3)
     ap.add_argument('--torch', action='store_true')
+    ap.add_argument('--eager', action='store_true', help='with --torch: PyTorch eager, not torch.compile')
     ap.add_argument('--out', default='')
     args = ap.parse_args()
-    res = (profile_torch(args.size, args.family, args.steps) if args.torch
+    res = (profile_torch(args.size, args.family, args.steps, not args.eager) if args.torch
            else profile_jf(args.size, args.family, tuple(args.override), args.steps))
     for k, v in res.items():
         if k != 'top_ops':
