@@ -128,6 +128,7 @@ def main(argv: list[str]) -> int:
         if _MODE.value == 'train':
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             config.checkpoint.fast_dir = config_lib.resolve_fast_dir(config, os.environ)  # $JF_NODE_LOCAL, per process
+            config.data.cache_dir = config_lib.data_cache_dir(config, os.environ)  # ~/.cache/jaxfrontier/data
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
         if _MODE.value in ('train', 'verify'):
             _use_compile_cache(config)

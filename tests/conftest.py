@@ -43,7 +43,9 @@ def _session_compile_cache() -> None:
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.makedirs(os.path.join(path, 'xla'))  # JAX's entries; the session's other records (processes.py) beside it
     os.environ.update(JAXFRONTIER_TEST_SESSION_CACHE=path, JAX_COMPILATION_CACHE_DIR=os.path.join(path, 'xla'),
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                      # data.cache_dir=auto's user cache: the built-in corpus built once per session, not in ~
+                      XDG_CACHE_HOME=os.path.join(path, 'user_cache'))
 
 
 _session_compile_cache()

@@ -31,6 +31,7 @@ from jaxfrontier.config.schema import (  # noqa: F401
     STAGGERED_RESIDUALS,
     base_config,
     compile_cache_dir,
+    data_cache_dir,
     data_parallel_size,
     flops_per_step,
     lora_dropout,

@@ -203,7 +203,7 @@ def base_config() -> ml_collections.ConfigDict:
         # processes): 'auto' is $JAX_COMPILATION_CACHE_DIR where set (the Frontier scripts set it),
         # else ~/.cache/jaxfrontier/xla ($XDG_CACHE_HOME); 'off' disables it; anything else is a path.
         compile_cache='auto',
-        compile_cache_min_s=1.0,  # programs that compile faster are not cached
+        compile_cache_min_s=0.2,  # programs that compile faster are not cached (JAX's default: 1 s)
         # Loss spikes (training/spikes.py, docs/training.md): skip the update of a step whose loss or
         # gradient norm exceeds mean + max(spike_sigmas * std, spike_min_rise * mean) of a running
         # estimate (EMA decay spike_ema, judged after spike_warmup steps); spike_rollback_after skipped
@@ -244,6 +244,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict(dict(
         kind='builtin',  # builtin | tokens | synthetic
+        # kind=builtin: where its token file is cached, shared by runs like the compilation cache: 'auto' is
+        # ~/.cache/jaxfrontier/data ($XDG_CACHE_HOME); 'workdir' is <workdir>/data_cache; anything else a path.
+        cache_dir='auto',
         path='',  # kind=tokens: path of the .bin token file (header beside it)
         # kind=tokens, instead of path: 'WEIGHT:PATH,WEIGHT:PATH' mixes token files (docs/data.md)
         blend='',
@@ -357,6 +360,22 @@ def compile_cache_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> s
         return env['JAX_COMPILATION_CACHE_DIR']
     base = env.get('XDG_CACHE_HOME') or os.path.join(env.get('HOME') or os.path.expanduser('~'), '.cache')
     return os.path.join(base, 'jaxfrontier', 'xla')
+
+
+def data_cache_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> str:
+    """`data.cache_dir` as the entry points resolve it before a run: 'auto' becomes the user's cache
+    (~/.cache/jaxfrontier/data, $XDG_CACHE_HOME as for the compilation cache), a path becomes
+    absolute, 'workdir' stays (the loader puts it under the run's workdir).
+
+    `env` is the process environment (main passes it: only entry points read it).
+    """
+    setting = c.data.get('cache_dir', 'workdir')
+    if setting in ('workdir', ''):
+        return 'workdir'
+    if setting != 'auto':
+        return os.path.abspath(os.path.expanduser(setting))
+    base = env.get('XDG_CACHE_HOME') or os.path.join(env.get('HOME') or os.path.expanduser('~'), '.cache')
+    return os.path.join(base, 'jaxfrontier', 'data')
 
 
 def resolve_fast_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import pathlib
@@ -17,6 +18,7 @@ from jaxfrontier.data.token_files import open_token_file, write_token_file
 from jaxfrontier.errors import ConfigError
 
 BYTE_VOCAB = 256  # the built-in corpus is byte-level
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
 
 
 def _stdlib_source_files(stdlib: str) -> list[pathlib.Path]:
@@ -41,8 +43,15 @@ def builtin_corpus(cache_dir: str | os.PathLike) -> str:
     stdlib = sysconfig.get_paths()['stdlib']
     name = f'stdlib-{sys.implementation.name}-{platform.python_version()}'
     bin_path = os.path.join(os.fspath(cache_dir), name + '.bin')
-    os.makedirs(os.fspath(cache_dir), exist_ok=True)
-    # Processes of one job share the workdir: one builds while the others wait, then reuse it
+    try:
+        os.makedirs(os.fspath(cache_dir), exist_ok=True)
+        open(bin_path + '.lock', 'a').close()
+    except OSError as e:  # a read-only home, say; a full disk is left to the loop (run/control/disk.py)
+        if e.errno not in _NOT_WRITABLE:
+            raise
+        raise ConfigError('data.cache_dir', os.fspath(cache_dir), f'cannot write the built-in corpus there: '
+                          f'{e.strerror} ({e.filename})', "name a writable directory, or 'workdir'") from None
+    # Processes of one job (and runs of one user) share the directory: one builds while the others wait, then reuse it
     # (write_token_file removes the header while it writes, which a reader must not see).
     with _exclusive(bin_path + '.lock'):
         with contextlib.suppress(ConfigError):

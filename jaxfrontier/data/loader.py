@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import ml_collections
 import numpy as np
@@ -317,10 +317,17 @@ def _splits(d: ml_collections.ConfigDict, spec: BatchSpec, token_file: TokenFile
                         f'{name} val', mask))
 
 
+def builtin_cache_dir(d: Mapping[str, Any], workdir: str) -> str:
+    """Where the built-in corpus is cached: `d.cache_dir` as an entry point resolved it (an absolute
+    path, config.data_cache_dir), else (`workdir`, or `auto` that nothing resolved) `<workdir>/data_cache`."""
+    setting = d.get('cache_dir', 'workdir')
+    return setting if os.path.isabs(setting) else os.path.join(workdir, 'data_cache')
+
+
 def make_datasets(d: ml_collections.ConfigDict, workdir: str, spec: BatchSpec) -> tuple[Source, Source]:
     """Returns (train, validation) sources of the run's `data` section `d` (`d.kind`).
 
-    builtin: the stdlib corpus, cached in `<workdir>/data_cache`; tokens: `d.path`, or
+    builtin: the stdlib corpus, cached in `builtin_cache_dir`; tokens: `d.path`, or
     the files of `d.blend` mixed with their weights (each split per file);
     synthetic: random tokens, no file. Token files split into train (first part) and
     validation (the last `d.val_fraction`); no window crosses the boundary. The config has passed
@@ -338,7 +345,7 @@ def make_datasets(d: ml_collections.ConfigDict, workdir: str, spec: BatchSpec) -
                       for i in (TRAIN, VAL))
         first = opened[0][0]
     else:
-        path = builtin_corpus(os.path.join(workdir, 'data_cache')) if d.kind == 'builtin' else d.path
+        path = builtin_corpus(builtin_cache_dir(d, workdir)) if d.kind == 'builtin' else d.path
         first, boundary = _open_checked(d, spec, path)
         train, val = _splits(d, spec, first, boundary, f'{d.kind} {first.path}')
     if d.get('val_path', ''):

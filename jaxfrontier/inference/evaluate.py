@@ -106,7 +106,7 @@ def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, 
                             'Fix: pass --eval_path=FILE.bin to score one file whole.')
         return _range(loaded, data['val_path'], workdir)
     if data.get('kind') == 'builtin':
-        path = builtin.builtin_corpus(os.path.join(workdir, 'data_cache'))
+        path = builtin.builtin_corpus(data_lib.builtin_cache_dir(data, workdir))  # where the run cached it
     elif data.get('kind') == 'tokens' and data.get('blend'):
         raise UserError('the run blends several token files (data.blend), each with its own validation split. '
                         'Fix: pass --eval_path=FILE.bin to score one file whole.')

@@ -303,6 +303,30 @@ def test_builtin_datasets_split_disjoint(builtin_path, tmp_path):
     assert (train.offsets(0, 16) + 65 <= train.stop).all() and (val.offsets(0, 16) >= val.start).all()
 
 
+def test_the_builtin_corpus_cache_follows_data_cache_dir(tmp_path):
+    """'auto' is the user's cache (resolved by the entry points, as the compilation cache is); 'workdir',
+    an unresolved 'auto' and a run config from before the setting existed keep <workdir>/data_cache."""
+    home = {'HOME': str(tmp_path)}
+    c = config_lib.base_config()
+    assert config_lib.data_cache_dir(c, home) == str(tmp_path / '.cache' / 'jaxfrontier' / 'data')
+    assert config_lib.data_cache_dir(c, dict(home, XDG_CACHE_HOME='/x')) == '/x/jaxfrontier/data'
+    c.data.cache_dir = '~/corpora'
+    assert config_lib.data_cache_dir(c, home) == os.path.expanduser('~/corpora')
+    c.data.cache_dir = 'workdir'
+    assert config_lib.data_cache_dir(c, home) == 'workdir'
+    for data in ({'cache_dir': 'workdir'}, {'cache_dir': 'auto'}, {}):
+        assert loader.builtin_cache_dir(data, '/wd') == '/wd/data_cache'
+    assert loader.builtin_cache_dir({'cache_dir': '/x/jaxfrontier/data'}, '/wd') == '/x/jaxfrontier/data'
+
+
+def test_an_unwritable_builtin_corpus_cache_is_a_config_error(tmp_path):
+    (tmp_path / 'file').write_text('')
+    with pytest.raises(ConfigError) as e:
+        builtin.builtin_corpus(tmp_path / 'file' / 'cache')  # (a file as its parent: refused even as root)
+    assert e.value.field == 'data.cache_dir' and 'Not a directory' in str(e.value), e.value
+    assert "'workdir'" in str(e.value)
+
+
 def test_check_data_writes_nothing_and_checks_vocab(tmp_path):
     loader.check_data(_config(kind='builtin'))
     loader.check_data(_config(kind='synthetic'))

@@ -63,7 +63,7 @@ def test_enospc_is_found_behind_wrappers():
 
 
 def test_builtin_corpus_on_a_full_disk(small_fs):
-    line = one_error_line(run(small_fs / 'wd', '--config.train.steps=1'))
+    line = one_error_line(run(small_fs / 'wd', '--config.train.steps=1', '--config.data.cache_dir=workdir'))
     assert 'no space left on the device holding' in line and 'data_cache/stdlib-' in line, line
     assert 'MiB free of 4.0 MiB' in line and 'Fix:' in line, line
 

@@ -5,6 +5,8 @@ import glob
 import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -15,6 +17,8 @@ from jaxfrontier import errors
 from jaxfrontier import flops as flops_lib
 from jaxfrontier import hardware
 from jaxfrontier.run.observe import metrics
+
+import processes
 
 # GPT-3 175B as trained by Megatron-LM: B = 1536 sequences, s = 2048, l = 96, h = 12288,
 # V = 51200 (GPT-2's 50257 padded).
@@ -229,3 +233,20 @@ def test_a_terminal_gets_the_bar_and_no_lines(tmp_path, capsys):
     writer.write(1, {'train/loss': 3.0})
     writer.close()
     assert 'step 1/3' not in capsys.readouterr().err
+
+
+def test_the_writer_does_not_import_torch_and_leaves_it_importable(tmp_path):
+    """tensorboardX imports torch (1.3-1.8 s of a run's start where torch is installed) only for type hints:
+    the writer loads it without torch, writes its events, and torch imports normally after."""
+    pytest.importorskip('torch')
+    code = ('import glob, sys\n'
+            'from jaxfrontier.run.observe import metrics\n'
+            f'w = metrics.MetricsWriter({str(tmp_path)!r}, 2, enabled=True, progress=False)\n'
+            'w.write(1, {"train/loss": 2.5}); w.close()\n'
+            'assert "torch" not in sys.modules, "torch imported"\n'
+            f'assert glob.glob({str(tmp_path / "tensorboard" / "events.*")!r})\n'
+            'import torch\n'
+            'assert torch.ones(2).sum().item() == 2.0\n')
+    proc = subprocess.run([sys.executable, '-c', code], env=processes.subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
