@@ -23,6 +23,7 @@ from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
 from jaxfrontier import logs  # no JAX import either
 from jaxfrontier.checkpoint import run_files  # no JAX import
+from jaxfrontier.data import builtin  # no JAX import
 from jaxfrontier.data import loader as data_lib  # no JAX import at module level
 from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError, UserError
 from jaxfrontier.plan import fanout  # no JAX import either
@@ -129,6 +130,8 @@ def main(argv: list[str]) -> int:
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             config.checkpoint.fast_dir = config_lib.resolve_fast_dir(config, os.environ)  # $JF_NODE_LOCAL, per process
             config.data.cache_dir = config_lib.data_cache_dir(config, os.environ)  # ~/.cache/jaxfrontier/data
+            if config.data.kind == 'builtin' and config.data.cache_dir != 'workdir':
+                builtin.ensure_cache_dir(config.data.cache_dir)  # unwritable: one line before anything is written
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
         if _MODE.value in ('train', 'verify'):
             _use_compile_cache(config)

@@ -96,6 +96,14 @@ def test_values_that_must_fail_validation(tmp_path, override, field):
     assert f'config.{field} = ' in line and 'Fix:' in line, line
 
 
+def test_an_unwritable_corpus_cache_is_one_line_before_anything_is_written(tmp_path):
+    (tmp_path / 'file').write_text('')
+    proc = run(f'--config.data.cache_dir={tmp_path / "file" / "cache"}', f'--workdir={tmp_path / "wd"}')
+    line = processes.error_line(proc)
+    assert 'config.data.cache_dir = ' in line and 'Not a directory' in line and 'Fix:' in line, line
+    assert not (tmp_path / 'wd').exists()
+
+
 def test_an_abandoned_thread_error_is_the_last_line_on_stderr():
     """A full disk under Orbax's writer threads (`abandon_threads`): threads that keep printing
     tracebacks, from Python and straight to descriptor 2, neither split nor follow the one line."""

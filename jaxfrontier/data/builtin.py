@@ -18,7 +18,7 @@ from jaxfrontier.data.token_files import open_token_file, write_token_file
 from jaxfrontier.errors import ConfigError
 
 BYTE_VOCAB = 256  # the built-in corpus is byte-level
-_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOSPC, errno.EDQUOT)
 
 
 def _stdlib_source_files(stdlib: str) -> list[pathlib.Path]:
@@ -41,16 +41,8 @@ def builtin_corpus(cache_dir: str | os.PathLike) -> str:
       cache_dir: directory for the cached token file; created if needed.
     """
     stdlib = sysconfig.get_paths()['stdlib']
-    name = f'stdlib-{sys.implementation.name}-{platform.python_version()}'
-    bin_path = os.path.join(os.fspath(cache_dir), name + '.bin')
-    try:
-        os.makedirs(os.fspath(cache_dir), exist_ok=True)
-        open(bin_path + '.lock', 'a').close()
-    except OSError as e:  # a read-only home, say; a full disk is left to the loop (run/control/disk.py)
-        if e.errno not in _NOT_WRITABLE:
-            raise
-        raise ConfigError('data.cache_dir', os.fspath(cache_dir), f'cannot write the built-in corpus there: '
-                          f'{e.strerror} ({e.filename})', "name a writable directory, or 'workdir'") from None
+    bin_path = os.path.join(os.fspath(cache_dir), _corpus_name() + '.bin')
+    ensure_cache_dir(cache_dir)
     # Processes of one job (and runs of one user) share the directory: one builds while the others wait, then reuse it
     # (write_token_file removes the header while it writes, which a reader must not see).
     with _exclusive(bin_path + '.lock'):
@@ -70,6 +62,29 @@ def builtin_corpus(cache_dir: str | os.PathLike) -> str:
                 raise OSError(e.errno, f'{e.strerror} (writing the built-in corpus, '
                               f'{len(corpus_bytes) / 2**20:.0f} MiB)', bin_path) from e
             raise
+
+
+def ensure_cache_dir(cache_dir: str | os.PathLike) -> None:
+    """Creates the corpus cache directory (and its lock file); main calls it before the run writes anything.
+
+    Raises:
+      ConfigError: the directory cannot be created or written (a read-only home, a file in the path, a
+        disk with no room for an empty file). A disk that fills while the corpus is written is left to
+        the loop, which names it in one line (run/control/disk.py).
+    """
+    lock_path = os.path.join(os.fspath(cache_dir), _corpus_name() + '.bin.lock')
+    try:
+        os.makedirs(os.fspath(cache_dir), exist_ok=True)
+        open(lock_path, 'a').close()
+    except OSError as e:
+        if e.errno not in _NOT_WRITABLE:
+            raise
+        raise ConfigError('data.cache_dir', os.fspath(cache_dir), f'cannot write the built-in corpus there: '
+                          f'{e.strerror} ({e.filename})', "name a writable directory, or 'workdir'") from None
+
+
+def _corpus_name() -> str:
+    return f'stdlib-{sys.implementation.name}-{platform.python_version()}'
 
 
 @contextlib.contextmanager
