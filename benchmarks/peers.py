@@ -19,7 +19,8 @@ median step. Beside each round: the load average and the share of the machine's 
 processes used while it ran (/proc/stat), and the peer's own CPU seconds per step. Ratios are
 of medians: tokens/s of the row over tokens/s of each peer. `--variant label=peer:key=value,...`
 adds a row of a peer with config overrides (jaxfrontier: `model.attention=reference`; the plain JAX
-GPT: its Config fields) or `XLA_FLAGS=...` for that worker, for comparisons inside one run.
+GPT: its Config fields) or `XLA_FLAGS=...` for that worker (last: its value may hold commas and
+spaces), for comparisons inside one run.
 
 FLOP convention (benchmarks/harness.py): model FLOPs are each family's Megatron-convention count
 (f = 3, causal attention counted full, padded vocabulary; Llama by Megatron-LM's GQA/SwiGLU count),
@@ -93,9 +94,9 @@ def rows_for(size: str, family: str, peers: list[str], variants: list[str]) -> l
     for spec in variants:
         label, rest = spec.split('=', 1)
         peer, _, settings = rest.partition(':')
-        items = [s for s in settings.split(',') if s]
-        flags = [s.split('=', 1)[1] for s in items if s.startswith('XLA_FLAGS=')]
-        overrides = tuple(s for s in items if not s.startswith('XLA_FLAGS='))
+        settings, _, xla_flags = settings.partition('XLA_FLAGS=')  # last: its value may hold commas
+        flags = [xla_flags] if xla_flags else []
+        overrides = tuple(s for s in settings.split(',') if s)
         if peer == 'jax' and family != 'gpt':
             continue
         rows.append((label, peer, overrides, ' '.join(flags) if flags else None))
