@@ -129,9 +129,7 @@ def main(argv: list[str]) -> int:
         if _MODE.value == 'train':
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             config.checkpoint.fast_dir = config_lib.resolve_fast_dir(config, os.environ)  # $JF_NODE_LOCAL, per process
-            config.data.cache_dir = config_lib.data_cache_dir(config, os.environ)  # ~/.cache/jaxfrontier/data
-            if config.data.kind == 'builtin' and config.data.cache_dir != 'workdir':
-                builtin.ensure_cache_dir(config.data.cache_dir)  # unwritable: one line before anything is written
+            _resolve_data_cache(config)
             processes = distributed.resolve(config.distributed, os.environ, cpu=config.mesh.cpu_devices > 0)
         if _MODE.value in ('train', 'verify'):
             _use_compile_cache(config)
@@ -211,6 +209,22 @@ def main(argv: list[str]) -> int:
     except (UserError, NonFiniteLossError, DistributedError) as e:
         return cli.exit_code(e)
     return 0
+
+
+def _resolve_data_cache(config) -> None:
+    """data.cache_dir as a path (or 'workdir'), created before the run writes anything: an unwritable
+    directory the user named is one line; `auto`'s user cache, where it cannot be written (a home that
+    is read-only on compute nodes), falls back to the workdir, which the `data:` line then names."""
+    setting = config.data.cache_dir
+    config.data.cache_dir = config_lib.data_cache_dir(config, os.environ)  # auto: ~/.cache/jaxfrontier/data
+    if config.data.kind != 'builtin' or config.data.cache_dir == 'workdir':
+        return
+    try:
+        builtin.ensure_cache_dir(config.data.cache_dir)
+    except ConfigError:
+        if setting != 'auto':
+            raise
+        config.data.cache_dir = 'workdir'
 
 
 def _use_compile_cache(config) -> None:

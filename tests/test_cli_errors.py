@@ -104,6 +104,18 @@ def test_an_unwritable_corpus_cache_is_one_line_before_anything_is_written(tmp_p
     assert not (tmp_path / 'wd').exists()
 
 
+@pytest.mark.slow  # a training subprocess: ~15 s
+def test_an_unwritable_user_cache_puts_the_corpus_in_the_workdir(tmp_path):
+    """data.cache_dir=auto where the home cannot be written (read-only on some centres' compute nodes): the
+    corpus goes to <workdir>/data_cache, as before the user cache existed, and the run trains."""
+    (tmp_path / 'file').write_text('')
+    env = processes.subprocess_env(XDG_CACHE_HOME=str(tmp_path / 'file'))
+    proc = processes.run_main('--config.train.steps=1', '--config.checkpoint.enabled=False',
+                              f'--workdir={tmp_path / "wd"}', env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / 'wd' / 'data_cache').glob('stdlib-*.bin')), os.listdir(tmp_path / 'wd')
+
+
 def test_an_abandoned_thread_error_is_the_last_line_on_stderr():
     """A full disk under Orbax's writer threads (`abandon_threads`): threads that keep printing
     tracebacks, from Python and straight to descriptor 2, neither split nor follow the one line."""
