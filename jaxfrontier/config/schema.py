@@ -358,8 +358,7 @@ def compile_cache_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> s
         return os.path.abspath(os.path.expanduser(setting))
     if env.get('JAX_COMPILATION_CACHE_DIR'):
         return env['JAX_COMPILATION_CACHE_DIR']
-    base = env.get('XDG_CACHE_HOME') or os.path.join(env.get('HOME') or os.path.expanduser('~'), '.cache')
-    return os.path.join(base, 'jaxfrontier', 'xla')
+    return _user_cache(env, 'xla')
 
 
 def data_cache_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> str:
@@ -374,8 +373,13 @@ def data_cache_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> str:
         return 'workdir'
     if setting != 'auto':
         return os.path.abspath(os.path.expanduser(setting))
+    return _user_cache(env, 'data')
+
+
+def _user_cache(env: Mapping[str, str], name: str) -> str:
+    """~/.cache/jaxfrontier/<name>, under $XDG_CACHE_HOME where set."""
     base = env.get('XDG_CACHE_HOME') or os.path.join(env.get('HOME') or os.path.expanduser('~'), '.cache')
-    return os.path.join(base, 'jaxfrontier', 'data')
+    return os.path.join(base, 'jaxfrontier', name)
 
 
 def resolve_fast_dir(c: ml_collections.ConfigDict, env: Mapping[str, str]) -> str:
