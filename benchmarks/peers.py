@@ -95,11 +95,10 @@ def rows_for(size: str, family: str, peers: list[str], variants: list[str]) -> l
         label, rest = spec.split('=', 1)
         peer, _, settings = rest.partition(':')
         settings, _, xla_flags = settings.partition('XLA_FLAGS=')  # last: its value may hold commas
-        flags = [xla_flags] if xla_flags else []
         overrides = tuple(s for s in settings.split(',') if s)
         if peer == 'jax' and family != 'gpt':
             continue
-        rows.append((label, peer, overrides, ' '.join(flags) if flags else None))
+        rows.append((label, peer, overrides, xla_flags or None))
     return rows
 
 

@@ -41,8 +41,7 @@ def builtin_corpus(cache_dir: str | os.PathLike) -> str:
       cache_dir: directory for the cached token file; created if needed.
     """
     stdlib = sysconfig.get_paths()['stdlib']
-    bin_path = os.path.join(os.fspath(cache_dir), _corpus_name() + '.bin')
-    ensure_cache_dir(cache_dir)
+    bin_path = ensure_cache_dir(cache_dir)
     # Processes of one job (and runs of one user) share the directory: one builds while the others wait, then reuse it
     # (write_token_file removes the header while it writes, which a reader must not see).
     with _exclusive(bin_path + '.lock'):
@@ -64,27 +63,28 @@ def builtin_corpus(cache_dir: str | os.PathLike) -> str:
             raise
 
 
-def ensure_cache_dir(cache_dir: str | os.PathLike) -> None:
+def ensure_cache_dir(cache_dir: str | os.PathLike) -> str:
     """Creates the corpus cache directory (and its lock file); main calls it before the run writes anything.
+
+    Returns:
+      The corpus's .bin path in it (its lock file is that path + '.lock').
 
     Raises:
       ConfigError: the directory cannot be created or written (a read-only home, a file in the path, a
         disk with no room for an empty file). A disk that fills while the corpus is written is left to
         the loop, which names it in one line (run/control/disk.py).
     """
-    lock_path = os.path.join(os.fspath(cache_dir), _corpus_name() + '.bin.lock')
+    bin_path = os.path.join(os.fspath(cache_dir),
+                            f'stdlib-{sys.implementation.name}-{platform.python_version()}.bin')
     try:
         os.makedirs(os.fspath(cache_dir), exist_ok=True)
-        open(lock_path, 'a').close()
+        open(bin_path + '.lock', 'a').close()
     except OSError as e:
         if e.errno not in _NOT_WRITABLE:
             raise
         raise ConfigError('data.cache_dir', os.fspath(cache_dir), f'cannot write the built-in corpus there: '
                           f'{e.strerror} ({e.filename})', "name a writable directory, or 'workdir'") from None
-
-
-def _corpus_name() -> str:
-    return f'stdlib-{sys.implementation.name}-{platform.python_version()}'
+    return bin_path
 
 
 @contextlib.contextmanager
