@@ -76,6 +76,82 @@ def test_bad_block_sizes_fail_validation(field, value):
         config_lib.validate(c)
 
 
+# --------------------------------------------------------------------------- grouped-query attention
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def grouped_out_and_grads(heads, block_q, block_kv, q, k, v, do, pos=None, seg=None):
+    """blockwise with G kv heads unrepeated (the packed fast path, or the masked path's repeat)."""
+    fn = functools.partial(blockwise.blockwise_attention, block_q=block_q, block_kv=block_kv, positions_bt=pos,
+                           segments_bt=seg)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(do)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def repeated_reference(heads, q, k, v, do, pos=None, seg=None):
+    """The reference kernel on kv heads repeated to the query heads; gradients of the G kv heads."""
+    def fn(q, k, v):
+        return attention_lib.reference_attention(q, attention_lib.repeat_kv(k, heads), attention_lib.repeat_kv(v, heads),
+                                                 pos, seg)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(do)
+
+
+@pytest.mark.parametrize('seq,heads,kv_heads,block_q,block_kv', [
+    (16, 6, 2, 4, 4), (13, 6, 2, 4, 8), (20, 4, 1, 3, 7), (16, 8, 2, 8, 4), (5, 4, 2, 8, 8), (1, 4, 2, 4, 4)])
+def test_grouped_blockwise_packs_groups_and_equals_repeated_reference(seq, heads, kv_heads, block_q, block_kv):
+    """Each kv head's query heads packed into one block (no repeat): output, dq, and dk / dv summed
+    over the group, against the reference on repeated kv heads; padded and multi-query cases."""
+    keys = jax.random.split(jax.random.key(5), 4)
+    q, do = (jax.random.normal(key, (2, seq, heads, 8)) for key in keys[:2])
+    k, v = (jax.random.normal(key, (2, seq, kv_heads, 8)) for key in keys[2:])
+    out, grads = grouped_out_and_grads(heads, block_q, block_kv, q, k, v, do)
+    ref_out, ref_grads = repeated_reference(heads, q, k, v, do)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL)
+    for name, g, g_ref in zip('qkv', grads, ref_grads):
+        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
+
+
+def test_grouped_blockwise_with_positions_repeats_and_equals_reference():
+    keys = jax.random.split(jax.random.key(6), 4)
+    q, do = (jax.random.normal(key, (2, 21, 6, 8)) for key in keys[:2])
+    k, v = (jax.random.normal(key, (2, 21, 2, 8)) for key in keys[2:])
+    pos, seg, _ = packed_ids(21)
+    out, grads = grouped_out_and_grads(6, 4, 4, q, k, v, do, pos, seg)
+    ref_out, ref_grads = repeated_reference(6, q, k, v, do, pos, seg)
+    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL)
+    for name, g, g_ref in zip('qkv', grads, ref_grads):
+        np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
+
+
+def test_blockwise_refuses_kv_heads_that_do_not_divide_the_heads():
+    q = jnp.zeros((1, 8, 6, 4))
+    with pytest.raises(ValueError, match='G dividing H'):
+        blockwise.blockwise_attention(q, jnp.zeros((1, 8, 4, 4)), jnp.zeros((1, 8, 4, 4)))
+
+
+def test_attend_packs_groups_only_on_the_plain_causal_blockwise_path():
+    """attend hands blockwise the kv heads unrepeated only where the packed kernel applies; the
+    program then has no repeat of the keys (no [B, T, H, K] broadcast of them)."""
+    seq_plain = attention_lib.as_seq(16)
+    q, k = jnp.zeros((2, 16, 6, 8)), jnp.zeros((2, 16, 2, 8))
+    assert attention_lib.grouped_blockwise('blockwise', q, k, seq_plain, None)
+    assert attention_lib.grouped_blockwise('auto', q, k, seq_plain, None)  # the CPU's auto is blockwise
+    assert not attention_lib.grouped_blockwise('reference', q, k, seq_plain, None)
+    assert not attention_lib.grouped_blockwise('blockwise', q, q, seq_plain, None)  # G = H: nothing to pack
+    assert not attention_lib.grouped_blockwise('blockwise', q, k, seq_plain, ('context',))
+    pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    assert not attention_lib.grouped_blockwise('blockwise', q, k, attention_lib.Seq(16, pos),
+                                               None)
+
+    def attend(q, k, v):
+        return attention_lib.attend(q, k, v, 'blockwise', (4, 4))[0]
+    kernels = [e for e in jax.make_jaxpr(attend)(q, k, k).eqns if 'custom_vjp' in e.primitive.name]
+    assert [[v.aval.shape for v in e.invars] for e in kernels] == [[q.shape, k.shape, k.shape]]
+
+
 # --------------------------------------------------------------------------- masked: positions, segments
 
 

@@ -130,9 +130,12 @@ def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, b
     q_bthk = mesh_lib.constrain(q_bthk, ACT_BTHK)
     k_btgk, v_btgk = (mesh_lib.constrain(x, ACT_BTGK) for x in (k_btgk, v_btgk))
     if cache is None:
-        k_bthk, v_bthk = (mesh_lib.constrain(repeat_kv(x, h), ACT_BTHK) for x in (k_btgk, v_btgk))
         seq = as_seq(q_bthk.shape[1] if seq is None else seq)
         context = mesh_lib.active_axes('length')
+        if grouped_blockwise(impl, q_bthk, k_btgk, seq, context):  # no repeat: the kernel packs the groups
+            o_bthk = blockwise_attention(q_bthk, k_btgk, v_btgk, *blocks)
+            return mesh_lib.constrain(o_bthk, ACT_BTHK), None
+        k_bthk, v_bthk = (mesh_lib.constrain(repeat_kv(x, h), ACT_BTHK) for x in (k_btgk, v_btgk))
         if context:  # the sequence is split over devices: attention across them
             o_bthk = across_context(q_bthk, k_bthk, v_bthk, positions_bt=positions(seq, q_bthk.shape[0]),
                                     segments_bt=seq.segments_bt, block_q=blocks[0], block_kv=blocks[1],
@@ -145,6 +148,17 @@ def attend(q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, impl: str, b
              for name, new in (('k', k_btgk), ('v', v_btgk))}
     k_bshk, v_bshk = (mesh_lib.constrain(repeat_kv(cache[name], h), ACT_BTHK) for name in ('k', 'v'))
     return mesh_lib.constrain(cached_attention(q_bthk, k_bshk, v_bshk, positions_bt), ACT_BTHK), cache
+
+
+def grouped_blockwise(impl: str, q_bthk: jax.Array, k_btgk: jax.Array, seq: Seq, context) -> bool:
+    """Whether `attend` hands blockwise attention G < H kv heads unrepeated (its causal fast path packs
+    each group's query heads, model/attention/blockwise.py): plain causal tokens, no context split, and
+    kv heads split over the same mesh axes as the query heads (where they are replicated because G
+    does not divide the tensor size, each rank keeps repeating to its own query heads)."""
+    if k_btgk.shape[2] == q_bthk.shape[2] or context or not seq.plain:
+        return False
+    return (resolve_impl(impl, q_bthk.dtype) == 'blockwise'
+            and mesh_lib.active_axes('kv_heads') == mesh_lib.active_axes('heads'))
 
 
 def across_context(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *, positions_bt: jax.Array,

@@ -13,6 +13,13 @@ inside, over the query blocks at or after each; it recomputes each block's proba
 p = exp(q k^T * scale - lse) from the saved logsumexp, accumulates dK and dV in the loop
 carry and adds each block's dQ into an O(s) dQ buffer.
 
+Grouped-query attention (G kv heads < H query heads) on the causal fast path packs each kv
+head's H/G query heads into one query block of H/G x block_q rows ([N, B, G, H/G x block_q, K],
+`_q_to_blocks`): the group shares its key/value blocks as it shares the heads, nothing is
+repeated, dK and dV sum over the group inside the matmuls, and each block pair is one matmul
+H/G times taller (small Llama on the CPU: 25 vs 37 ms per layer, forward and backward;
+docs/PERFORMANCE.md). Multi-head attention (G = H) is the same program as before.
+
 With positions and segments (`blockwise_attention(..., positions_bt=, segments_bt=)`) a
 masked path replaces the block-index arithmetic: the mask per visited block pair, the pairs to
 visit decided once from per-block id ranges (`block_visits`; the masked-path section below).
@@ -39,6 +46,9 @@ from jaxfrontier import mesh as mesh_lib
 # Blocked activations: [blocks, batch, heads, rows, head_dim] and statistics [blocks, batch, heads, rows].
 ACT_NBHRK = (None, 'batch', 'heads', None, None)
 ACT_NBHR = (None, 'batch', 'heads', None)
+# Grouped-query attention packed by kv head: [blocks, batch, kv heads, group x rows, head_dim], statistics alike.
+ACT_NBGRK = (None, 'batch', 'kv_heads', None, None)
+ACT_NBGR = (None, 'batch', 'kv_heads', None)
 MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so exp(MASKED - m) = 0 and never inf - inf
 
 
@@ -48,8 +58,12 @@ def blockwise_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array,
     """Causal softmax(q k^T / sqrt(k)) v, computed block by block (see the module docstring).
 
     Args:
-      q_bthk, k_bshk, v_bshk: queries, keys and values [batch, seq, heads, head_dim]; the same
-        sequence length (self-attention).
+      q_bthk, k_bshk, v_bshk: queries [batch, seq, heads, head_dim] and keys and values
+        [batch, seq, kv_heads, head_dim] of the same sequence (self-attention), kv_heads dividing
+        heads (grouped-query attention: query head i reads kv head i // (heads / kv_heads), as
+        attention.repeat_kv). The causal fast path packs each kv head's group of query heads
+        into one block of group x block_q rows, so a group shares its key/value blocks without
+        repeating them and each block pair is one larger matmul; the masked path repeats them.
       block_q, block_kv: rows per query block and per key/value block; any positive sizes
         (the sequence need not be a multiple of either).
       positions_bt, segments_bt: the tokens' positions and documents [batch, seq] (model/sequence.py).
@@ -60,13 +74,16 @@ def blockwise_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array,
     Returns:
       The attention output [batch, seq, heads, head_dim] in q's dtype.
     """
-    if q_bthk.shape != k_bshk.shape or k_bshk.shape != v_bshk.shape:
-        raise ValueError(f'blockwise attention needs q, k, v of one shape, got {q_bthk.shape}, '
-                         f'{k_bshk.shape}, {v_bshk.shape}')
+    b, t, h, k = q_bthk.shape
+    g = k_bshk.shape[2]
+    if k_bshk.shape != v_bshk.shape or k_bshk.shape != (b, t, g, k) or h % g:
+        raise ValueError(f'blockwise attention needs q [B, T, H, K] and k, v [B, T, G, K] with G dividing H, '
+                         f'got {q_bthk.shape}, {k_bshk.shape}, {v_bshk.shape}')
     if positions_bt is None and segments_bt is None:
         return _attention(block_q, block_kv, q_bthk, k_bshk, v_bshk)
+    if g != h:  # the masked path runs per query head: kv heads repeated (attention.repeat_kv's order)
+        k_bshk, v_bshk = (jnp.repeat(x, h // g, axis=2) for x in (k_bshk, v_bshk))
     if positions_bt is None:
-        b, t = q_bthk.shape[:2]
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
     return _masked_attention(block_q, block_kv, q_bthk, k_bshk, v_bshk, positions_bt, segments_bt)
 
@@ -78,13 +95,14 @@ def visited_block_pairs(seq_len: int, block_q: int, block_kv: int) -> int:
     return sum(min((i * block_q + block_q - 1) // block_kv + 1, num_kv) for i in range(num_q))
 
 
-def _to_blocks(x_bthk: jax.Array, block: int) -> jax.Array:
-    """[B, T, H, K] -> [T_pad / block, B, H, block, K], zero-padded at the end of the sequence."""
+def _to_blocks(x_bthk: jax.Array, block: int, names=ACT_NBHRK) -> jax.Array:
+    """[B, T, H, K] -> [T_pad / block, B, H, block, K], zero-padded at the end of the sequence (`names`:
+    its logical axes; ACT_NBGRK for a grouped-query attention's kv heads)."""
     b, t, h, k = x_bthk.shape
     n = -(-t // block)
     x_bthk = jnp.pad(x_bthk, ((0, 0), (0, n * block - t), (0, 0), (0, 0)))
     x_nbhrk = x_bthk.reshape(b, n, block, h, k).transpose(1, 0, 3, 2, 4)  # [N, B, H, block, K]
-    return mesh_lib.constrain(x_nbhrk, ACT_NBHRK)
+    return mesh_lib.constrain(x_nbhrk, names)
 
 
 def _from_blocks(x_nbhrk: jax.Array, t: int) -> jax.Array:
@@ -93,22 +111,47 @@ def _from_blocks(x_nbhrk: jax.Array, t: int) -> jax.Array:
     return x_nbhrk.transpose(1, 0, 3, 2, 4).reshape(b, n * r, h, k)[:, :t]  # [B, N * block, H, K] -> [B, t, H, K]
 
 
-def _scores(q_bhqk, k_bhsk, scale, q_start, kv_start, masked: bool) -> jax.Array:
-    """fp32 scaled scores [B, H, block_q, block_kv] of one block pair, causally masked if asked."""
+def _q_to_blocks(x_bthk: jax.Array, block: int, kv_heads: int) -> jax.Array:
+    """Queries (or anything per query head) [B, T, H, K] -> [N, B, G, H/G x block, K]: query head
+    g * H/G + r's rows of a block at rows r * block.. of kv head g's. G = H: _to_blocks itself."""
+    b, t, h, k = x_bthk.shape
+    if kv_heads == h:
+        return _to_blocks(x_bthk, block)
+    n, group = -(-t // block), h // kv_heads
+    x_bthk = jnp.pad(x_bthk, ((0, 0), (0, n * block - t), (0, 0), (0, 0)))
+    x = x_bthk.reshape(b, n, block, kv_heads, group, k).transpose(1, 0, 3, 4, 2, 5)  # [N, B, G, H/G, block, K]
+    return mesh_lib.constrain(x.reshape(n, b, kv_heads, group * block, k), ACT_NBGRK)
+
+
+def _q_from_blocks(x_nbgrk: jax.Array, t: int, heads: int) -> jax.Array:
+    """Inverse of _q_to_blocks: [N, B, G, H/G x block, K] -> [B, t, H, K]."""
+    n, b, g, rows, k = x_nbgrk.shape
+    if g == heads:
+        return _from_blocks(x_nbgrk, t)
+    group = heads // g
+    x = x_nbgrk.reshape(n, b, g, group, rows // group, k).transpose(1, 0, 4, 2, 3, 5)  # [B, N, block, G, H/G, K]
+    return x.reshape(b, n * (rows // group), heads, k)[:, :t]
+
+
+def _scores(q_bhqk, k_bhsk, scale, q_start, kv_start, masked: bool, block_q: int) -> jax.Array:
+    """fp32 scaled scores [B, H, rows, block_kv] of one block pair, causally masked if asked; the
+    rows are block_q queries, or a packed group's H/G x block_q (the same positions per head)."""
     s_bhqs = jnp.einsum('bhqk,bhsk->bhqs', q_bhqk, k_bhsk, preferred_element_type=jnp.float32) * scale
     if masked:
-        q_pos = q_start + jnp.arange(q_bhqk.shape[2])
+        rows = q_bhqk.shape[2]
+        q_pos = q_start + (jnp.arange(rows) if rows == block_q else jnp.tile(jnp.arange(block_q), rows // block_q))
         kv_pos = kv_start + jnp.arange(k_bhsk.shape[2])
         s_bhqs = jnp.where(q_pos[:, None] >= kv_pos[None, :], s_bhqs, MASKED)
     return s_bhqs
 
 
 def _forward(block_q: int, block_kv: int, q_bthk, k_bshk, v_bshk):
-    """(output [B, T, H, K], logsumexp [Nq, B, H, block_q] fp32)."""
-    t, head_dim = q_bthk.shape[1], q_bthk.shape[3]
+    """(output [B, T, H, K], logsumexp [Nq, B, G, H/G x block_q] fp32; G = H without grouped-query attention)."""
+    t, h, head_dim, g = q_bthk.shape[1], q_bthk.shape[2], q_bthk.shape[3], k_bshk.shape[2]
     scale = head_dim ** -0.5
-    q_nbhqk = _to_blocks(q_bthk, block_q)
-    k_nbhsk, v_nbhsk = _to_blocks(k_bshk, block_kv), _to_blocks(v_bshk, block_kv)
+    act, act_stats = (ACT_NBHRK, ACT_NBHR) if g == h else (ACT_NBGRK, ACT_NBGR)
+    q_nbhqk = _q_to_blocks(q_bthk, block_q, g)
+    k_nbhsk, v_nbhsk = _to_blocks(k_bshk, block_kv, act), _to_blocks(v_bshk, block_kv, act)
     num_kv = k_nbhsk.shape[0]
 
     def q_block(_, xs):
@@ -118,7 +161,7 @@ def _forward(block_q: int, block_kv: int, q_bthk, k_bshk, v_bshk):
 
         def kv_step(masked, j, carry):
             m_bhq, l_bhq, acc_bhqk = carry
-            s_bhqs = _scores(q_bhqk, k_nbhsk[j], scale, q_start, j * block_kv, masked)
+            s_bhqs = _scores(q_bhqk, k_nbhsk[j], scale, q_start, j * block_kv, masked, block_q)
             m_new = jnp.maximum(m_bhq, s_bhqs.max(-1))
             alpha_bhq = jnp.exp(m_bhq - m_new)
             p_bhqs = jnp.exp(s_bhqs - m_new[..., None])
@@ -138,7 +181,7 @@ def _forward(block_q: int, block_kv: int, q_bthk, k_bshk, v_bshk):
         return None, (o_bhqk, m_bhq + jnp.log(l_bhq))
 
     _, (o_nbhqk, lse_nbhq) = jax.lax.scan(q_block, None, (q_nbhqk, jnp.arange(q_nbhqk.shape[0])))
-    return _from_blocks(mesh_lib.constrain(o_nbhqk, ACT_NBHRK), t), mesh_lib.constrain(lse_nbhq, ACT_NBHR)
+    return _q_from_blocks(mesh_lib.constrain(o_nbhqk, act), t, h), mesh_lib.constrain(lse_nbhq, act_stats)
 
 
 def _pair_grads(p_bhqs, q_bhqk, do_bhqk, k_bhsk, v_bhsk, delta_bhq, scale, dk_bhsk, dv_bhsk):
@@ -156,13 +199,14 @@ def _pair_grads(p_bhqs, q_bhqk, do_bhqk, k_bhsk, v_bhsk, delta_bhq, scale, dk_bh
 def _backward(block_q: int, block_kv: int, residuals, do_bthk):
     """(dq, dk, dv) by FlashAttention-2's backward: key/value blocks outer, query blocks inner."""
     q_bthk, k_bshk, v_bshk, o_bthk, lse_nbhq = residuals
-    t, head_dim = q_bthk.shape[1], q_bthk.shape[3]
+    t, h, head_dim, g = q_bthk.shape[1], q_bthk.shape[2], q_bthk.shape[3], k_bshk.shape[2]
     scale = head_dim ** -0.5
-    q_nbhqk, do_nbhqk = _to_blocks(q_bthk, block_q), _to_blocks(do_bthk.astype(q_bthk.dtype), block_q)
-    k_nbhsk, v_nbhsk = _to_blocks(k_bshk, block_kv), _to_blocks(v_bshk, block_kv)
+    act = ACT_NBHRK if g == h else ACT_NBGRK
+    q_nbhqk, do_nbhqk = _q_to_blocks(q_bthk, block_q, g), _q_to_blocks(do_bthk.astype(q_bthk.dtype), block_q, g)
+    k_nbhsk, v_nbhsk = _to_blocks(k_bshk, block_kv, act), _to_blocks(v_bshk, block_kv, act)
     # delta = rowsum(dO * O) = rowsum(P * dP): the softmax's backward subtracts it.
     delta_bht = jnp.einsum('bthk,bthk->bht', do_bthk.astype(jnp.float32), o_bthk.astype(jnp.float32))
-    delta_nbhq = _to_blocks(delta_bht.transpose(0, 2, 1)[..., None], block_q)[..., 0]  # via [B, T, H, 1]
+    delta_nbhq = _q_to_blocks(delta_bht.transpose(0, 2, 1)[..., None], block_q, g)[..., 0]  # via [B, T, H, 1]
     num_q = q_nbhqk.shape[0]
 
     def kv_block(dq_nbhqk, xs):
@@ -172,7 +216,7 @@ def _backward(block_q: int, block_kv: int, residuals, do_bthk):
         def q_step(masked, i, carry):
             dq_nbhqk, dk_bhsk, dv_bhsk = carry
             q_bhqk, do_bhqk = q_nbhqk[i], do_nbhqk[i]
-            s_bhqs = _scores(q_bhqk, k_bhsk, scale, i * block_q, kv_start, masked)
+            s_bhqs = _scores(q_bhqk, k_bhsk, scale, i * block_q, kv_start, masked, block_q)
             p_bhqs = jnp.exp(s_bhqs - lse_nbhq[i][..., None])
             dq_bhqk, dk_bhsk, dv_bhsk = _pair_grads(p_bhqs, q_bhqk, do_bhqk, k_bhsk, v_bhsk, delta_nbhq[i], scale,
                                                     dk_bhsk, dv_bhsk)
@@ -186,11 +230,12 @@ def _backward(block_q: int, block_kv: int, residuals, do_bthk):
         dq_nbhqk, dk_bhsk, dv_bhsk = jax.lax.fori_loop(first_full, num_q, functools.partial(q_step, False), carry)
         return dq_nbhqk, (dk_bhsk, dv_bhsk)
 
-    dq_init = mesh_lib.constrain(jnp.zeros(q_nbhqk.shape, jnp.float32), ACT_NBHRK)
+    dq_init = mesh_lib.constrain(jnp.zeros(q_nbhqk.shape, jnp.float32), act)
     dq_nbhqk, (dk_nbhsk, dv_nbhsk) = jax.lax.scan(kv_block, dq_init,
                                                   (k_nbhsk, v_nbhsk, jnp.arange(k_nbhsk.shape[0])))
-    return tuple(_from_blocks(mesh_lib.constrain(g, ACT_NBHRK), t).astype(x.dtype)
-                 for g, x in ((dq_nbhqk, q_bthk), (dk_nbhsk, k_bshk), (dv_nbhsk, v_bshk)))
+    dq_bthk = _q_from_blocks(mesh_lib.constrain(dq_nbhqk, act), t, h).astype(q_bthk.dtype)
+    dk_bshk = _from_blocks(mesh_lib.constrain(dk_nbhsk, act), t).astype(k_bshk.dtype)
+    return dq_bthk, dk_bshk, _from_blocks(mesh_lib.constrain(dv_nbhsk, act), t).astype(v_bshk.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
