@@ -1,6 +1,7 @@
 """The attention core alone, forward + backward: reference vs blockwise vs PyTorch, one run.
 
   JAX_PLATFORMS=cpu python benchmarks/attention.py [--seqs 256,2048] [--blocks 64,128,256] [--rounds 5]
+  JAX_PLATFORMS=cpu python benchmarks/attention.py --seqs 256 --blocks 64 --kv-heads 2   # the small Llama's GQA
 
 Shape (the peer benchmark's, docs/PERFORMANCE.md): batch 8, 6 heads, head dim 64, fp32, causal;
 sequence 256 and 2048 by default. Each round times every kernel once (interleaved, so the
@@ -10,6 +11,12 @@ rounds, per call. Rows: `reference` (attention.reference_attention, materialised
 `blockwise bq/bkv` for each block size asked, and `torch` = torch.nn.functional.
 scaled_dot_product_attention(is_causal=True) forward + backward with the same number of
 threads as XLA uses (torch.set_num_threads(os.cpu_count())).
+
+`--kv-heads G` (< 6): grouped-query attention with G key/value heads. The reference gets them
+repeated to the 6 query heads (attention.repeat_kv); `blockwise` gets the G heads (its fast path
+packs each group's query heads into one block, as the model's attention does) and `blockwise
+.. repeated` the repeated ones (what the model ran before the packing); torch runs SDPA with
+`enable_gqa=True`. Gradients of k and v are of the G heads everywhere.
 
 PyTorch is not a dependency of the project; install the CPU wheel the numbers were taken with:
   pip install torch==2.13.0
@@ -47,7 +54,7 @@ def jax_kernel(fn):
     return lambda args: jax.block_until_ready(fwd_bwd(*args))
 
 
-def torch_kernel():
+def torch_kernel(gqa: bool = False):
     """Forward + backward of PyTorch's fused CPU SDPA, or None when torch is not installed."""
     try:
         import torch
@@ -58,27 +65,35 @@ def torch_kernel():
     def run(args):
         q, k, v, do = args
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         out.backward(do)
         return out, q.grad, k.grad, v.grad
 
     return run, torch.__version__
 
 
-def inputs(seq):
+def inputs(seq, kv_heads=HEADS):
+    """q, k, v, do: q and do of the 6 query heads, k and v of `kv_heads`."""
     rng = np.random.default_rng(0)
-    return [rng.standard_normal((BATCH, seq, HEADS, HEAD_DIM), np.float32) for _ in range(4)]
+    return [rng.standard_normal((BATCH, seq, h, HEAD_DIM), np.float32) for h in (HEADS, kv_heads, kv_heads, HEADS)]
 
 
-def measure(seq, blocks, rounds, iters):
+def repeated(fn):
+    """`fn` on k and v repeated to the query heads (the gradient flows back to the G heads)."""
+    return lambda q, k, v: fn(q, attention_lib.repeat_kv(k, HEADS), attention_lib.repeat_kv(v, HEADS))
+
+
+def measure(seq, blocks, rounds, iters, kv_heads=HEADS):
     """Median seconds per forward+backward call, per kernel, at sequence `seq`."""
-    arrays = inputs(seq)
+    arrays = inputs(seq, kv_heads)
     jax_args = [jnp.asarray(a) for a in arrays]
-    kernels = {'reference': (jax_kernel(attention_lib.reference_attention), jax_args)}
+    kernels = {'reference': (jax_kernel(repeated(attention_lib.reference_attention)), jax_args)}
     for b in blocks:
         fn = lambda q, k, v, b=b: blockwise.blockwise_attention(q, k, v, b, b)
         kernels[f'blockwise {b}/{b}'] = (jax_kernel(fn), jax_args)
-    run_torch, torch_version = torch_kernel()
+        if kv_heads != HEADS:
+            kernels[f'blockwise {b}/{b} repeated'] = (jax_kernel(repeated(fn)), jax_args)
+    run_torch, torch_version = torch_kernel(kv_heads != HEADS)
     if run_torch is not None:
         import torch
         # SDPA takes [B, H, T, K]; the transposed views are what a model would pass.
@@ -113,13 +128,17 @@ def main():
     p.add_argument('--blocks', default='64,128,256')
     p.add_argument('--rounds', type=int, default=5)
     p.add_argument('--iters', type=int, default=0, help='calls per round; 0: 5 at seq <= 512, else 1')
+    p.add_argument('--kv-heads', type=int, default=HEADS, help=f'key/value heads dividing {HEADS} (GQA below {HEADS})')
+    p.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'attention.json'))
     args = p.parse_args()
+    if args.kv_heads < 1 or HEADS % args.kv_heads:
+        p.error(f'--kv-heads {args.kv_heads}: it must divide the {HEADS} query heads (1, 2, 3 or 6)')
     blocks = [int(b) for b in args.blocks.split(',')]
     results, torch_version = {}, None
     for seq in (int(s) for s in args.seqs.split(',')):
         iters = args.iters or (5 if seq <= 512 else 1)
-        results[seq], torch_version = measure(seq, blocks, args.rounds, iters)
-    print(f'attention core, forward + backward, batch {BATCH}, {HEADS} heads, head dim {HEAD_DIM}, fp32, '
+        results[seq], torch_version = measure(seq, blocks, args.rounds, iters, args.kv_heads)
+    print(f'attention core, forward + backward, batch {BATCH}, {HEADS} heads ({args.kv_heads} kv), head dim {HEAD_DIM}, fp32, '
           f'{os.cpu_count()} cores, median of {args.rounds} rounds (ms; x = / torch)')
     print('| kernel | ' + ' | '.join(f'seq {s} ms | x torch' for s in results) + ' |')
     print('|---|' + '---|---|' * len(results))
@@ -129,10 +148,10 @@ def main():
             ratio = r[name] / r['torch sdpa'] if 'torch sdpa' in r else float('nan')
             cells.append(f'{r[name] * 1e3:.1f} | {ratio:.2f}')
         print(f'| {name} | ' + ' | '.join(cells) + ' |')
-    out = {'shape': dict(batch=BATCH, heads=HEADS, head_dim=HEAD_DIM, dtype='float32'), 'cpu_count': os.cpu_count(),
+    out = {'shape': dict(batch=BATCH, heads=HEADS, kv_heads=args.kv_heads, head_dim=HEAD_DIM, dtype='float32'), 'cpu_count': os.cpu_count(),
            'jax': jax.__version__, 'torch': torch_version, 'rounds': args.rounds,
            'median_s': {str(s): r for s, r in results.items()}}
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'attention.json')
+    path = args.out
     with open(path, 'w') as f:
         json.dump(out, f, indent=1)
     print(f'wrote {path}')
