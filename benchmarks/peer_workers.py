@@ -4,7 +4,9 @@ A worker builds one implementation of one shape, compiles it, runs warm-up steps
 the parent on stdin/stdout: `steps N` times N steps (each blocked on its loss) and replies one
 JSON line with the step times, this process's CPU seconds and the CPU seconds the rest of the
 machine used meanwhile (/proc/stat), so that a round taken while other jobs ran can be told
-apart. Only one worker measures at a time; the others wait on their stdin.
+apart; `peak` (jaxfrontier workers on the CPU) times the fp32 1024^3 matmul of the MFU's peak again, best
+of `PEAK_CALLS`, now that the worker's threads are warm. Only one worker measures at a time; the
+others wait on their stdin.
 
 Peers (all on one shape, fp32 on the CPU, bf16 compute with fp32 parameters on a GPU, AdamW
 lr 6e-4, betas 0.9/0.95, weight decay 0.1, global-norm clipping 1.0, tied embeddings):
@@ -190,6 +192,28 @@ def measure(step, steps: int) -> dict:
             'loss': loss}
 
 
+PEAK_CALLS = 20
+
+
+def cpu_matmul_peak(calls: int = PEAK_CALLS) -> float:
+    """FLOP/s of the fastest of `calls` jitted fp32 1024^3 matmuls on the CPU: hardware.measure_cpu_matmul_peak's
+    measurement (best of five at start-up, cached) taken again at the end of a run. One start-up measurement
+    read 1.07e11 in one run and 2.1e11 in another on the same machine (a 2x gap: one core against two),
+    so the parent keeps the largest of the jaxfrontier workers' measurements."""
+    import jax
+    import jax.numpy as jnp
+    n = 1024
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float('inf')
+    for _ in range(calls):
+        t = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
 def serve(peer: str, size: str, family: str, overrides: tuple[str, ...], warmup: int) -> None:
     """Builds the peer, reports `ready`, then answers `steps N` lines until `quit` or end of input."""
     out = os.fdopen(os.dup(1), 'w')  # the parent's pipe, private to this loop
@@ -205,5 +229,6 @@ def serve(peer: str, size: str, family: str, overrides: tuple[str, ...], warmup:
         cmd = line.split()
         if not cmd or cmd[0] == 'quit':
             break
-        out.write(json.dumps(measure(step, int(cmd[1]))) + '\n')
+        reply = {'peak_flops': cpu_matmul_peak()} if cmd[0] == 'peak' else measure(step, int(cmd[1]))
+        out.write(json.dumps(reply) + '\n')
         out.flush()
