@@ -17,7 +17,7 @@ Grouped-query attention (G kv heads < H query heads) on the causal fast path pac
 head's H/G query heads into one query block of H/G x block_q rows ([N, B, G, H/G x block_q, K],
 `_q_to_blocks`): the group shares its key/value blocks as it shares the heads, nothing is
 repeated, dK and dV sum over the group inside the matmuls, and each block pair is one matmul
-H/G times taller (small Llama on the CPU: 25 vs 37 ms per layer, forward and backward;
+H/G times taller (small Llama on the CPU: 30 vs 41 ms per layer, forward and backward;
 docs/PERFORMANCE.md). Multi-head attention (G = H) is the same program as before.
 
 With positions and segments (`blockwise_attention(..., positions_bt=, segments_bt=)`) a
