@@ -196,22 +196,12 @@ PEAK_CALLS = 20
 
 
 def cpu_matmul_peak(calls: int = PEAK_CALLS) -> float:
-    """FLOP/s of the fastest of `calls` jitted fp32 1024^3 matmuls on the CPU: hardware.measure_cpu_matmul_peak's
-    measurement (best of five at start-up, cached) taken again at the end of a run. One start-up measurement
-    read 1.07e11 in one run and 2.1e11 in another on the same machine (a 2x gap: one core against two),
-    so the parent keeps the largest of the jaxfrontier workers' measurements."""
-    import jax
-    import jax.numpy as jnp
-    n = 1024
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    matmul = jax.jit(lambda x, y: x @ y)
-    matmul(a, a).block_until_ready()
-    best = float('inf')
-    for _ in range(calls):
-        t = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best
+    """hardware.measure_cpu_matmul_peak's measurement (best of five at start-up, cached) taken again at the
+    end of a run, best of `calls`. One start-up measurement read 1.07e11 FLOP/s in one run and 2.1e11 in
+    another on the same machine (a 2x gap: one core against two), so the parent keeps the largest of the
+    jaxfrontier workers' measurements."""
+    from jaxfrontier import hardware
+    return hardware.time_cpu_matmul_peak('float32', calls)
 
 
 def serve(peer: str, size: str, family: str, overrides: tuple[str, ...], warmup: int) -> None:

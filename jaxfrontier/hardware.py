@@ -315,15 +315,23 @@ def _peak_dtype(dtype: str) -> str:
 def measure_cpu_matmul_peak(dtype: str = 'float32') -> float:
     """Measures matmul FLOP/s of one CPU JAX device; cached per dtype for the process.
 
-    Times a jitted n x n matmul (n = 1024) on the first CPU device (one warm-up, best of five)
-    and divides by the number of CPU devices in this process, because simulated CPU devices
-    share the same cores.
+    `time_cpu_matmul_peak` with its best of five.
 
     Args:
       dtype: 'float32', 'bfloat16' or 'float16'; the matmul runs in this dtype.
 
     Returns:
       FLOP/s per CPU device (> 0).
+    """
+    return time_cpu_matmul_peak(dtype)
+
+
+def time_cpu_matmul_peak(dtype: str = 'float32', calls: int = 5) -> float:
+    """Matmul FLOP/s of one CPU JAX device, measured now (not cached).
+
+    Times a jitted n x n matmul (n = 1024) on the first CPU device (one warm-up, best of `calls`)
+    and divides by the number of CPU devices in this process, because simulated CPU devices
+    share the same cores.
     """
     import jax  # pylint: disable=g-import-not-at-top  (this module is read before JAX starts)
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -337,7 +345,7 @@ def measure_cpu_matmul_peak(dtype: str = 'float32') -> float:
     matmul = jax.jit(lambda x, y: jnp.einsum('ij,jk->ik', x, y))
     matmul(a_nn, b_nn).block_until_ready()  # compile and warm up
     best = math.inf
-    for _ in range(5):
+    for _ in range(calls):
         start = time.perf_counter()
         matmul(a_nn, b_nn).block_until_ready()
         best = min(best, time.perf_counter() - start)
