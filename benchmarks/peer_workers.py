@@ -44,6 +44,12 @@ class Shape:
     dtype: str = 'float32'  # compute dtype; parameters stay fp32
     llama_mlp: int = 0  # the Llama's SwiGLU width; 0: searched for the GPT's parameter count
     llama_only: bool = False  # a Llama-shaped size with no GPT twin
+    # jaxfrontier's recomputation: none of the matmuls on any size, as the torch peers (whose compiled
+    # partitioner recomputes element-wise work). On the CPU sizes save_dots_attention, which keeps every
+    # matmul's and attention's output and recomputes the element-wise ops: 1.14x (Llama) and 1.23x (GPT)
+    # remat=none's step at the small shape (docs/PERFORMANCE.md). The GPU sizes keep none: with cuDNN
+    # attention (auto in bf16) the policy would run the kernel's forward again (its statistics are JAX's).
+    remat: str = 'save_dots_attention'
 
 
 SHAPES = {
@@ -53,11 +59,11 @@ SHAPES = {
     '100m': Shape(layers=12, d_model=768, heads=12, kv_heads=4, seq_len=1024, vocab=50257, batch=1),
     # GPU sizes (benchmarks/gpu_session.sh): configs/gpt.py's 1.3b; Llama 3.2 1B; four Llama 3 8B layers.
     'gpt1.3b': Shape(layers=24, d_model=2048, heads=16, kv_heads=16, seq_len=2048, vocab=50257, batch=8,
-                     dtype='bfloat16'),
+                     dtype='bfloat16', remat='none'),
     'llama1b': Shape(layers=16, d_model=2048, heads=32, kv_heads=8, seq_len=2048, vocab=128256, batch=8,
-                     dtype='bfloat16', llama_mlp=8192, llama_only=True),
+                     dtype='bfloat16', llama_mlp=8192, llama_only=True, remat='none'),
     'llama8b_4l': Shape(layers=4, d_model=4096, heads=32, kv_heads=8, seq_len=2048, vocab=128256, batch=4,
-                        dtype='bfloat16', llama_mlp=14336, llama_only=True),
+                        dtype='bfloat16', llama_mlp=14336, llama_only=True, remat='none'),
 }
 
 
@@ -67,7 +73,7 @@ def jf_config(shape: Shape, family: str, overrides: tuple[str, ...] = ()):
     c = config_lib.base_config()
     c.model.update(family=family, num_layers=shape.layers, d_model=shape.d_model, num_heads=shape.heads,
                    seq_len=shape.seq_len, vocab_size=shape.vocab, vocab_multiple=128, dtype=shape.dtype,
-                   remat='none', tied_embeddings=True)
+                   remat=shape.remat, tied_embeddings=True)
     if family == 'llama':
         c.model.update(num_kv_heads=shape.kv_heads, mlp_dim=shape.llama_mlp or _equal_parameter_width(shape),
                        rope_theta=10000.0)

@@ -47,13 +47,13 @@ DEFAULT_RULES = (
 # The families registered at import (jaxfrontier/families/); families.names() lists those registered now.
 MODEL_FAMILIES = families.names()
 ATTENTION_IMPLS = ('auto', 'reference', 'xla', 'cudnn', 'blockwise')
-REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch')
+REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_dots_no_batch', 'save_dots_attention')
 # Staggered 1F1B (pipeline/staggered.py): model.remat -> what the recomputation keeps for the
 # backward half-slot (one chunk, one micro-batch). `full` keeps the weight matmuls' outputs:
 # keeping only layer inputs would leave the whole recomputation to the backward half-slot
 # (3 forward-equivalents against the forward half-slot's 2).
 STAGGERED_RESIDUALS = {'full': 'save_dots_no_batch', 'save_dots_no_batch': 'save_dots_no_batch',
-                       'save_dots': 'save_dots', 'none': 'none'}
+                       'save_dots': 'save_dots', 'none': 'none', 'save_dots_attention': 'save_dots_attention'}
 DTYPES = ('float32', 'bfloat16', 'float16')
 LOSS_SCALES = ('dynamic', 'none')
 OPTIMIZERS = ('adamw', 'lion', 'adafactor')  # training/optimizer.py
@@ -111,7 +111,9 @@ def base_config() -> ml_collections.ConfigDict:
         # 64 measured fastest on the CPU at sequence 256 and 2048 (docs/PERFORMANCE.md).
         attention_block_q=64,
         attention_block_kv=64,
-        remat='full',  # none | full | save_dots | save_dots_no_batch
+        # none | full | save_dots | save_dots_no_batch | save_dots_attention (the weight matmuls' outputs and
+        # attention's output: only element-wise work recomputed; the fastest on the CPU, docs/PERFORMANCE.md)
+        remat='full',
         # With mesh.context > 1: device r of the context ring holds chunks r and 2c-1-r of the
         # sequence's 2c chunks (zigzag), so every device does the same causal attention work;
         # off, device r holds chunk r and the last device does the most (docs/long_context.md).

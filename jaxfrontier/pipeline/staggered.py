@@ -21,7 +21,8 @@ The stash holds each micro-batch's chunk input only (not every layer's input), s
 residuals for one micro-batch, live from A to B. `model.remat` decides what they are
 (`RESIDUAL_POLICY`): `full` and `save_dots_no_batch` keep each layer's input and its weight
 matmuls' outputs, so the backward half-slot recomputes only the attention core and the
-elementwise work; `save_dots` also keeps the attention matmuls; `none` keeps everything.
+elementwise work; `save_dots` also keeps the attention matmuls; `save_dots_attention` the
+attention kernel's output and statistics (only elementwise work left); `none` keeps everything.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def signature(remat: str, dtype: str, dropout: bool = False, tied_embeddings: bo
     reads it back instead.
 
     Args:
-      remat: the remat policy ('none', 'full', 'save_dots', 'save_dots_no_batch').
+      remat: the remat policy (config.REMAT_POLICIES).
       dtype: compute dtype.
       dropout: whether dropout is on (its masks are residuals).
       tied_embeddings: whether the head reuses the embedding.
@@ -208,12 +208,15 @@ def signature(remat: str, dtype: str, dropout: bool = False, tied_embeddings: bo
 
     The cuDNN kernel cannot be traced without an NVIDIA GPU: its signature is the XLA
     kernel's without the `b h t t` score, probability and mask arrays, plus the fused
-    kernel's fp32 softmax statistics `b h t` (what flash attention keeps).
+    kernel's fp32 softmax statistics `b h t` (what flash attention keeps) where the policy keeps
+    them (save_dots_attention: blockwise's, which are named; cuDNN's are JAX's own).
     """
     if attention in ('cudnn', 'blockwise'):
         xla = signature(remat, dtype, dropout, tied_embeddings, 'xla', family, proxy)
         fused = lambda rs: tuple(r for r in rs if r.dims.count('t') < 2)
-        stats = (Residual(('b', 'h', 't'), 4, f'{attention} softmax statistics'),) if remat in ('none', 'save_dots') else ()
+        # Blockwise keeps them per whole query block: b h t where t is a multiple of attention_block_q.
+        kept = remat in ('none', 'save_dots') or (remat == 'save_dots_attention' and attention == 'blockwise')
+        stats = (Residual(('b', 'h', 't'), 4, f'{attention} softmax statistics'),) if kept else ()
         return Signature(fused(xla.block) + stats, fused(xla.head))
     path = _disk_path((remat, dtype, dropout, tied_embeddings, attention, family, proxy))
     kept = _load(path)

@@ -406,7 +406,11 @@ def flops(shape, layout, attention: str = 'xla') -> Flops:
     # Full recomputation skips the MLP output projection: its result only feeds the layer's output,
     # which the stash already holds (XLA and JAX dead-code-eliminate it).
     full = layer_run - 2 * shape.seq_len * shape.d_model * shape.mlp_dim
-    recompute = {'none': 0.0, 'full': full, 'save_dots': 0.0, 'save_dots_no_batch': share * attention_fwd}
+    # save_dots_attention keeps the kernel's output: blockwise then recomputes nothing, cuDNN (whose
+    # statistics are not named) its forward, reference and xla their scores q k^T (half the forward).
+    kept_output = {'blockwise': 0.0, 'cudnn': share * attention_fwd}.get(attention, 0.5 * attention_fwd)
+    recompute = {'none': 0.0, 'full': full, 'save_dots': 0.0, 'save_dots_no_batch': share * attention_fwd,
+                 'save_dots_attention': kept_output}
     hardware = model + b * L * recompute[effective_remat(layout)]
     if staggered(layout):
         # Staggered 1F1B recomputes whole chunks under one `jax.vjp` of the layer scan (the scan

@@ -126,6 +126,37 @@ def test_grouped_blockwise_with_positions_repeats_and_equals_reference():
         np.testing.assert_allclose(g, g_ref, rtol=RTOL, atol=ATOL, err_msg=f'd{name}')
 
 
+def whiles_in_step(fn, policy, *args):
+    """While loops in the lowered value and gradient of `fn` under remat `policy` ('no remat': none)."""
+    if policy != 'no remat':
+        fn = jax.checkpoint(fn, policy=policy)
+    grad = jax.value_and_grad(fn, argnums=tuple(range(len(args))))
+    return jax.jit(grad).lower(*args).as_text().count('stablehlo.while')
+
+
+@pytest.mark.parametrize('masked,kv_heads', [(False, 4), (False, 2), (True, 4)])
+def test_save_dots_attention_keeps_the_kernels_forward_out_of_the_backward(masked, kv_heads):
+    """blockwise's forward rules name the output and logsumexp (`keep`): remat=save_dots_attention saves
+    them, so value + gradient holds the forward's block loops once, as without remat; save_dots_no_batch
+    (which saves only weight matmuls) runs them again in the backward. Plain, grouped and masked paths."""
+    from jaxfrontier.model import stack
+    keys = jax.random.split(jax.random.key(7), 2)
+    q = jax.random.normal(keys[0], (2, 16, 4, 8))
+    kv = jax.random.normal(keys[1], (2, 16, kv_heads, 8))
+    w = jnp.eye(8) * 0.5
+    pos, seg, _ = packed_ids(16) if masked else (None, None, None)
+
+    def fn(q, kv):  # a weight matmul, then the kernel, then a non-linear loss: the output is needed
+        q = jnp.tanh(q @ w)
+        o = blockwise.blockwise_attention(q, kv, kv, 4, 4, positions_bt=pos, segments_bt=seg)
+        return jnp.sin(o).sum()
+
+    counts = {name: whiles_in_step(fn, policy, q, kv) for name, policy in (
+        ('no remat', 'no remat'), ('kept', stack.REMAT_POLICIES['save_dots_attention']),
+        ('recomputed', stack.REMAT_POLICIES['save_dots_no_batch']))}
+    assert counts['kept'] == counts['no remat'] < counts['recomputed'], counts
+
+
 def test_blockwise_refuses_kv_heads_that_do_not_divide_the_heads():
     q = jnp.zeros((1, 8, 6, 4))
     with pytest.raises(ValueError, match='G dividing H'):

@@ -275,7 +275,7 @@ def test_pipeline_matches_single_device(schedule, p, m, virtual, other, referenc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('remat', ['full', 'save_dots', 'save_dots_no_batch'])
+@pytest.mark.parametrize('remat', ['full', 'save_dots', 'save_dots_no_batch', 'save_dots_attention'])
 def test_remat_policy_does_not_change_loss_or_grads(remat, reference_step0):
     loss, grads, _ = run_layout(llama_layout(remat=remat), steps=False)
     np.testing.assert_allclose(loss, reference_step0[0], rtol=LOSS_RTOL)

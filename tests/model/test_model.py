@@ -172,6 +172,18 @@ def test_remat_policy_does_not_change_loss_or_grads_slow(remat):
     check_remat_policy(remat)
 
 
+@pytest.mark.parametrize('unroll', [1, 2])  # rolled scan; every layer unrolled (the checkpoint's barriers)
+def test_save_dots_attention_does_not_change_loss_or_grads(unroll):
+    """The CPU's fastest policy (docs/PERFORMANCE.md) with the CPU's kernel, blockwise: the same ops on
+    the same values as remat=none, bitwise, whether it saves (its output, statistics, matmuls) or
+    recomputes (norms, activations)."""
+    ref_loss, ref_grads = gpt_loss_and_grads(attention='blockwise', remat='none', scan_unroll=unroll)
+    loss, grads = gpt_loss_and_grads(attention='blockwise', remat='save_dots_attention', scan_unroll=unroll)
+    assert loss == ref_loss
+    for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_array_equal(g, g_ref, err_msg=f'grad {jax.tree_util.keystr(path)}')
+
+
 @pytest.mark.parametrize('unroll', [2, 3])  # 2 = fully unrolled (a plain loop), 3 > layers
 def test_unrolled_layers_match_the_scan(unroll):
     ref_loss, ref_grads = gpt_loss_and_grads(remat='full')

@@ -118,7 +118,7 @@ def test_flops_match_closed_forms_and_megatron():
 
 
 @pytest.mark.parametrize('remat,pipe', [('none', 1), ('full', 1), ('save_dots_no_batch', 1), ('none', 2), ('full', 2),
-                                        ('save_dots', 2)])
+                                        ('save_dots', 2), ('save_dots_attention', 1)])
 def test_hardware_flops_match_traced_train_step(remat, pipe):
     c = make_config(remat=remat, pipeline=pipe, accum=2 if pipe > 1 else 1, layers=4, d=32, seq=16, batch=4)
     mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1, 1), config_lib.axes.in_mesh({}), axis_types=(AxisType.Auto,) * 5)
@@ -167,16 +167,20 @@ def test_blockwise_working_set_is_linear_in_the_sequence():
 
 def test_residuals_match_saved_residuals():
     """The symbolic residuals, evaluated at another size, are exactly what JAX saves."""
-    for remat, dtype in (('none', 'float32'), ('full', 'bfloat16'), ('save_dots', 'bfloat16')):
-        c = make_config(layers=3, d=48, heads=3, seq=20, vocab=96, remat=remat, dtype=dtype, batch=3)
+    for remat, dtype, attention in (('none', 'float32', 'xla'), ('full', 'bfloat16', 'xla'),
+                                    ('save_dots', 'bfloat16', 'xla'), ('save_dots_attention', 'float32', 'xla'),
+                                    ('save_dots_attention', 'float32', 'blockwise')):
+        c = make_config(layers=3, d=48, heads=3, seq=20, vocab=96, remat=remat, dtype=dtype, batch=3,
+                        attention=attention)
+        c.model.attention_block_q = c.model.attention_block_kv = 10  # blockwise's statistics are padded to whole blocks
         shape = config_lib.model_shape(c)
         model_def = params_lib.ModelDef.create(shape)
         tokens = jax.ShapeDtypeStruct((3, 20), jnp.int32)
         saved = saved_residuals(lambda p, t: model_def.bind(p).loss(t, t), model_def.abstract_params(), tokens)
         expected = sum(a.size * a.dtype.itemsize for a, why in saved if not why.startswith('from the argument'))
         layout = layout_lib.Layout.from_config(c)
-        per_layer, head = estimate.layer_bytes(shape, layout, remat)
-        assert per_layer * 3 + head == expected, (remat, dtype)
+        per_layer, head = estimate.layer_bytes(shape, layout, remat, attention)
+        assert per_layer * 3 + head == expected, (remat, dtype, attention)
 
 
 def test_pipeline_slots_match_schedules():

@@ -104,7 +104,8 @@ def test_8b_flops_are_megatrons_gqa_swiglu_count():
     assert fl.model == pytest.approx(6 * b * s * (l * per_token_layer + h * v), rel=1e-15)
 
 
-@pytest.mark.parametrize('remat,pipe', [('none', 1), ('full', 1), ('save_dots_no_batch', 1), ('full', 2)])
+@pytest.mark.parametrize('remat,pipe', [('none', 1), ('full', 1), ('save_dots_no_batch', 1), ('full', 2),
+                                        ('save_dots_attention', 1)])
 def test_hardware_flops_match_traced_train_step(remat, pipe, **model):
     c = make_config(remat=remat, pipeline=pipe, accum=2 if pipe > 1 else 1, layers=4, d=32, seq=16, batch=4, **model)
     mesh = jax.sharding.AbstractMesh((pipe, 1, 1, 1, 1), config_lib.axes.in_mesh({}), axis_types=(AxisType.Auto,) * 5)
@@ -128,16 +129,19 @@ def test_qwen3_hardware_flops_match_traced_train_step(remat, pipe):
 @pytest.mark.parametrize('kv', [2, 4, 1])
 def test_residuals_match_saved_residuals(kv, **model):
     """The symbolic residuals of the traced proxy, evaluated at another size, are what JAX saves."""
-    for remat, dtype in (('none', 'float32'), ('full', 'bfloat16'), ('save_dots', 'bfloat16')):
-        c = make_config(layers=3, d=48, heads=4, kv=kv, mlp=40, seq=20, vocab=96, remat=remat, batch=3, **model)
+    for remat, dtype, attention in (('none', 'float32', 'xla'), ('full', 'bfloat16', 'xla'),
+                                    ('save_dots', 'bfloat16', 'xla'), ('save_dots_attention', 'float32', 'blockwise')):
+        c = make_config(layers=3, d=48, heads=4, kv=kv, mlp=40, seq=20, vocab=96, remat=remat, batch=3,
+                        attention=attention, **model)
         c.model.dtype = dtype
+        c.model.attention_block_q = c.model.attention_block_kv = 10  # blockwise's statistics are padded to whole blocks
         shape = config_lib.model_shape(c)
         model_def = params_lib.ModelDef.create(shape)
         tokens = jax.ShapeDtypeStruct((3, 20), jnp.int32)
         saved = saved_residuals(lambda p, t: model_def.bind(p).loss(t, t), model_def.abstract_params(), tokens)
         expected = sum(a.size * a.dtype.itemsize for a, why in saved if not why.startswith('from the argument'))
-        per_layer, head = estimate.layer_bytes(shape, layout_lib.Layout.from_config(c), remat)
-        assert per_layer * 3 + head == expected, (remat, dtype, kv)
+        per_layer, head = estimate.layer_bytes(shape, layout_lib.Layout.from_config(c), remat, attention)
+        assert per_layer * 3 + head == expected, (remat, dtype, kv, attention)
 
 
 @pytest.mark.parametrize('head_dim', [16, 8])

@@ -31,6 +31,11 @@ and elementwise ops, so XLA compiles it for the CPU, ROCm and CUDA alike. Matmul
 in the compute dtype; scores, softmax statistics and accumulators are fp32 (as in
 attention.reference_attention). There is no attention-probability dropout, as in the
 reference kernel (the model applies dropout to the residual branches only).
+
+The forward rules name what they keep for the backward (`keep`: the output `attention_output`,
+the logsumexp `attention_stats`; ring attention's likewise), so a remat policy can save them:
+`model.remat=save_dots_attention` (model/stack.py) keeps them with the weight matmuls' outputs,
+and the backward then runs no attention forward again.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxfrontier import mesh as mesh_lib
 
@@ -50,6 +56,14 @@ ACT_NBHR = (None, 'batch', 'heads', None)
 ACT_NBGRK = (None, 'batch', 'kv_heads', None, None)
 ACT_NBGR = (None, 'batch', 'kv_heads', None)
 MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so exp(MASKED - m) = 0 and never inf - inf
+OUTPUT, STATS = 'attention_output', 'attention_stats'  # checkpoint names of what the backward reads
+SAVED_NAMES = (OUTPUT, STATS)
+
+
+def keep(o, stats):
+    """The kernel's output and its softmax statistics (any pytree of arrays), named for remat policies
+    (`SAVED_NAMES`): a policy that saves them spares the backward a second attention forward."""
+    return checkpoint_name(o, OUTPUT), jax.tree.map(lambda a: checkpoint_name(a, STATS), stats)
 
 
 def blockwise_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, block_q: int = 128,
@@ -244,7 +258,7 @@ def _attention(block_q: int, block_kv: int, q_bthk, k_bshk, v_bshk):
 
 
 def _attention_fwd(block_q, block_kv, q_bthk, k_bshk, v_bshk):
-    o_bthk, lse_nbhq = _forward(block_q, block_kv, q_bthk, k_bshk, v_bshk)
+    o_bthk, lse_nbhq = keep(*_forward(block_q, block_kv, q_bthk, k_bshk, v_bshk))
     return o_bthk, (q_bthk, k_bshk, v_bshk, o_bthk, lse_nbhq)
 
 
@@ -480,7 +494,7 @@ def _masked_attention(block_q: int, block_kv: int, q_bthk, k_bshk, v_bshk, posit
 def _masked_attention_fwd(block_q, block_kv, q_bthk, k_bshk, v_bshk, positions_bt, segments_bt):
     o_bthk, lse_bth = masked_forward(q_bthk, k_bshk, v_bshk, positions_bt, positions_bt, segments_bt, segments_bt,
                                      block_q=block_q, block_kv=block_kv)
-    o_bthk = o_bthk.astype(q_bthk.dtype)
+    o_bthk, lse_bth = keep(o_bthk.astype(q_bthk.dtype), lse_bth)
     return o_bthk, (q_bthk, k_bshk, v_bshk, o_bthk, lse_bth, positions_bt, segments_bt)
 
 
