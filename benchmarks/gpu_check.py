@@ -7,7 +7,8 @@ Records (JSON to --out, then the Markdown table docs/PERFORMANCE.md takes, on st
   environment  devices, Python, jax / jaxlib / GPU plugin versions, XLA_FLAGS
   matmul       measured bf16 matmul TFLOP/s (8192^3; --quick: 512^3) against the table's peak
   steps        125m, 350m, 1.3b (configs/gpt.py) at sequence 2048 for each attention
-               (auto, xla, cudnn, blockwise) and remat policy (none, full, save_dots): step time,
+               (auto, xla, cudnn, blockwise) and remat policy (none, full, save_dots,
+               save_dots_attention: the CPU's fastest, docs/PERFORMANCE.md): step time,
                tokens/s, MFU (Megatron's f = 3 FLOPs, benchmarks/harness.py); the micro-batch
                the planner says fills memory (halved once on an out-of-memory); the allocator's
                peak beside XLA's estimate and the planner's. An implementation the config does
@@ -43,7 +44,7 @@ REPO = os.path.dirname(HERE)
 MARK = 'GPU_CHECK_RESULT '
 SIZES = ('125m', '350m', '1.3b')
 ATTENTIONS = ('auto', 'xla', 'cudnn', 'blockwise')
-REMATS = ('none', 'full', 'save_dots')
+REMATS = ('none', 'full', 'save_dots', 'save_dots_attention')
 PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'jax-cuda12-plugin', 'jax-cuda12-pjrt',
             'jax-cuda13-plugin', 'jax-cuda13-pjrt', 'jax-rocm7-plugin', 'jax-rocm7-pjrt', 'torch')
 
