@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxfrontier.model import auxiliary
-from jaxfrontier.model.attention import blockwise
+from jaxfrontier.model.attention import saved
 from jaxfrontier.model.layers.linear import without_adapter_products
 
 LAYERS = 'layers'  # the stacked axis of the pipelined group (`params['blocks']`): split over `pipeline`
@@ -34,11 +34,11 @@ REMAT_POLICIES = {  # none saves a LoRA adapter's product (layers/linear.py `wit
     'full': None,  # save only each layer's input, recompute everything inside it
     'save_dots': without_adapter_products(jax.checkpoint_policies.checkpoint_dots),
     'save_dots_no_batch': without_adapter_products(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
-    # save_dots_no_batch and attention's output and softmax statistics (blockwise.SAVED_NAMES): the backward
+    # save_dots_no_batch and attention's output and softmax statistics (attention/saved.py): the backward
     # recomputes only the element-wise work (norms, activations, rotary), as torch.compile's partitioner does.
     'save_dots_attention': without_adapter_products(jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*blockwise.SAVED_NAMES))),
+        jax.checkpoint_policies.save_only_these_names(*saved.NAMES))),
 }
 
 

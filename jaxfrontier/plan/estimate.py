@@ -403,14 +403,11 @@ def flops(shape, layout, attention: str = 'xla') -> Flops:
     attention_fwd = 2 * 2 * shape.seq_len * shape.seq_len * shape.num_heads * shape.head_dim  # h K: d unless apart
     share = blockwise_attention_share(shape) if attention == 'blockwise' else 1.0
     layer_run = layer - (1 - share) * attention_fwd  # one layer's forward as the kernel computes it
-    # Full recomputation skips the MLP output projection: its result only feeds the layer's output,
-    # which the stash already holds (XLA and JAX dead-code-eliminate it).
+    # Full recomputation skips the MLP output projection: it only feeds the layer output the stash holds.
     full = layer_run - 2 * shape.seq_len * shape.d_model * shape.mlp_dim
-    # save_dots_attention keeps the kernel's output: blockwise then recomputes nothing, cuDNN (whose
-    # statistics are not named) its forward, reference and xla their scores q k^T (half the forward).
-    kept_output = {'blockwise': 0.0, 'cudnn': share * attention_fwd}.get(attention, 0.5 * attention_fwd)
+    kept = {'blockwise': 0.0, 'cudnn': share * attention_fwd}.get(attention, attention_fwd / 2)
     recompute = {'none': 0.0, 'full': full, 'save_dots': 0.0, 'save_dots_no_batch': share * attention_fwd,
-                 'save_dots_attention': kept_output}
+                 'save_dots_attention': kept}  # output kept: cuDNN's forward again (unnamed statistics), xla's q k^T
     hardware = model + b * L * recompute[effective_remat(layout)]
     if staggered(layout):
         # Staggered 1F1B recomputes whole chunks under one `jax.vjp` of the layer scan (the scan

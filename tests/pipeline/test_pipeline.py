@@ -61,6 +61,14 @@ def test_pipeline_matches_single_device(schedule, p, m, virtual, other, referenc
     check_against_reference(run_layout_once(pipeline_config(schedule, p, m, other, virtual)), reference)
 
 
+@pytest.mark.slow
+def test_staggered_1f1b_with_save_dots_attention_matches_single_device(reference):
+    """The staggered executor's backward half-slot from the policy's residuals (config.STAGGERED_RESIDUALS:
+    the weight matmuls' and attention's outputs), with tensor 2 splitting them."""
+    c = pipeline_config('1f1b', 2, 3, 'tensor', remat='save_dots_attention')
+    check_against_reference(run_layout_once(c), reference)
+
+
 def test_pipeline_over_context_and_fsdp_matches_single_device(reference):
     """Issue 35's layout, context 2 x pipeline 2 x fsdp 2, through the loop's compiled step: no
     collective-permute in a stage's branch (XLA:CPU's waits for every device: it deadlocked), and

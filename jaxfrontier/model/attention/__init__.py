@@ -10,11 +10,8 @@ documents, context parallelism's token order; docs/models.md): reference and xla
 [B, 1, T, T] mask, cudnn as JAX's additive bias from that mask, blockwise by block pair,
 skipping wholly masked pairs. Without them each runs its plain causal program.
 
-Every kernel's output carries the checkpoint name `attention_output` (blockwise.py `keep`; the
-fused kernels' softmax statistics `attention_stats`), which `model.remat=save_dots_attention`
-saves: the fused kernels' backward then needs no second forward; reference and xla keep their
-output but recompute the probabilities from the saved projections; cudnn's statistics are JAX's
-own and not named, so its forward runs again in the backward, as under save_dots_no_batch.
+Every kernel names its output, the fused kernels their softmax statistics too (saved.py), for
+`model.remat=save_dots_attention`; reference and xla then recompute only their probabilities.
 
 Kernels (config.model.attention):
   reference  einsum + causal mask + fp32 softmax, written out here; runs everywhere.
@@ -39,7 +36,7 @@ from flax import nnx
 
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.families import Lora
-from jaxfrontier.model.attention import blockwise, ring
+from jaxfrontier.model.attention import ring, saved
 from jaxfrontier.model.attention.blockwise import blockwise_attention
 from jaxfrontier.model.context import flatten_tokens, unflatten_tokens
 from jaxfrontier.model.layers import linear
@@ -210,20 +207,20 @@ def dot_product_attention(q_bthk, k_bshk, v_bshk, impl: str, block_q: int = 64, 
     """
     impl = resolve_impl(impl, q_bthk.dtype)
     if impl == 'reference':
-        return blockwise.keep(reference_attention(q_bthk, k_bshk, v_bshk, positions_bt, segments_bt), ())[0]
+        return saved.name_output(reference_attention(q_bthk, k_bshk, v_bshk, positions_bt, segments_bt))
     if impl == 'blockwise':
         return blockwise_attention(q_bthk, k_bshk, v_bshk, block_q, block_kv, positions_bt=positions_bt,
                                    segments_bt=segments_bt)
     if impl in ('xla', 'cudnn'):
         if positions_bt is None and segments_bt is None:
             o_bthk = jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, is_causal=True, implementation=impl)
-            return blockwise.keep(o_bthk, ())[0]
+            return saved.name_output(o_bthk)
         # jax 0.10 takes a boolean mask for both: xla applies it to its T x S scores, cudnn turns
         # it into an additive [B, 1, T, S] bias (jax._src.cudnn combine_bias_and_mask). cuDNN's
         # own packed-segment layout (q_offsets) is not reachable through jax.nn.
         mask_b1ts = visible(q_bthk.shape[1], positions_bt, segments_bt)[:, None]
         o_bthk = jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, mask=mask_b1ts, implementation=impl)
-        return blockwise.keep(o_bthk, ())[0]
+        return saved.name_output(o_bthk)
     raise ValueError(f'unknown attention implementation {impl!r}')
 
 

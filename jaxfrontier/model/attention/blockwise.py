@@ -32,10 +32,7 @@ in the compute dtype; scores, softmax statistics and accumulators are fp32 (as i
 attention.reference_attention). There is no attention-probability dropout, as in the
 reference kernel (the model applies dropout to the residual branches only).
 
-The forward rules name what they keep for the backward (`keep`: the output `attention_output`,
-the logsumexp `attention_stats`; ring attention's likewise), so a remat policy can save them:
-`model.remat=save_dots_attention` (model/stack.py) keeps them with the weight matmuls' outputs,
-and the backward then runs no attention forward again.
+The forward rules name the output and logsumexp they keep (saved.py) for `model.remat=save_dots_attention`.
 """
 
 from __future__ import annotations
@@ -45,9 +42,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxfrontier import mesh as mesh_lib
+from jaxfrontier.model.attention.saved import keep
 
 # Blocked activations: [blocks, batch, heads, rows, head_dim] and statistics [blocks, batch, heads, rows].
 ACT_NBHRK = (None, 'batch', 'heads', None, None)
@@ -56,14 +53,6 @@ ACT_NBHR = (None, 'batch', 'heads', None)
 ACT_NBGRK = (None, 'batch', 'kv_heads', None, None)
 ACT_NBGR = (None, 'batch', 'kv_heads', None)
 MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so exp(MASKED - m) = 0 and never inf - inf
-OUTPUT, STATS = 'attention_output', 'attention_stats'  # checkpoint names of what the backward reads
-SAVED_NAMES = (OUTPUT, STATS)
-
-
-def keep(o, stats):
-    """The kernel's output and its softmax statistics (any pytree of arrays), named for remat policies
-    (`SAVED_NAMES`): a policy that saves them spares the backward a second attention forward."""
-    return checkpoint_name(o, OUTPUT), jax.tree.map(lambda a: checkpoint_name(a, STATS), stats)
 
 
 def blockwise_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, block_q: int = 128,

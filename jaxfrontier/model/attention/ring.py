@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxfrontier.model.attention import blockwise
+from jaxfrontier.model.attention import blockwise, saved
 
 
 
@@ -137,7 +137,7 @@ def _ring_fwd(axis, context, block_q, block_kv, q_bthk, k_bthk, v_bthk, ids):
     body = functools.partial(_forward_body, axis, context, block_q, block_kv, len(ids))
     o_bthk, lse_bth, plan = _shard(axis, body, (tokens,) * (3 + len(ids)), (tokens, tokens, steps))(
         q_bthk, k_bthk, v_bthk, *ids)
-    o_bthk, (lse_bth, plan) = blockwise.keep(o_bthk.astype(q_bthk.dtype), (lse_bth, plan))  # one forward
+    o_bthk, (lse_bth, plan) = saved.keep(o_bthk.astype(q_bthk.dtype), (lse_bth, plan))  # one forward
     return o_bthk, (q_bthk, k_bthk, v_bthk, o_bthk, lse_bth, ids, plan)
 
 
