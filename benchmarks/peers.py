@@ -19,7 +19,8 @@ median step. Beside each round: the load average and the share of the machine's 
 processes used while it ran (/proc/stat), and the peer's own CPU seconds per step. Ratios are
 of medians: tokens/s of the row over tokens/s of each peer. `--variant label=peer:key=value,...`
 adds a row of a peer with config overrides (jaxfrontier: `model.attention=reference`; the plain JAX
-GPT: its Config fields) or `XLA_FLAGS=...` for that worker (last: its value may hold commas and
+GPT: its Config fields), environment variables of that worker (an upper-case name: e.g.
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`) or `XLA_FLAGS=...` (last: its value may hold commas and
 spaces), for comparisons inside one run.
 
 FLOP convention (benchmarks/harness.py): model FLOPs are each family's Megatron-convention count
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -86,26 +88,28 @@ class Worker:
             self.proc.wait(timeout=120)
 
 
-def worker_env(xla_flags: str | None) -> dict[str, str]:
-    """The environment of a worker: this one's, the repository importable, and XLA_FLAGS if given."""
+def worker_env(variables: dict[str, str]) -> dict[str, str]:
+    """The environment of a worker: this one's, the repository importable, and the row's variables."""
     env = dict(os.environ, PYTHONPATH=REPO + (os.pathsep + os.environ['PYTHONPATH'] if 'PYTHONPATH' in os.environ
                                               else ''))
-    if xla_flags is not None:
-        env['XLA_FLAGS'] = xla_flags
-    return env
+    return {**env, **variables}
 
 
 def rows_for(size: str, family: str, peers: list[str], variants: list[str]) -> list[tuple]:
-    """(label, peer, overrides, XLA_FLAGS or None) of every row of one size and family."""
-    rows = [(p, p, (), None) for p in peers if not (p == 'jax' and family != 'gpt')]
+    """(label, peer, overrides, environment variables) of every row of one size and family."""
+    rows = [(p, p, (), {}) for p in peers if not (p == 'jax' and family != 'gpt')]
     for spec in variants:
         label, rest = spec.split('=', 1)
         peer, _, settings = rest.partition(':')
         settings, _, xla_flags = settings.partition('XLA_FLAGS=')  # last: its value may hold commas
-        overrides = tuple(s for s in settings.split(',') if s)
+        items = [s for s in settings.split(',') if s]
+        variables = dict(s.split('=', 1) for s in items if re.fullmatch(r'[A-Z][A-Z0-9_]*', s.split('=', 1)[0]))
+        overrides = tuple(s for s in items if s.split('=', 1)[0] not in variables)
+        if xla_flags:
+            variables['XLA_FLAGS'] = xla_flags
         if peer == 'jax' and family != 'gpt':
             continue
-        rows.append((label, peer, overrides, xla_flags or None))
+        rows.append((label, peer, overrides, variables))
     return rows
 
 
@@ -113,9 +117,9 @@ def run_group(size: str, family: str, rows: list[tuple], rounds: int, steps: int
     """Starts one worker per row, then `rounds` rotated rounds of `steps` steps each."""
     workers = []
     try:
-        for label, peer, overrides, flags in rows:  # one compile at a time: they would share the cores
+        for label, peer, overrides, variables in rows:  # one compile at a time: they would share the cores
             t0 = time.perf_counter()
-            workers.append(Worker(label, peer, size, family, overrides, worker_env(flags), warmup))
+            workers.append(Worker(label, peer, size, family, overrides, worker_env(variables), warmup))
             print(f'# {size} {family} {label}: ready in {time.perf_counter() - t0:.0f} s '
                   f'({workers[-1].info.get("params", 0):,} parameters)', file=sys.stderr, flush=True)
         results = {w.label: [] for w in workers}
