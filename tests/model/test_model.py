@@ -152,9 +152,10 @@ def test_cudnn_attention_matches_reference():
 # --------------------------------------------------------------------------- (b) remat policies
 
 
-def check_remat_policy(remat):
-    ref_loss, ref_grads = gpt_loss_and_grads(remat='none')
-    loss, grads = gpt_loss_and_grads(remat=remat)
+def check_remat_policy(remat, **model):
+    """`remat` against remat=none for the tiny GPT with these model settings (gpt_loss_and_grads')."""
+    ref_loss, ref_grads = gpt_loss_and_grads(remat='none', **model)
+    loss, grads = gpt_loss_and_grads(remat=remat, **model)
     # Recomputation runs the same ops on the same values: bitwise the same result on one device.
     assert loss == ref_loss
     for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
@@ -177,11 +178,7 @@ def test_save_dots_attention_does_not_change_loss_or_grads(unroll):
     """The CPU's fastest policy (docs/PERFORMANCE.md) with the CPU's kernel, blockwise: the same ops on
     the same values as remat=none, bitwise, whether it saves (its output, statistics, matmuls) or
     recomputes (norms, activations)."""
-    ref_loss, ref_grads = gpt_loss_and_grads(attention='blockwise', remat='none', scan_unroll=unroll)
-    loss, grads = gpt_loss_and_grads(attention='blockwise', remat='save_dots_attention', scan_unroll=unroll)
-    assert loss == ref_loss
-    for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_array_equal(g, g_ref, err_msg=f'grad {jax.tree_util.keystr(path)}')
+    check_remat_policy('save_dots_attention', attention='blockwise', scan_unroll=unroll)
 
 
 @pytest.mark.parametrize('unroll', [2, 3])  # 2 = fully unrolled (a plain loop), 3 > layers
