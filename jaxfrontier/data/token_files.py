@@ -206,7 +206,8 @@ def _open_mask(path: Any, bin_path: str, header: dict[str, Any]) -> np.ndarray |
     if name is None:
         return None
     fix = 'rewrite the file with python -m jaxfrontier.prepare --sft, or drop "loss_mask" from its header'
-    if not isinstance(name, str) or not name:
+    if (not isinstance(name, str) or not name.isprintable() or name in ('', '.', '..')
+            or os.path.basename(name) != name or (os.altsep and os.altsep in name)):
         _bad(path, f'invalid header: "loss_mask" is {name!r}, not the name of the mask file beside the .bin', fix)
     mask_path = os.path.join(os.path.dirname(os.path.abspath(bin_path)), name)
     if not os.path.isfile(mask_path):

@@ -60,6 +60,9 @@ def test_mask_is_written_named_and_read_back(tmp_path):
     (lambda t: (t / 'd.mask.bin').write_bytes(b'\x01' * 10 + b'\x02' + b'\x00' * 389), 'holds 2 at position 10'),
     (lambda t: (t / 'd.json').write_text(json.dumps({**json.load(open(t / 'd.json')), 'loss_mask': 3})),
      '"loss_mask" is 3'),
+    # the name is a file beside the .bin: no line break (the CI fuzzer's case), no directory, no escape upwards
+    *[(lambda t, name=name: (t / 'd.json').write_text(json.dumps({**json.load(open(t / 'd.json')), 'loss_mask': name})),
+       f'"loss_mask" is {name!r}') for name in ('\n', 'd.mask.bin\n', 'sub/d.mask.bin', '..', '/etc/passwd')],
 ])
 def test_a_damaged_mask_is_one_config_error(tmp_path, damage, words):
     path = _file(tmp_path)[0]
