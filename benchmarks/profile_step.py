@@ -13,7 +13,9 @@ loops (the rolled layer scan), transposes and copies by the bytes they move. The
 `jax.profiler` trace of `--steps` steps, its device events summed by HLO name: the share of the
 step each op takes (shares within one process survive a loaded machine far better than times).
 With `--torch`, torch.profiler's table of the compiled PyTorch step (its CPU ops and inductor's
-generated kernels) on the same shape. `--out` writes the JSON.
+generated kernels) on the same shape. Both sides also time `--steps` untraced steps and apportion
+that median step to the categories by their shares (`by_category_s`: seconds per step, the one
+figure comparable between the two sides). `--out` writes the JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -97,7 +100,8 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
     """Instruction name -> category of the optimized HLO, with its while-loop depth in the name.
 
     Categories: `dot (YNNPACK)` (a fusion calling YNNPACK/XNNPACK), `dot (XLA Eigen)` (a dot left
-    to XLA's own runtime), `loop fusion` (XLA's own
+    to XLA's own runtime), `buffer fill (broadcast)` (a fused constant broadcast: at the top level, the
+    zero-fill of a scan's stacked outputs), `loop fusion` (XLA's own other
     element-wise kLoop/kInput fusions), `copy`, `transpose`, `other`; the suffix ` @depth N` says how
     many while bodies enclose it (0: the step's top level; 1: the rolled layer scan's body or an
     attention block loop at top level; 2: an attention block loop inside the layer scan)."""
@@ -121,6 +125,8 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
             kind[name] = 'dot (YNNPACK)'
         elif op in ('dot', 'convolution') or (op == 'custom-call' and 'matmul' in line.lower()):
             kind[name] = 'dot (XLA Eigen)'
+        elif op == 'fusion' and name.startswith('wrapped_broadcast'):  # a constant broadcast: a buffer's fill
+            kind[name] = 'buffer fill (broadcast)'
         elif op == 'fusion':
             kind[name] = 'loop fusion'
         elif op in ('copy', 'transpose', 'while'):
@@ -146,6 +152,22 @@ def by_category(ops: list[tuple[str, float, int]], categories: dict[str, str]) -
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _median_step_s(step, steps: int) -> float:
+    """Median wall time of `steps` untraced steps (each step returns a host value, so it has finished)."""
+    times = []
+    for _ in range(max(steps, 1)):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _seconds(shares: dict[str, float], step_s: float) -> dict[str, float]:
+    """Each category's share of the traced op time apportioned to the untraced step's wall time: seconds
+    per step comparable across the two sides (ops that overlap on the threads share the wall time)."""
+    return {k: round(v * step_s, 4) for k, v in shares.items()}
+
+
 def profile_jf(size: str, family: str, overrides: tuple[str, ...], steps: int) -> dict:
     import harness
     c = peer_workers.jf_config(peer_workers.SHAPES[size], family, overrides)
@@ -154,10 +176,12 @@ def profile_jf(size: str, family: str, overrides: tuple[str, ...], steps: int) -
     stats = hlo_stats(hlo_text)
     for _ in range(2):
         run.step()
+    step_s = _median_step_s(run.step, steps)
     with tempfile.TemporaryDirectory() as d:
         ops = trace_ops(run.step, steps, d)
-    return {'attention': run.attention, 'scan_unroll': run.scan_unroll, 'hlo': stats,
-            'by_category': by_category(ops, hlo_categories(hlo_text)),
+    shares = by_category(ops, hlo_categories(hlo_text))
+    return {'attention': run.attention, 'scan_unroll': run.scan_unroll, 'hlo': stats, 'step_s': step_s,
+            'by_category': shares, 'by_category_s': _seconds(shares, step_s),
             'top_ops': [{'op': n, 'share': s, 'count': k} for n, s, k in ops[:40]]}
 
 
@@ -188,6 +212,7 @@ def profile_torch(size: str, family: str, steps: int, compiled: bool = True) -> 
     step, _ = torch_gpt.make_step(c, model=torch_gpt.hf_llama(c) if family == 'llama' else None, compiled=compiled)
     for _ in range(3):
         step()
+    step_s = _median_step_s(step, steps)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
@@ -200,7 +225,9 @@ def profile_torch(size: str, family: str, steps: int, compiled: bool = True) -> 
     # AdamW's per-tensor ops (mul_, lerp_, addcmul_, sqrt) share names with the model's: its share is
     # read from torch's own `Optimizer.step#AdamW.step` range (inclusive time) instead
     opt_share = sum(e.cpu_time_total for e in table if e.key.startswith('Optimizer.step')) / whole
-    return {'compiled': compiled, 'by_category': dict(cats.most_common()), 'optimizer_step_inclusive': opt_share,
+    shares = dict(cats.most_common())
+    return {'compiled': compiled, 'step_s': step_s, 'by_category': shares, 'by_category_s': _seconds(shares, step_s),
+            'optimizer_step_inclusive': opt_share,
             'top_ops': [{'op': e.key, 'share': e.self_cpu_time_total / whole, 'count': e.count} for e in rows[:40]]}
 
 

@@ -34,6 +34,7 @@ _HLO = '''HloModule m
 ENTRY %main.1 (x.1: f32[8,64]) -> f32[8,64] {
   %x.1 = f32[8,64]{1,0} parameter(0)
   %tanh_fusion = f32[8,64]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_computation
+  %wrapped_broadcast.2 = f32[6,8,64]{2,1,0} fusion(%constant.1), kind=kLoop, calls=%wrapped_broadcast_computation
   %copy.3 = f32[8,64]{1,0} copy(%tanh_fusion)
   %while.8 = (s32[], f32[8,64]{1,0}) while(%tuple.1), condition=%cond.1, body=%outer_body
   ROOT %transpose.2 = f32[64,8]{1,0} transpose(%copy.3), dimensions={1,0}
@@ -44,12 +45,14 @@ ENTRY %main.1 (x.1: f32[8,64]) -> f32[8,64] {
 def test_hlo_categories_name_kind_and_loop_depth():
     cats = profile_step.hlo_categories(_HLO)
     assert cats['tanh_fusion'] == 'loop fusion @depth 0'
+    assert cats['wrapped_broadcast.2'] == 'buffer fill (broadcast) @depth 0'  # a scan's stacked output, zeroed
     assert cats['copy.3'] == 'copy @depth 0'
     assert cats['transpose.2'] == 'transpose @depth 0'
     assert cats['ynn_fusion.4'] == 'dot (YNNPACK) @depth 1'
     assert cats['dot_general.7'] == 'dot (XLA Eigen) @depth 2'
     shares = profile_step.by_category([('ynn_fusion.4', 0.5, 1), ('while.8', 0.9, 1), ('Await', 0.1, 3)], cats)
     assert shares == {'dot (YNNPACK) @depth 1': 0.5, 'unmatched': 0.1}  # a while's span is its body's ops
+    assert profile_step._seconds(shares, 2.0) == {'dot (YNNPACK) @depth 1': 1.0, 'unmatched': 0.2}
 
 
 def test_torch_categories():
