@@ -102,9 +102,14 @@ def rows_for(size: str, family: str, peers: list[str], variants: list[str]) -> l
         label, rest = spec.split('=', 1)
         peer, _, settings = rest.partition(':')
         settings, _, xla_flags = settings.partition('XLA_FLAGS=')  # last: its value may hold commas
-        items = [s for s in settings.split(',') if s]
-        variables = dict(s.split('=', 1) for s in items if re.fullmatch(r'[A-Z][A-Z0-9_]*', s.split('=', 1)[0]))
-        overrides = tuple(s for s in items if s.split('=', 1)[0] not in variables)
+        variables, overrides = {}, []
+        for item in filter(None, settings.split(',')):  # NAME=value: the worker's environment; else an override
+            if re.fullmatch(r'[A-Z][A-Z0-9_]*', item.split('=', 1)[0]):
+                name, value = item.split('=', 1)
+                variables[name] = value
+            else:
+                overrides.append(item)
+        overrides = tuple(overrides)
         if xla_flags:
             variables['XLA_FLAGS'] = xla_flags
         if peer == 'jax' and family != 'gpt':
