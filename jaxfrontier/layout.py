@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxfrontier import config as config_lib
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import axes as axes_lib
+from jaxfrontier.families import moe as moe_family
 
 DATA = 'data'
 
@@ -162,6 +163,10 @@ class Layout(MeshSizes):
     # and no parameter dimension on it.
     data_in_batch: bool = True
     params_over_data: bool = False
+    # Micro-batch a is global rows a, a + A, ... in every layout (training/step.split_micro_batches) where
+    # the model has per-micro-batch statistics that are not linear in its rows: a MoE layer's balancing
+    # loss and capacity drops. Dense models keep the blocked split (their programs unchanged).
+    strided_micro_batches: bool = False
 
     @property
     def split_tokens(self) -> int:
@@ -186,7 +191,8 @@ class Layout(MeshSizes):
                    dropout=c.model.dropout_rate > 0 or config_lib.lora_dropout(c) > 0,
                    shard_activations=bool(c.pipeline.shard_activations),
                    sequence_parallel=config_lib.sequence_parallel(c.sharding.sequence_parallel, c.mesh.tensor),
-                   data_in_batch=data_in_batch, params_over_data=params_over_data)
+                   data_in_batch=data_in_batch, params_over_data=params_over_data,
+                   strided_micro_batches=moe_family.on(c.model))
 
     @property
     def reduce_once(self) -> bool:
@@ -206,7 +212,7 @@ class Layout(MeshSizes):
         fields = dataclasses.asdict(self)
         optional_axes = tuple(a.name for a in axes_lib.AXES if a.optional)
         for name in ('data_in_batch', 'params_over_data', 'optimizer', 'factor_min_dim', *optional_axes,
-                     'context_balance', 'sequence_parallel'):
+                     'context_balance', 'sequence_parallel', 'strided_micro_batches'):
             if fields[name] == Layout.__dataclass_fields__[name].default:
                 del fields[name]
         return fields

@@ -1,10 +1,10 @@
 """Mixture-of-experts layouts equal one device (model/layers/moe_parallel.py; docs/models.md).
 
 Loss, gradients and parameters after 3 steps (layout_check.py's tolerances) and step 0's aux entries
-(loads, dropped fraction, entropy, balancing and z losses) of each layout against one device. The
-reference runs on the layout's micro-batches (aux_models.like_replicas): the balancing loss and the
-capacity drops are per-micro-batch and not linear in its rows, and with accumulation a layout's
-micro-batch takes rows of every replica's block (step.split_micro_batches).
+(loads, dropped fraction, entropy, balancing and z losses) of each layout against one device run on the
+same global batches. The balancing loss and the capacity drops are per-micro-batch and not linear in its
+rows; a MoE model's micro-batch a is global rows a, a + A, ... in every layout and on one device
+(step.split_micro_batches, strided), so accumulation keeps them layout-invariant.
 
 Skewed routing: the sigmoid router's bias starts at 3 for expert 0 (its scores lie in (0, 1)), so every
 token chooses expert 0 (half of all assignments go to one device under expert parallelism), and the bias
@@ -44,10 +44,9 @@ _REFERENCES = {}
 
 
 def check(model: str, accum: int = 1, layers: int = 2, **mesh):
-    dp = mesh.get('data', 1) * mesh.get('fsdp', 1) * mesh.get('expert', 1)
-    key = (model, accum, layers, dp)
-    if key not in _REFERENCES:  # one device on the same micro-batches: shared by the layouts of a dp
-        _REFERENCES[key] = aux_models.reference(make_config(accum=accum, layers=layers, **MODELS[model]), dp)
+    key = (model, accum, layers)
+    if key not in _REFERENCES:  # one device on the same global batches: shared by every layout
+        _REFERENCES[key] = aux_models.reference(make_config(accum=accum, layers=layers, **MODELS[model]))
     return aux_models.check_layout_with_aux(make_config(accum=accum, layers=layers, **mesh, **MODELS[model]),
                                             _REFERENCES[key])
 

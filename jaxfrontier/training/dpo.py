@@ -67,7 +67,7 @@ def make_dpo_loss_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacem
     value_and_grad = jax.value_and_grad(micro, has_aux=True)
 
     def loss_and_grads(params, reference, tokens_gt, frozen=None):
-        micro_abt = step_lib.split_micro_batches(tokens_gt, lay.accum_steps, lay.dp)
+        micro_abt = step_lib.split_micro_batches(tokens_gt, lay.accum_steps, lay.dp, lay.strided_micro_batches)
 
         def body(grad_sum, tokens_bt1):
             (_, metrics), grads = value_and_grad(params, reference, tokens_bt1, frozen)
@@ -113,7 +113,8 @@ def make_eval_step(c: ml_collections.ConfigDict, layout: ts.StatePlacement) -> C
         def micro(tokens_bt1):
             return dpo_loss(*logps(model_def, order, params, reference, tokens_bt1), beta)[1]
 
-        metrics_a = jax.lax.map(micro, step_lib.split_micro_batches(tokens_gt, lay.accum_steps, lay.dp))
+        micro_abt = step_lib.split_micro_batches(tokens_gt, lay.accum_steps, lay.dp, lay.strided_micro_batches)
+        metrics_a = jax.lax.map(micro, micro_abt)
         return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_a)
 
     return eval_step

@@ -12,6 +12,7 @@ Nothing here touches the workdir: the loop (loop.py) runs the steps, the planner
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -38,14 +39,21 @@ from jaxfrontier.training import state as ts
 State = dict[str, Any]
 
 
-def split_micro_batches(tokens_gt: jax.Array, accum_steps: int, dp_size: int) -> jax.Array:
+def split_micro_batches(tokens_gt: jax.Array, accum_steps: int, dp_size: int,
+                        strided: bool = False) -> jax.Array:
     """[G, T] -> [A, G/A, T] such that every device keeps its own rows (no communication).
 
-    The batch's rows are split into dp_size contiguous blocks, one per data-parallel replica;
-    micro-batch a takes rows a*mb .. (a+1)*mb - 1 of every block.
+    The batch's rows are split into dp_size contiguous blocks, one per data-parallel replica. Blocked
+    (the default): micro-batch a takes rows a*mb .. (a+1)*mb - 1 of every block, so its rows depend on
+    dp_size. `strided` (`Layout.strided_micro_batches`: a model whose per-micro-batch statistics are not
+    linear in the rows, MoE): micro-batch a is global rows a, a + A, a + 2A, ... in every layout (each
+    block's size is a multiple of A, so a replica's rows of it are still its own), the one-device run's too.
     """
     g, t = tokens_gt.shape
     mb = g // (dp_size * accum_steps)
+    if strided:
+        x = tokens_gt.reshape(g // accum_steps, accum_steps, t).transpose(1, 0, 2)  # [A, G/A, T]
+        return mesh_lib.constrain(x, (None, 'batch', None))
     x = tokens_gt.reshape(dp_size, accum_steps, mb, t).transpose(1, 0, 2, 3)  # [A, DP, mb, T]
     return mesh_lib.constrain(x.reshape(accum_steps, dp_size * mb, t), (None, 'batch', None))
 
@@ -142,7 +150,7 @@ def make_loss_aux_and_grads(c: ml_collections.ConfigDict, layout: ts.StatePlacem
         # multiplied by count_scale below, so the aux's loss terms enter divided by it (aux_weight).
         scale_n = None if packing is None else packing_lib.count_scale(tokens_gt, packing)
         aux_weight = None if packing is None or packing.boundary_loss else 1.0 / scale_n
-        micro_abt = split_micro_batches(tokens_gt, accum, dp)
+        micro_abt = split_micro_batches(tokens_gt, accum, dp, lay.strided_micro_batches)
         if frozen is None:
             loss, aux, grads = micro_fn(params, micro_abt, step, scale, aux_weight)
         else:  # LoRA (config.validate keeps it out of pipelines)
@@ -213,14 +221,15 @@ def make_eval_loss_and_aux(c: ml_collections.ConfigDict, layout: ts.StatePlaceme
     packing = packing_lib.from_config(c)
     if lay.pipeline > 1:  # a forward-only wave through the stages (pipeline.make_pipeline_eval)
         local = lay.reduces_once(training=False)
-        mean_all = pipeline.make_pipeline_eval(lay, layout.shape, layout.model_def, split_micro_batches,
+        mean_all = pipeline.make_pipeline_eval(lay, layout.shape, layout.model_def,
+                                               functools.partial(split_micro_batches, strided=lay.strided_micro_batches),
                                                layout.rules if local else None, packing)
     else:
         order = TokenOrder.of(lay, layout.shape.seq_len, packing)
 
         def mean_all(params, tokens_gt):
             model = layout.model_def.bind(params)
-            micro_abt = split_micro_batches(tokens_gt, accum, dp)
+            micro_abt = split_micro_batches(tokens_gt, accum, dp, lay.strided_micro_batches)
             losses, aux = jax.lax.map(lambda tokens_bt: order.loss_and_aux(model, tokens_bt), micro_abt)
             return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
 
