@@ -184,7 +184,11 @@ def check_layout_with_aux(c, ref):
         np.testing.assert_allclose(metrics[f'aux/{name}'], v.mean(axis=0), rtol=TREE_RTOL, atol=TREE_ATOL)
     worst = lambda a, b: max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))  # noqa: E731
                              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    fallback = aux.get('moe_dispatch_fallback')
+    aux = {name: value for name, value in aux.items() if name not in LAYOUT_ONLY}
     diffs = {'loss_rel': abs(result[0] - ref_result[0]) / abs(ref_result[0]), 'grad': worst(result[1], ref_result[1]),
              'param': worst(without_key_bias(result[2]), without_key_bias(ref_result[2])), 'aux': worst(aux, ref_aux)}
+    if fallback is not None:  # how often the dispatch's exact fallback ran (layers' mean at step 0)
+        diffs['dispatch_fallback'] = float(np.mean(fallback))
     print(f'\nworst differences vs one device: {", ".join(f"{k} {v:.2e}" for k, v in diffs.items())}')
     return diffs

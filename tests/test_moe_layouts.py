@@ -23,6 +23,13 @@ SKEWED = dict(MOE, moe_router='sigmoid', moe_router_bias=True, moe_bias_rate=0.0
 CAPACITY = dict(MOE, moe_dropless=False, moe_capacity_factor=0.75)
 FIRST_DENSE = dict(MOE, moe_first_dense=1, moe_shared_experts=1)
 MODELS = {'moe': MOE, 'skewed': SKEWED, 'capacity': CAPACITY, 'first_dense': FIRST_DENSE}
+# The dispatches (model/layers/moe_dispatch.py): each model with a dispatch forced; `roomy` buffers never
+# overflow (moe_dispatch_buffer >= EP), `tight` ones overflow under skewed routing and take the exact fallback.
+DISPATCH_FIELDS = ('moe_dispatch', 'moe_dispatch_buffer')
+for _name, _model in list(MODELS.items()):
+    for _dispatch in ('all_to_all', 'ragged'):
+        MODELS[f'{_name}/{_dispatch}'] = dict(_model, moe_dispatch=_dispatch, moe_dispatch_buffer=8.0)
+        MODELS[f'{_name}/{_dispatch}/tight'] = dict(_model, moe_dispatch=_dispatch, moe_dispatch_buffer=1.0)
 
 
 @pytest.fixture
@@ -44,9 +51,10 @@ _REFERENCES = {}
 
 
 def check(model: str, accum: int = 1, layers: int = 2, **mesh):
-    key = (model, accum, layers)
+    base = model.split('/')[0]  # one device has no dispatch: the same reference for every dispatch
+    key = (base, accum, layers)
     if key not in _REFERENCES:  # one device on the same global batches: shared by every layout
-        _REFERENCES[key] = aux_models.reference(make_config(accum=accum, layers=layers, **MODELS[model]))
+        _REFERENCES[key] = aux_models.reference(make_config(accum=accum, layers=layers, **MODELS[base]))
     return aux_models.check_layout_with_aux(make_config(accum=accum, layers=layers, **mesh, **MODELS[model]),
                                             _REFERENCES[key])
 
@@ -81,3 +89,18 @@ def test_layout_matrix_equals_one_device(skewed_init, model, accum, mesh):
     mesh = dict(mesh)
     layers = mesh.pop('layers', 2)
     check(model, accum=accum, layers=layers, **mesh)
+
+
+# Each dispatch on the axes it meets (roomy buffers), and the exact fallback (tight buffers, skewed routing).
+DISPATCH_LAYOUTS = [
+    ('moe/all_to_all', 1, dict(expert=4)), ('moe/ragged', 2, dict(expert=2, data=2)),
+    ('moe/ragged', 2, dict(expert=2, pipeline=2)), ('capacity/all_to_all', 1, dict(expert=2, context=2)),
+    ('skewed/ragged/tight', 1, dict(expert=4)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model,accum,mesh', DISPATCH_LAYOUTS, ids=lambda x: str(x))
+def test_dispatch_equals_one_device(skewed_init, model, accum, mesh):
+    diffs = check(model, accum=accum, **mesh)
+    assert diffs['dispatch_fallback'] == (1.0 if model.endswith('tight') else 0.0), diffs

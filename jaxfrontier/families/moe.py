@@ -45,9 +45,27 @@ FIELDS = dict(
     # each expert takes at most ceil(moe_capacity_factor x k x N / E) of a micro-batch's N tokens' assignments.
     moe_dropless=True,
     moe_capacity_factor=1.25,
+    # How assignments reach the devices holding their experts under expert parallelism
+    # (model/layers/moe_dispatch.py): auto | gather | all_to_all | ragged; auto: ragged where
+    # mesh.expert > moe_top_k (it moves k / EP of gather's bytes), gather otherwise.
+    moe_dispatch='auto',
+    # all_to_all: rows per peer, ragged: rows received, over the even share (x k N / EP, x k N); a device
+    # that would overflow sends its layer through gather instead (exact, counted in aux/moe_dispatch_fallback).
+    moe_dispatch_buffer=2.0,
+    # Node-limited routing (DeepSeek-V3's n_group / topk_group): the experts in moe_groups groups, a token's
+    # k experts from its moe_topk_groups best groups (a group's score: the sum of its two best scores). 0: off.
+    moe_groups=0,
+    moe_topk_groups=0,
 )
+DISPATCHES = ('auto', 'gather', 'all_to_all', 'ragged')
 # Fields that fix the parameters' shapes (a checkpoint restores only into a config that agrees).
 SHAPE_FIELDS = ('moe_experts', 'moe_mlp_dim', 'moe_shared_experts', 'moe_first_dense', 'moe_router_bias')
+# Fields that decide which experts a token goes to and with what weight: a checkpoint's router and experts
+# were trained for its values, so a resume with others is refused (checkpoint/format.check_routing_matches).
+ROUTING_FIELDS = ('moe_top_k', 'moe_router', 'moe_norm_topk', 'moe_routed_scale', 'moe_dropless')
+# The router's scores (softmax probabilities, sigmoid scores) lie in [0, 1] and the bias is added to them:
+# a rate above this (100 x DeepSeek-V3's 0.001) moves it by a tenth of that range every step.
+MAX_BIAS_RATE = 0.1
 MAX_SIZES = {'moe_experts': 2**16, 'moe_top_k': 2**16, 'moe_mlp_dim': 2**24, 'moe_shared_experts': 2**10,
              'moe_first_dense': 2**16}
 
@@ -70,6 +88,10 @@ class MoEShape:
     z_coef: float = 0.0
     dropless: bool = True
     capacity_factor: float = 1.25
+    dispatch: str = 'auto'
+    dispatch_buffer: float = 2.0
+    groups: int = 0  # node-limited routing: n_group (0: off)
+    topk_groups: int = 0
 
     def capacity(self, tokens: int) -> int:
         """C: the assignments each expert takes of a micro-batch of `tokens` tokens without `dropless`."""
@@ -95,7 +117,17 @@ def shape_of(m: Mapping[str, Any], dense_width: int) -> MoEShape | None:
                     norm_topk=bool(m['moe_norm_topk']), routed_scale=float(m['moe_routed_scale']),
                     router_bias=bool(m['moe_router_bias']), bias_rate=float(m['moe_bias_rate']),
                     lb_coef=float(m['moe_lb_coef']), z_coef=float(m['moe_z_coef']), dropless=bool(m['moe_dropless']),
-                    capacity_factor=float(m['moe_capacity_factor']))
+                    capacity_factor=float(m['moe_capacity_factor']), dispatch=m.get('moe_dispatch', 'auto'),
+                    dispatch_buffer=float(m.get('moe_dispatch_buffer', 2.0)), groups=m.get('moe_groups', 0),
+                    topk_groups=m.get('moe_topk_groups', 0))
+
+
+def resolve_dispatch(s: MoEShape, ep: int) -> str:
+    """The dispatch a MoE layer of shape `s` uses at expert-parallel size `ep` (model.moe_dispatch; `auto`:
+    ragged where ep > k, which moves k / ep of gather's bytes, else gather). The same on every platform."""
+    if s.dispatch != 'auto':
+        return s.dispatch
+    return 'ragged' if ep > s.top_k else 'gather'
 
 
 def effective(m: Mapping[str, Any], dense_width: int) -> dict[str, Any]:
@@ -133,12 +165,64 @@ def check_fields(m: Mapping[str, Any], require: Callable[..., None]) -> None:
     for field in ('moe_bias_rate', 'moe_lb_coef', 'moe_z_coef'):
         require(math.isfinite(m[field]) and m[field] >= 0, f'model.{field}', m[field], 'must be a finite number >= 0',
                 f'set model.{field} to 0 (off) or e.g. 0.001')
+    require(m.moe_bias_rate <= MAX_BIAS_RATE, 'model.moe_bias_rate', m.moe_bias_rate, 'moves the router bias by '
+            f'more than {MAX_BIAS_RATE} a step, a tenth of the [0, 1] range of the scores it is added to (the choice '
+            'of experts would follow the bias, not the router)', 'set e.g. 0.001 (DeepSeek-V3\'s)')
     require(m.moe_bias_rate == 0 or m.moe_router_bias, 'model.moe_bias_rate', m.moe_bias_rate,
             'moves the router bias, but model.moe_router_bias is False (the model has none)',
             'set model.moe_router_bias=True, or model.moe_bias_rate=0.0')
     require(math.isfinite(m.moe_capacity_factor) and m.moe_capacity_factor > 0, 'model.moe_capacity_factor',
             m.moe_capacity_factor, 'must be a finite number > 0 (each expert takes capacity_factor x its even '
             'share of the assignments)', 'set e.g. 1.25, or model.moe_dropless=True to drop nothing')
+    most = m.moe_experts / m.moe_top_k  # C = ceil(cf k N / E) >= N, the most an expert can receive, from here on
+    require(m.moe_dropless or m.moe_capacity_factor <= most, 'model.moe_capacity_factor', m.moe_capacity_factor,
+            f'exceeds experts / top_k = {m.moe_experts} / {m.moe_top_k} = {most:g}: each expert would have room '
+            'for more than all N tokens of the micro-batch (a token picks an expert at most once), so nothing '
+            'is dropped and the buffers are larger than dropless routing needs',
+            f'set model.moe_capacity_factor <= {most:g}, or model.moe_dropless=True to drop nothing')
+    check_dispatch_and_groups(m, require)
+
+
+def check_dispatch_and_groups(m: Mapping[str, Any], require: Callable[..., None]) -> None:
+    """model.moe_dispatch and its buffer; node-limited routing's groups (DeepSeek-V3's n_group / topk_group)."""
+    require(m.moe_dispatch in DISPATCHES, 'model.moe_dispatch', m.moe_dispatch, 'unknown dispatch',
+            f'use one of {DISPATCHES} (docs/models.md "Expert dispatch")')
+    require(isinstance(m.moe_dispatch_buffer, (int, float)) and not isinstance(m.moe_dispatch_buffer, bool)
+            and math.isfinite(m.moe_dispatch_buffer) and m.moe_dispatch_buffer > 0, 'model.moe_dispatch_buffer',
+            m.moe_dispatch_buffer, 'must be a finite number > 0 (the dispatch buffer over the even share)',
+            'set e.g. 2.0; a device that would overflow it takes the gather dispatch for that layer')
+    for field in ('moe_groups', 'moe_topk_groups'):
+        require(isinstance(m[field], int) and not isinstance(m[field], bool) and m[field] >= 0, f'model.{field}',
+                m[field], 'must be an integer >= 0', f'set model.{field} to 0 (off) or a positive integer')
+    groups, best = m.moe_groups, m.moe_topk_groups
+    if not groups:
+        require(best == 0, 'model.moe_topk_groups', best, 'needs model.moe_groups (the experts\' groups)',
+                'set model.moe_groups (DeepSeek-V3: 8), or model.moe_topk_groups=0')
+        return
+    require(m.moe_experts % groups == 0, 'model.moe_groups', groups, f'must divide model.moe_experts = '
+            f'{m.moe_experts} (each group holds the same number of experts)',
+            f'choose a divisor of {m.moe_experts}, e.g. {math.gcd(m.moe_experts, 8)}')
+    require(1 <= best <= groups, 'model.moe_topk_groups', best, f'a token picks its experts from 1 to '
+            f'model.moe_groups = {groups} groups', f'set model.moe_topk_groups between 1 and {groups}')
+    per_group = m.moe_experts // groups
+    require(m.moe_top_k <= best * per_group, 'model.moe_top_k', m.moe_top_k, f'exceeds the {best} x {per_group} '
+            f'experts of the model.moe_topk_groups = {best} groups a token may use',
+            f'raise model.moe_topk_groups, or lower model.moe_top_k to at most {best * per_group}')
+    require(per_group >= 2, 'model.moe_groups', groups, 'leaves a group with fewer than 2 experts (a group\'s '
+            'score is the sum of its two best)', f'choose at most {m.moe_experts // 2} groups')
+
+
+def divergence_suspect(m: Mapping[str, Any]) -> str:
+    """A clause naming the router bias as the first suspect of a divergence ('' unless model.* `m` moves one).
+
+    The bias moves by moe_bias_rate x sign(...) every step whatever the learning rate, so a loss that
+    blows up after it tipped every token onto a few experts is not cured by a lower learning rate.
+    """
+    rate = m.get('moe_bias_rate', 0.0) if on(m) and m.get('moe_router_bias') else 0.0
+    if not rate:
+        return ''
+    return (f'the MoE router bias, which model.moe_bias_rate = {rate:g} moves every step whatever the learning rate '
+            f'(lower it, e.g. --config.model.moe_bias_rate={rate / 10:g}, or set 0 to rule it out)')
 
 
 def check_mesh(m: Mapping[str, Any], mesh: Mapping[str, int], require: Callable[..., None], dense_width: int) -> None:

@@ -11,6 +11,9 @@ S always-on shared experts (one SwiGLU of width S x F, DeepSeek):
              per-expert `router_bias` (selection only, no gradient; moved outside the gradient after
              each step by `update_router_bias`), weights s_i normalised over the k with `norm_topk`;
              the router's probabilities (for the balancing loss and the entropy) s / sum(s).
+           Node-limited (`groups` > 0, DeepSeek-V3's n_group / topk_group): the experts in `groups` equal
+             groups, a group's score the sum of its two best choice values, and a token's choice values
+             outside its `topk_groups` best groups set to 0 before the top k (as transformers' DeepseekV3).
            Weights x `routed_scale` (DeepSeek-V3's routed_scaling_factor).
   experts  dropless: the (token, choice) pairs sorted by expert and a grouped matmul per projection
            (`linear.project_grouped`, `jax.lax.ragged_dot`); capacity (`dropless` False): expert i takes
@@ -27,6 +30,9 @@ Auxiliary outputs (model/auxiliary.py; every one the micro-batch's global value 
   moe_load_max_over_mean  E x max_i f_i: the busiest expert's load over the mean (1: balanced; a scalar
                for TensorBoard / W&B, which take no arrays)
   moe_dropped  the fraction of the assignments dropped (0 when dropless)
+  moe_dispatch_fallback  under expert parallelism with the all_to_all or ragged dispatch only: 1 where the
+               layer's buffer would have overflowed and it took the exact gather dispatch (moe_dispatch.py);
+               its mean over layers and micro-batches is the fallback's frequency
   moe_entropy  the router probabilities' entropy, mean over tokens (nats; log E when uniform)
 """
 
@@ -99,6 +105,8 @@ def route(logits_ne: jax.Array, bias_e: jax.Array | None, s: MoEShape
         select_ne = values_ne
     if bias_e is not None:  # the choice only: the weights stay the scores'
         select_ne = select_ne + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
+    if s.groups:
+        select_ne = limit_to_groups(select_ne, s.groups, s.topk_groups)
     _, experts_nk = jax.lax.top_k(select_ne, s.top_k)
     weights_nk = jnp.take_along_axis(values_ne, experts_nk, axis=-1)
     if s.norm_topk:
@@ -106,6 +114,17 @@ def route(logits_ne: jax.Array, bias_e: jax.Array | None, s: MoEShape
     if s.routed_scale != 1.0:
         weights_nk = weights_nk * s.routed_scale
     return experts_nk.astype(jnp.int32), weights_nk, probs_ne
+
+
+def limit_to_groups(select_ne: jax.Array, groups: int, best: int) -> jax.Array:
+    """Node-limited routing: the choice values [n, E] outside each token's `best` groups (of `groups`, scored
+    by the sum of their two largest values) set to 0; the top-k then picks inside those groups."""
+    n, e = select_ne.shape
+    value_ngq = jax.lax.stop_gradient(select_ne).reshape(n, groups, e // groups)  # the choice only
+    score_ng = jnp.sum(jax.lax.top_k(value_ngq, 2)[0], axis=-1)
+    _, best_nb = jax.lax.top_k(score_ng, best)
+    keep_ng = jnp.sum(jax.nn.one_hot(best_nb, groups, dtype=jnp.int32), axis=1) > 0
+    return jnp.where(jnp.repeat(keep_ng, e // groups, axis=1), select_ne, 0.0)
 
 
 def token_keys(seq: int | sequence.Seq, n: int) -> jax.Array:

@@ -7,13 +7,9 @@ once-per-step reduction's map or the pipeline's) are used as they are. `tensor` 
 expert's width is split over it like the dense MLP's (`expert_mlp` -> tensor), and XLA partitions the
 grouped matmuls along it without a collective before the down projection's all-reduce.
 
-Expert parallelism (`expert` > 1, each device holding E / EP experts' weights): dropless all-to-all
-needs buffers of a fixed size, and XLA:CPU has no `ragged_all_to_all`, so a worst-case buffer per pair
-of devices would send k x N_local rows to each: 2 (EP - 1) k N_local d per device per layer. Instead the
-tokens are all-gathered over `expert`, each device computes its own experts' assignments of the whole
-group (a grouped matmul over a buffer of EP k N_local rows, its experts' rows first), and a
-reduce-scatter over `expert` sums and returns each device's tokens: 2 (EP - 1) N_local d, k times less,
-equal to an ideal (ragged) all-to-all's 2 k N_local d (EP - 1) / EP at EP = k (docs/models.md).
+Expert parallelism (`expert` > 1, each device holding E / EP experts' weights): how the assignments reach
+their experts' devices and come back is the layer's dispatch (`model.moe_dispatch`: gather, all_to_all,
+ragged; model/layers/moe_dispatch.py, with the bytes each moves and when each is chosen).
 
 Global statistics: the load f_i and the capacity mode's drop decisions count every token of the
 micro-batch (psum / all-gather over inner and outer axes). The balancing loss's P_i, the z-loss and the
@@ -37,8 +33,9 @@ from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.families.moe import MoEShape
 from jaxfrontier.model.layers import linear
+from jaxfrontier.model.layers import moe_dispatch
 
-EXPERT = next(a.name for a in axes_lib.AXES if a.holds_experts)  # the mesh axis that splits the experts
+EXPERT = moe_dispatch.EXPERT  # the mesh axis that splits the experts
 INT_MAX = jnp.iinfo(jnp.int32).max
 
 
@@ -135,40 +132,15 @@ def _body(s: MoEShape, ax: Axes, route, names, rows, weights, x_nd, keys_n3):
         kept_nk = _capacity_kept(experts_nk, _global_rows(keys_n3, ax, rows), capacity, e, ax)
         aux['moe_dropped'] = jnp.sum(jnp.maximum(counts_e - capacity, 0.0)) / (k * tokens)
         buffer = (e // ax.ep) * capacity
-    return _experts(owner, x_nd, experts_nk, gates_nk, kept_nk, s, ax, buffer), aux
+    valid_nk = jnp.ones(experts_nk.shape, bool) if kept_nk is None else kept_nk
+    y_nd, fallback = moe_dispatch.routed_output(owner, x_nd, experts_nk, gates_nk, valid_nk, s, ax.ep, buffer)
+    if fallback is not None:
+        aux['moe_dispatch_fallback'] = fallback
+    return y_nd, aux
 
 
 def _psum(x, axes: tuple[str, ...]):
     return jax.lax.psum(x, axes) if axes else x
-
-
-def _experts(owner, x_nd, experts_nk, gates_nk, kept_nk, s: MoEShape, ax: Axes, buffer: int | None):
-    """This device's experts over the expert group's tokens (all-gathered over `expert`), their weighted
-    sum per token reduce-scattered back: the device's tokens' routed output [n, d] in x's dtype."""
-    k, ep = s.top_k, ax.ep
-    local_experts = s.experts // ep
-    valid_nk = jnp.ones(experts_nk.shape, bool) if kept_nk is None else kept_nk
-    if ep > 1:
-        x_nd, experts_nk, gates_nk, valid_nk = (jax.lax.all_gather(a, EXPERT, axis=0, tiled=True)
-                                                 for a in (x_nd, experts_nk, gates_nk, valid_nk))
-        experts_nk = experts_nk - jax.lax.axis_index(EXPERT) * local_experts
-    mine_nk = valid_nk & (experts_nk >= 0) & (experts_nk < local_experts)
-    group_r = jnp.where(mine_nk, experts_nk, local_experts).reshape(-1)  # R = tokens x k assignments
-    order_r = jnp.argsort(group_r, stable=True)  # this device's experts' assignments first, by expert
-    group_sizes_g = jnp.sum(jax.nn.one_hot(group_r, local_experts, dtype=jnp.int32), axis=0)
-    rows = group_r.shape[0] if buffer is None else min(group_r.shape[0], buffer)  # capacity: <= C per expert
-    order_m = order_r[:rows]
-    x_md = x_nd[order_m // k]
-    h_mf = (jax.nn.silu(linear.project_grouped(owner, 'w_gate', x_md, group_sizes_g))
-            * linear.project_grouped(owner, 'w_up', x_md, group_sizes_g))
-    y_md = linear.project_grouped(owner, 'w_down', h_mf, group_sizes_g)
-    weight_m = jnp.where(group_r[order_m] < local_experts, gates_nk.reshape(-1)[order_m], 0.0)
-    y_rd = jnp.zeros((group_r.shape[0], y_md.shape[1]), jnp.float32).at[order_m].set(
-        y_md.astype(jnp.float32) * weight_m[:, None], unique_indices=True)
-    y_nd = jnp.sum(y_rd.reshape(-1, k, y_md.shape[1]), axis=1)  # each token's k choices, in choice order
-    if ep > 1:
-        y_nd = jax.lax.psum_scatter(y_nd, EXPERT, scatter_dimension=0, tiled=True)
-    return y_nd.astype(x_md.dtype)
 
 
 def _global_rows(keys_n3: jax.Array, ax: Axes, rows: int) -> jax.Array:
