@@ -21,17 +21,18 @@ and writes NAME.mask.bin beside each .bin, 1 where the prediction of a token cou
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 
 from absl import app, flags
 
-from jaxfrontier import cli
+from jaxfrontier import cli, errors
 from jaxfrontier.data import documents
 from jaxfrontier.data import encode as tokenize_lib
 from jaxfrontier.data import dpo as dpo_lib
 from jaxfrontier.data import sft as sft_lib
-from jaxfrontier.errors import FlagError, UserError
+from jaxfrontier.errors import DiskFullError, FlagError, UserError
 
 _INPUT = flags.DEFINE_multi_string('input', [], 'Input files or globs, comma-separated or repeated: *.txt '
                                    '(one document per file), *.jsonl, *.parquet.')
@@ -83,11 +84,19 @@ class _Progress:
         rate = num_tokens / max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix_str(f'{num_tokens:,} tokens, {rate / 1e6:.2f} M tokens/s', refresh=False)
 
+    def note(self, line: str) -> None:
+        """A line on stderr, above the bar when there is one."""
+        self.bar.write(line, file=sys.stderr)
+        sys.stderr.flush()
+
 
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     try:
+        if _SFT.value and _DPO.value:
+            raise FlagError('dpo', True, '--sft (conversations with a loss mask) and --dpo (preference pairs) write '
+                            'different kinds of data', 'pass one of them')
         if not _OUTPUT.value:
             raise FlagError('output', '', 'no output named', 'pass --output=DIR/NAME')
         if not _INPUT.value:
@@ -101,7 +110,8 @@ def main(argv: list[str]) -> int:
             return _prepare_dpo(files)
         if _SFT.value:
             result = sft_lib.prepare(files, _OUTPUT.value, tokenizer_path=_sft_tokenizer(), options=sft_lib.Options(
-                _LOSS_ON.value, _MAX_TOKENS.value, _OVERLONG.value, _MESSAGES_FIELD.value), **common)
+                _LOSS_ON.value, _MAX_TOKENS.value, _OVERLONG.value, _MESSAGES_FIELD.value), notify=progress.note,
+                **common)
         else:
             for name in _SFT_ONLY:
                 if flags.FLAGS[name].present:
@@ -109,6 +119,12 @@ def main(argv: list[str]) -> int:
             result = tokenize_lib.prepare(files, _OUTPUT.value, tokenizer_path=_TOKENIZER.value,
                                           train_vocab=_TRAIN_TOKENIZER.value, text_field=_TEXT_FIELD.value, **common)
         progress.bar.close()
+    except OSError as e:
+        full = errors.disk_full(e)
+        if full is None:
+            raise
+        print(f'error: {disk_full_error(full, _OUTPUT.value)}', file=sys.stderr)
+        return 2
     except UserError as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
@@ -125,6 +141,22 @@ def main(argv: list[str]) -> int:
         print(sft_line(header['sft'], num_tokens, sum(h['counted_tokens'] for h in result.headers.values()),
                        header['eot_token']))
     return 0
+
+
+def disk_full_error(e: OSError, output: str) -> DiskFullError:
+    """One line for a full disk or quota while prepare writes: the path, the free space there, what is left, the fix."""
+    path = e.filename or output
+    probe = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(probe)
+    try:
+        free = f'{shutil.disk_usage(probe).free / 2**20:,.1f} MiB free'
+    except OSError:
+        free = 'free space unknown'
+    return DiskFullError(f'no space left on the device holding {path} ({free}; {e.strerror or e}): nothing was '
+                         'published, and no header describes a partial file (the temporaries are removed). Fix: free '
+                         'space there, or pass an --output=DIR/NAME on a file system with room (a split or --shuffle '
+                         'needs about twice the output while prepare runs)')
 
 
 def _prepare_dpo(files: list[str]) -> int:

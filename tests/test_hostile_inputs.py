@@ -8,6 +8,10 @@
 - prepare --output=<existing directory> wrote beside it; a JSONL line that is an array was reported as
   a missing field; get_config() returning no ConfigDict gave an AttributeError; prepare --help and
   calibrate --help exited 1.
+
+Issue 48: a token file's header named its tokenizer anywhere (`"tokenizer": "/abs/secret"`, `"../secret"`, a link
+out of the directory) and an HF export copied that file as tokenizer.json; an LM or SFT run on a file of DPO pairs
+trained on the chosen and the rejected answers alike (a file's kind must match train.objective).
 """
 
 import json
@@ -18,10 +22,13 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxfrontier.checkpoint.interop import hf_files as hf_dir
-from jaxfrontier.data import corpus
+from jaxfrontier import config as config_lib
+from jaxfrontier.checkpoint.interop import hf as hf_export
+from jaxfrontier.data import corpus, dpo, loader, token_files
 from jaxfrontier.data.corpus import FlagError
-from jaxfrontier.errors import UserError
+from jaxfrontier.errors import ConfigError, UserError
 from jaxfrontier.inference import load as load_lib
+from jaxfrontier.inference import text as text_lib
 import processes
 from test_hostile_finite import tiny_config, write_params
 
@@ -172,4 +179,105 @@ def test_cli_get_config_returning_no_config_dict(tmp_path, returned):
     config.write_text(f'def get_config(arg=None):\n    return {returned}\n')
     line = processes.error_line(run('main', f'--config={config}', f'--workdir={tmp_path / "w"}'))
     assert 'get_config() returned' in line and 'not an ml_collections.ConfigDict' in line
+    assert not (tmp_path / 'w').exists()
+
+
+# --------------------------------------------------------------------------- files a token-file header names
+
+
+def named_token_file(tmp_path, **header):
+    """data/t.bin (+ t.tokenizer.json, + a secret outside data/ and a link to it) with `header` merged in."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / 'secret').write_text('{"private": "key"}')
+    path = token_files.write_token_file(tmp_path / 'data' / 't.bin', np.arange(100) % 256, 256,
+                                        metadata={'tokenizer': 't.tokenizer.json', 'eot_id': 0})
+    (tmp_path / 'data' / 't.tokenizer.json').write_text('{}')
+    os.symlink(tmp_path / 'secret', tmp_path / 'data' / 'out.json')
+    os.symlink('t.tokenizer.json', tmp_path / 'data' / 'in.json')
+    old = json.loads((tmp_path / 'data' / 't.json').read_text())
+    (tmp_path / 'data' / 't.json').write_text(json.dumps({**old, **header}))
+    return path
+
+
+@pytest.mark.parametrize('field', sorted(token_files.NAMED_FILES))
+@pytest.mark.parametrize('name,words', [('SECRET', 'not the name of a file beside the .bin'),
+                                        ('../secret', 'not the name of a file beside the .bin'),
+                                        ('out.json', "links outside the .bin's directory"),
+                                        ('sub', 'is not a regular file'), ('\x1b[2J', 'not the name')])
+def test_a_header_names_only_plain_files_beside_the_bin(tmp_path, field, name, words):
+    name = str(tmp_path / 'secret') if name == 'SECRET' else name
+    (tmp_path / 'data' / 'sub').mkdir(parents=True)
+    path = named_token_file(tmp_path, **{field: name})
+    with pytest.raises(ConfigError) as e:
+        token_files.open_token_file(path, 256)
+    assert f'"{field}"' in str(e.value) and words in str(e.value) and '\n' not in str(e.value), str(e.value)
+    assert repr(name) in str(e.value) or repr(str(tmp_path / 'data' / name)) in str(e.value)
+
+
+def test_an_hf_export_and_a_sample_never_read_a_tokenizer_outside_the_data(tmp_path):
+    path = named_token_file(tmp_path, tokenizer=str(tmp_path / 'secret'))
+    config = {'data': {'kind': 'tokens', 'path': path}, 'model': {'vocab_size': 256}}
+    assert hf_export._tokenizer_of(config) == (None, {})  # pylint: disable=protected-access  (no tokenizer copied)
+    with pytest.raises(UserError, match='"tokenizer" is'):
+        text_lib.token_file_codec(path, 256)
+    inside = named_token_file(tmp_path / 'ok', tokenizer='in.json')  # a link beside the .bin is fine
+    assert token_files.tokenizer_path(token_files.open_token_file(inside, 256)) == str(tmp_path / 'ok/data/in.json')
+
+
+# --------------------------------------------------------------------------- a file's kind matches the objective
+
+
+def kind_file(tmp_path, kind, name=None, pairs=64, row=33):
+    """A token file of `kind` (token_files.KINDS): plain, sft (with a loss mask), dpo (prepare --dpo's header)."""
+    tokens, mask = np.arange(pairs * 2 * row) % 256, np.tile([0, 1], pairs * row)
+    metadata = {'row_length': row, 'dpo': {'pairs_in_file': pairs, 'seq_len': row - 1}} if kind == 'dpo' else {}
+    return token_files.write_token_file(tmp_path / f'{name or kind}.bin', tokens, 256, metadata=metadata,
+                                        mask=None if kind == 'plain' else mask)
+
+
+def kind_config(objective, **data):
+    c = config_lib.base_config()
+    c.model.update(seq_len=32, vocab_size=256)
+    c.train.update(objective=objective, global_batch=4, micro_batch=4)
+    c.data.update(**{'kind': 'tokens', **data})
+    return c
+
+
+@pytest.mark.parametrize('objective,kind,field,words', [
+    ('lm', 'dpo', 'path', 'the chosen and the rejected answers alike'),
+    ('lm', 'dpo', 'val_path', 'the chosen and the rejected answers alike'),
+    ('lm', 'dpo', 'blend', 'the chosen and the rejected answers alike'),
+    ('dpo', 'sft', 'path', "does not read. Fix: set train.objective=lm"),
+    ('dpo', 'plain', 'val_path', "does not read. Fix: set train.objective=lm"),
+])
+def test_a_file_whose_kind_the_objective_does_not_read_is_one_line(tmp_path, objective, kind, field, words):
+    wrong = kind_file(tmp_path, kind, 'wrong')
+    right = kind_file(tmp_path, 'dpo' if objective == 'dpo' else 'plain', 'right')
+    data = {'path': wrong, 'val_path': ''} if field == 'path' else {'path': right, 'val_path': wrong} if (
+        field == 'val_path') else {'path': '', 'blend': f'1:{right},1:{wrong}'}
+    with pytest.raises(ConfigError) as e:
+        loader.check_data(kind_config(objective, **data))
+    message = str(e.value)
+    assert e.value.field == f'data.{field}' and f'{wrong} holds' in message and f'(kind {kind})' in message
+    assert words in message and '\n' not in message, message
+
+
+def test_files_of_the_objectives_kinds_pass_and_the_sources_name_the_kind(tmp_path):
+    for objective, kind in (('lm', 'plain'), ('lm', 'sft'), ('dpo', 'dpo')):
+        loader.check_data(kind_config(objective, path=kind_file(tmp_path, kind)))
+    for kind in ('builtin', 'synthetic'):
+        with pytest.raises(ConfigError, match=r"data.kind='.*' holds a plain token stream \(kind plain\)"):
+            loader.check_data(kind_config('dpo', kind=kind))
+    c = kind_config('lm', path=kind_file(tmp_path, 'sft'), loss_mask='on')
+    train, val = loader.make_datasets(c.data, str(tmp_path), loader.BatchSpec.of(c))
+    assert '(kind sft)' in train.describe() and '(kind sft)' in val.describe()
+    pairs = dpo.PairSource(np.zeros((4, 33), np.int32), 0, True, 'p.bin')
+    assert pairs.describe() == '2 preference pairs of p.bin (kind dpo)'
+
+
+def test_cli_lm_run_on_dpo_pairs_is_one_line(tmp_path):
+    pairs = kind_file(tmp_path, 'dpo')
+    line = processes.error_line(run('main', *processes.TINY, f'--config.data.path={pairs}',
+                                    '--config.data.kind=tokens', f'--workdir={tmp_path / "w"}'))
+    assert f'config.data.path = {pairs!r}' in line and '(kind dpo)' in line and 'train.objective=dpo' in line, line
     assert not (tmp_path / 'w').exists()

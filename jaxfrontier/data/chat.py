@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import os
 from typing import Any
 
@@ -112,8 +113,11 @@ def load_tokenizer(path: str) -> Any:
     """A `transformers` tokenizer from a Hugging Face tokenizer directory (or a tokenizer.json: no template).
 
     Raises:
-      FlagError: transformers or jinja2 is missing, or the tokenizer cannot be loaded.
+      FlagError: the directory asks to run code of its own (`auto_map`), transformers or jinja2 is missing, or
+        the tokenizer cannot be loaded.
     """
+    if os.path.isdir(path):
+        refuse_remote_code(path, 'tokenizer')
     try:
         import jinja2  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
         import transformers  # pylint: disable=g-import-not-at-top
@@ -123,12 +127,48 @@ def load_tokenizer(path: str) -> Any:
     if not os.path.exists(path):
         raise FlagError('tokenizer', path, 'no such file or directory', fix)
     try:
-        if os.path.isdir(path):
-            return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if os.path.isdir(path):  # trust_remote_code=False: a received directory runs no code of its own
+            return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         return transformers.PreTrainedTokenizerFast(tokenizer_file=path)
     except Exception as e:  # pylint: disable=broad-except  (any file a user hands us)
         raise FlagError('tokenizer', path, f'transformers cannot load it ({" ".join(str(e).split())[:200]})',
                         fix) from None
+
+
+def _json_object(path: str) -> dict[str, Any]:
+    """The JSON object in `path`; {} when it is absent, unreadable or not an object (transformers names that)."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            value = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def refuse_remote_code(directory: str, flag: str) -> None:
+    """A FlagError naming the file when loading a Hugging Face directory's tokenizer would run code of its own.
+
+    transformers runs a directory's Python where an `auto_map` names it: tokenizer_config.json's `AutoTokenizer`
+    entry (a list in older files), or config.json's `AutoConfig` or `AutoTokenizer` (AutoTokenizer reads the
+    config too). load_tokenizer passes trust_remote_code=False, so nothing would run, but transformers' refusal
+    (or its fallback) speaks of the Hub; this names the file. Entries for the model alone
+    (AutoModelForCausalLM) are not the tokenizer's: jaxfrontier reads weights itself.
+    """
+    tokenizer_config = _json_object(os.path.join(directory, 'tokenizer_config.json'))
+    auto_map = tokenizer_config.get('auto_map')
+    entry = auto_map if isinstance(auto_map, list) else auto_map.get('AutoTokenizer') if isinstance(
+        auto_map, dict) else None
+    file = 'tokenizer_config.json'
+    if not entry:
+        auto_map = _json_object(os.path.join(directory, 'config.json')).get('auto_map')
+        entry = {k: auto_map[k] for k in ('AutoConfig', 'AutoTokenizer') if k in auto_map} if isinstance(
+            auto_map, dict) else auto_map
+        file = 'config.json'
+    if entry:
+        raise FlagError(flag, directory, f'{os.path.join(directory, file)} asks to run code of its own ("auto_map": '
+                        f'{repr(entry)[:120]}); jaxfrontier runs no code from a received directory',
+                        'use a tokenizer the transformers library implements (a "tokenizer_class" it has, no '
+                        '"auto_map" for the tokenizer)')
 
 
 class Renderer:

@@ -60,6 +60,10 @@ class Split:
         """Validation documents of a corpus of num_documents: --val_documents, or the rounded share."""
         n = self.val_documents or round(num_documents * self.val_fraction)
         flag, value = ('val_documents', self.val_documents) if self.val_documents else ('val_fraction', self.val_fraction)
+        if num_documents < 2:
+            raise FlagError(flag, value, 'one document cannot be split into training and validation documents (a '
+                            '.txt file is one document, a JSONL line or Parquet row one each)',
+                            f'pass more documents, or drop --{flag}')
         if n < 1:
             raise FlagError(flag, value, f'{value} of {num_documents:,} documents is no document',
                             f'raise --val_fraction to at least {1 / num_documents:.3g}, or pass --val_documents=N')

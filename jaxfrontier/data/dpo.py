@@ -17,17 +17,18 @@ refused with one line naming the file and line, before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
 
 import numpy as np
 
-from jaxfrontier.data import chat, corpus, encode, loss_mask, token_files
+from jaxfrontier.data import chat, corpus, encode, loss_mask, prepared, token_files
 from jaxfrontier.errors import ConfigError, FlagError
 
 FIELDS = ('prompt', 'chosen', 'rejected')
-OBJECTIVES = ('lm', 'dpo')  # train.objective
+OBJECTIVES = tuple(token_files.OBJECTIVE_KINDS)  # train.objective: ('lm', 'dpo')
 
 
 @dataclasses.dataclass
@@ -135,11 +136,18 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str, seq_len: int
     vocab_size = encode.vocab_size_of(tokenizer.backend_tokenizer)
     eot, eot_id = encode.eot_id_of(tokenizer.backend_tokenizer, '', tokenizer_path)
     rows, masks, counts = render_pairs(renderer, list(corpus.read_records(files)), seq_len, overlong, eot_id)
+    if not counts.written and not counts.dropped_overlong:
+        raise FlagError('input', ','.join(inputs), 'the files hold no preference pair (no non-blank line)',
+                        'pass JSONL of {"prompt": ..., "chosen": ..., "rejected": ...}, one pair per line')
     if not counts.written:
-        raise FlagError('input', ','.join(inputs), f'no pair to write ({counts.dropped_overlong} dropped as longer '
-                        f'than --seq_len={seq_len})', 'raise --seq_len, or --overlong=truncate')
+        raise FlagError('input', ','.join(inputs), f'no pair to write (all {counts.dropped_overlong:,} dropped as '
+                        f'longer than a row of --seq_len={seq_len} + 1 tokens)', 'raise --seq_len' + (
+                            ', or pass --overlong=truncate (cut the prompt first)' if overlong == 'drop' else ''))
     pairs = np.random.default_rng(seed).permutation(counts.written)
     n_val = int(round(val_fraction * counts.written)) if val_fraction else 0
+    if val_fraction and counts.written < 2:
+        raise FlagError('val_fraction', val_fraction, 'one pair cannot be split into training and held-out pairs',
+                        'pass more pairs, or drop --val_fraction')
     if val_fraction and not 0 < n_val < counts.written:
         raise FlagError('val_fraction', val_fraction, f'leaves no pair on one side of {counts.written} pairs',
                         'pass more pairs or another --val_fraction')
@@ -148,28 +156,47 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str, seq_len: int
     base = output[:-len('.bin')] if output.endswith('.bin') else output
     os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
     tokenizer_name = os.path.basename(base) + '.tokenizer.json'
-    with open(base + '.tokenizer.json', 'w', encoding='utf-8') as f:
-        f.write(tokenizer.backend_tokenizer.to_str())
-    headers = {}
+    headers: dict[str, Any] = {}
+    try:
+        _write(base, tokenizer.backend_tokenizer.to_str(), rows, masks, parts, vocab_size, headers, {
+            'tokenizer': tokenizer_name, 'eot_id': eot_id, 'eot_token': eot, 'row_length': seq_len + 1,
+            'dpo': {'pairs': dataclasses.asdict(counts), 'seq_len': seq_len, 'overlong': overlong,
+                    'rendering': renderer.rendering, 'tokenizer_source': tokenizer_path},
+            'sft': {'chat_template': tokenizer.chat_template if renderer.has_template else None}})
+    except BaseException:  # a full disk: no header is left that describes a part of this run
+        for part in headers:
+            with contextlib.suppress(OSError):
+                os.remove(token_files.token_paths(f'{base}_{part}' if part else base)[1])
+        raise
+    return headers
+
+
+def _write(base: str, tokenizer_json: str, rows: np.ndarray, masks: np.ndarray, parts: dict[str, np.ndarray],
+           vocab_size: int, headers: dict[str, Any], common: dict[str, Any]) -> None:
+    """The tokenizer (by temporary file and rename), then each part's token file (write_token_file: the header
+    last); `headers` gets each part's as it is written."""
+    tmp = f'{base}.tokenizer.json.tmp-{os.getpid()}'
+    try:
+        prepared.write_small(tmp, tokenizer_json)
+        os.replace(tmp, base + '.tokenizer.json')
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
     for part, ids in parts.items():
         index = np.stack([2 * ids, 2 * ids + 1], 1).reshape(-1)  # the pair's two rows, in order
-        metadata = {'tokenizer': tokenizer_name, 'eot_id': eot_id, 'eot_token': eot, 'row_length': seq_len + 1,
-                    'dpo': {'pairs': dataclasses.asdict(counts), 'pairs_in_file': len(ids), 'seq_len': seq_len,
-                            'overlong': overlong, 'rendering': renderer.rendering, 'tokenizer_source': tokenizer_path},
-                    'sft': {'chat_template': tokenizer.chat_template if renderer.has_template else None}}
+        metadata = {**common, 'dpo': {**common['dpo'], 'pairs_in_file': len(ids)}}
         path = f'{base}_{part}.bin' if part else base + '.bin'
         token_files.write_token_file(path, rows[index].reshape(-1), vocab_size, metadata=metadata,
                                      mask=masks[index].reshape(-1))
         headers[part] = metadata
-    return headers
 
 
 def read_rows(path: str, vocab_size: int) -> np.ndarray:
     """The flagged int32 rows [2P, seq_len + 1] of a --dpo token file (data/loss_mask.py's flag where not counted)."""
     token_file = token_files.open_token_file(path, vocab_size)
-    row = token_file.header.get('row_length')
-    if not row or 'dpo' not in token_file.header:
-        raise FlagError('data.path', path, 'is not a file of preference pairs (no "dpo" header)',
+    row, kind = token_file.header.get('row_length'), token_files.file_kind(token_file.header)
+    if not row or kind != 'dpo':
+        raise FlagError('data.path', path, f'is not a file of preference pairs (kind {kind}: no "dpo" header)',
                         'write it with python -m jaxfrontier.prepare --dpo')
     tokens = loss_mask.mark(np.asarray(token_file.tokens), np.asarray(token_file.mask))
     return tokens.reshape(-1, row)
@@ -203,7 +230,7 @@ class PairSource:
         return {'data/epoch': (step + 1) * (global_batch // 2) / self.num_pairs}
 
     def describe(self) -> str:
-        return f'{self.num_pairs:,} preference pairs of {self.name}'
+        return f'{self.num_pairs:,} preference pairs of {self.name} (kind dpo)'
 
 
 def make_sources(d: Any, vocab_size: int, seed: int) -> tuple[PairSource, PairSource]:

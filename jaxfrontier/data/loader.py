@@ -22,8 +22,8 @@ from jaxfrontier.config import DATA_KINDS
 from jaxfrontier.data import loss_mask, sampling
 from jaxfrontier.data.builtin import BYTE_VOCAB, builtin_corpus
 from jaxfrontier.data.sources import TRAIN, VAL, Source, SyntheticSource, TokenSource
-from jaxfrontier.data.token_files import (TokenFile, open_token_file, read_header, run_token_path, token_paths,
-                                          tokenizer_path)
+from jaxfrontier.data.token_files import (KINDS, OBJECTIVE_KINDS, TokenFile, file_kind, open_token_file, read_header,
+                                          run_token_path, token_paths, tokenizer_path)
 from jaxfrontier.errors import ConfigError
 
 
@@ -255,13 +255,43 @@ def check_data(c: ml_collections.ConfigDict) -> None:
                           f'set model.vocab_size to at least {BYTE_VOCAB}')
     d, spec = c.data, BatchSpec.of(c)
     if d.kind == 'tokens' and d.get('blend', ''):
-        train = [f for f, _ in _blend_files(d, spec)[2]]
+        train = [('data.blend', d.blend, f) for f, _ in _blend_files(d, spec)[2]]
     elif d.kind == 'tokens':
-        train = [_open_checked(d, spec, d.path)[0]]
+        train = [('data.path', d.path, _open_checked(d, spec, d.path)[0])]
     else:
         train = []
-    if d.get('val_path', ''):
-        _val_files(d, spec, train[:1])
+    val = [('data.val_path', d.val_path, f) for f in _val_files(d, spec, [f for _, _, f in train[:1]])] if d.get(
+        'val_path', '') else []
+    objective = c.train.get('objective', 'lm')
+    if d.kind != 'tokens':  # builtin, synthetic: a plain stream
+        check_kind('data.kind', d.kind, f'data.kind={d.kind!r}', {}, objective)
+    for field, value, token_file in train + val:
+        check_kind(field, value, token_file.path, token_file.header, objective)
+
+
+# What each train.objective wants, for the fix; what reading a kind it does not read would do, where that is worse
+# than a refusal.
+_WANTS = {'lm': 'a file of python -m jaxfrontier.prepare (--sft for conversations)',
+          'dpo': 'preference pairs of python -m jaxfrontier.prepare --dpo (data.kind=tokens)'}
+_WOULD = {('lm', 'dpo'): ': it would train on every row as text, the chosen and the rejected answers alike'}
+
+
+def check_kind(field: str, value: str, path: str, header: dict[str, Any], objective: str) -> None:
+    """The kind of the token file at `path` (token_files.file_kind of its header) must be one `objective` reads
+    (OBJECTIVE_KINDS); an unknown objective is dpo.check_run's to name.
+
+    Raises:
+      ConfigError: naming `field` (data.path, data.blend, data.val_path or data.kind), the file, its kind and
+        the fix.
+    """
+    kind = file_kind(header)
+    if objective not in OBJECTIVE_KINDS or kind in OBJECTIVE_KINDS[objective]:
+        return
+    readers = [o for o, kinds in OBJECTIVE_KINDS.items() if kind in kinds]
+    raise ConfigError(field, value, f'{path} holds {KINDS[kind]} (kind {kind}), which train.objective={objective!r} '
+                      f'does not read{_WOULD.get((objective, kind), "")}',
+                      f'set train.objective={readers[0]} to train on it, or pass '
+                      f'{_WANTS.get(objective, "a file it reads")}')
 
 
 def val_entries(val_path: str) -> list[tuple[float, str]]:
@@ -338,7 +368,8 @@ def make_datasets(d: ml_collections.ConfigDict, workdir: str, spec: BatchSpec) -
                 SyntheticSource(spec.vocab_size, spec.seq_len, spec.seed, VAL))
     if d.kind == 'tokens' and d.get('blend', ''):
         counts, paths, opened = _blend_files(d, spec)
-        splits = [_splits(d, spec, f, boundary, f'tokens {f.path}') for f, boundary in opened]
+        splits = [_splits(d, spec, f, boundary, f'tokens {f.path} (kind {file_kind(f.header)})')
+                  for f, boundary in opened]
         names = tuple(sampling.source_names(paths))
         weights = tuple(w for w, _ in sampling.parse_blend(d.blend))
         train, val = (sampling.BlendSource(tuple(s[i] for s in splits), tuple(counts), names, weights, spec.seed, i)
@@ -347,7 +378,7 @@ def make_datasets(d: ml_collections.ConfigDict, workdir: str, spec: BatchSpec) -
     else:
         path = builtin_corpus(builtin_cache_dir(d, workdir)) if d.kind == 'builtin' else d.path
         first, boundary = _open_checked(d, spec, path)
-        train, val = _splits(d, spec, first, boundary, f'{d.kind} {first.path}')
+        train, val = _splits(d, spec, first, boundary, f'{d.kind} {first.path} (kind {file_kind(first.header)})')
     if d.get('val_path', ''):
         val = _val_source(d, spec, [first] if d.kind == 'tokens' else [])
     return train, val
@@ -356,7 +387,8 @@ def make_datasets(d: ml_collections.ConfigDict, workdir: str, spec: BatchSpec) -
 def _val_source(d: ml_collections.ConfigDict, spec: BatchSpec, train: list[TokenFile]) -> Source:
     """The held-out files of data.val_path, each read whole: one TokenSource, or a BlendSource of them."""
     files, entries = _val_files(d, spec, train), val_entries(d.val_path)
-    sources = tuple(TokenSource(f.tokens, 0, f.num_tokens, spec.seq_len, spec.seed, VAL, f'held-out {f.path}',
+    sources = tuple(TokenSource(f.tokens, 0, f.num_tokens, spec.seq_len, spec.seed, VAL,
+                                f'held-out {f.path} (kind {file_kind(f.header)})',
                                 _mask(d, f)) for f in files)
     if len(sources) == 1 and entries[0][0] == 1.0 and d.val_path == entries[0][1]:
         return sources[0]

@@ -31,6 +31,9 @@ from jaxfrontier.data import chat, corpus, documents, encode, loss_mask, prepare
 from jaxfrontier.errors import FlagError, UserError
 
 OVERLONG = ('truncate', 'drop')
+# A conversation this large renders for seconds (transformers encodes it whole, twice per learned turn, about
+# 0.5 MB/s): one line says so before it starts, as no batch finishes meanwhile to move the progress bar.
+LARGE_RECORD_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +171,18 @@ def _write_streams(batches: Iterator[tuple[list[corpus.Record], Any]], bin_file:
     return num_tokens, lengths, counts
 
 
+def _noticed(records: Iterator[corpus.Record], notify: Callable[[str], None] | None,
+             options: Options) -> Iterator[corpus.Record]:
+    """`records`, calling notify(line) as one of LARGE_RECORD_BYTES or more is read (before it is rendered)."""
+    for record in records:
+        if notify and record.num_bytes >= LARGE_RECORD_BYTES:
+            bound = (f'--max_tokens={options.max_tokens} cuts it only once rendered' if options.max_tokens else
+                     'without --max_tokens all of it is kept')
+            notify(f'sft: {record.path} line {record.line} is a conversation of {record.num_bytes / 1e6:.1f} MB; '
+                   f'rendering it takes a while (about 2 s per MB), and {bound}')
+        yield record
+
+
 def _check_written(inputs: list[str], counts: Counts, options: Options) -> None:
     if not counts.written:
         dropped = counts.dropped_overlong + counts.dropped_empty
@@ -178,11 +193,12 @@ def _check_written(inputs: list[str], counts: Counts, options: Options) -> None:
 
 def prepare(inputs: list[str], output: str, *, tokenizer_path: str, options: Options = Options(), eot_token: str = '',
             workers: int = 1, batch_bytes: int = 1 << 20, progress: Callable[[int, int], None] | None = None,
-            split: documents.Split = documents.Split()) -> encode.Result:
+            split: documents.Split = documents.Split(), notify: Callable[[str], None] | None = None) -> encode.Result:
     """Renders the conversations of the .jsonl files `inputs` into the token file `output` with a loss mask.
 
     As encode.prepare (output files, split, workers, progress), plus NAME.mask.bin beside each
     .bin; headers record `loss_mask` and `sft` (how it was rendered, what counts, the counts).
+    `notify` gets one line before a conversation of LARGE_RECORD_BYTES or more is rendered.
 
     Raises:
       FlagError: any input the user can fix (module docstring, data/chat.py); nothing is left that
@@ -207,7 +223,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str, options: Opt
     try:
         with bin_file, mask_file:
             start = time.perf_counter()
-            batches = rendered_batches(corpus.batches(corpus.read_records(files), batch_bytes), renderer,
+            records = _noticed(corpus.read_records(files), notify, options)
+            batches = rendered_batches(corpus.batches(records, batch_bytes), renderer,
                                        tokenizer_path, options, eot_id, dtype, workers)
             num_tokens, lengths, counts = _write_streams(batches, bin_file, mask_file, progress)
             _check_written(inputs, counts, options)

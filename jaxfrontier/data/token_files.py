@@ -5,6 +5,15 @@ with a small JSON header `<name>.json` beside it. Token files are memory-mapped,
 a file is checked against the model's vocabulary when it is opened. A file may carry a loss
 mask (supervised fine-tuning: data/loss_mask.py): `<name>.mask.bin`, one uint8 per token (1:
 the prediction of this token counts, 0: it does not), named by the header's `loss_mask`.
+
+Every file a header names (NAMED_FILES: `tokenizer`, `loss_mask`) must be a plain file beside the
+.bin: a printable name without a directory part, and where it exists a regular file that is, or
+links to, a file in the .bin's directory (or beside the file the .bin links to). `read_header`, the
+one reader of headers, refuses anything else, so no reader opens, and no export copies, a path a
+received header points elsewhere (`"tokenizer": "/home/me/.ssh/id_rsa"`).
+
+A file's kind (KINDS: plain text, sft conversations, dpo pairs) is read from its header
+(`file_kind`); `OBJECTIVE_KINDS` says which kinds each `train.objective` reads (data/loader.py checks it).
 """
 
 from __future__ import annotations
@@ -133,6 +142,25 @@ class TokenFile:
         return int(self.tokens.shape[0])
 
 
+# Header fields that name a file beside the .bin, and the fix of a bad one.
+NAMED_FILES = {
+    'tokenizer': 'rewrite the file with python -m jaxfrontier.prepare, or set "tokenizer" to the name of the '
+                 'tokenizer.json beside the .bin (e.g. NAME.tokenizer.json), or drop it',
+    'loss_mask': 'rewrite the file with python -m jaxfrontier.prepare --sft, or drop "loss_mask" from its header',
+}
+# What a file's rows are (file_kind), and which kinds each train.objective reads.
+KINDS = {'plain': 'a plain token stream', 'sft': 'conversations of prepare --sft, with a loss mask',
+         'dpo': 'preference pairs of prepare --dpo, row 2i chosen and 2i + 1 rejected'}
+OBJECTIVE_KINDS = {'lm': ('plain', 'sft'), 'dpo': ('dpo',)}
+
+
+def file_kind(header: dict[str, Any]) -> str:
+    """The kind of a token file (KINDS) from its header: `dpo` (a "dpo" record), `sft` (a loss mask), else `plain`."""
+    if 'dpo' in header:
+        return 'dpo'
+    return 'sft' if header.get('loss_mask') is not None else 'plain'
+
+
 def _bad(path: Any, problem: str, fix: str) -> NoReturn:
     raise ConfigError('data.path', os.fspath(path), problem, fix)
 
@@ -162,7 +190,26 @@ def read_header(path: Any, header_path: str) -> dict[str, Any]:
         if not ok(header.get(key)):
             _bad(path, f'invalid header {header_path}: "{key}" is {header.get(key)!r} (format '
                  f'{FORMAT!r} version {VERSION}, dtype one of {sorted(NUMPY_DTYPES)}, counts >= 0)', _REWRITE)
+    for key, fix in NAMED_FILES.items():
+        if header.get(key) is not None:
+            _check_named_file(path, header_path, key, header[key], fix)
     return header
+
+
+def _check_named_file(path: Any, header_path: str, key: str, name: Any, fix: str) -> None:
+    """A file the header names (module docstring): a printable name beside the .bin, a regular file there."""
+    if (not isinstance(name, str) or not name.isprintable() or name in ('', '.', '..')
+            or os.path.basename(name) != name or (os.altsep and os.altsep in name)):
+        _bad(path, f'invalid header: "{key}" is {name!r}, not the name of a file beside the .bin', fix)
+    directory = os.path.dirname(os.path.abspath(header_path))
+    named = os.path.join(directory, name)
+    if not os.path.lexists(named):
+        return  # a missing mask is named by its reader; a missing tokenizer only means none is known
+    bin_path = token_paths(header_path)[0]
+    beside = {os.path.realpath(directory), os.path.dirname(os.path.realpath(bin_path))}
+    if not os.path.isfile(named) or os.path.dirname(os.path.realpath(named)) not in beside:
+        what = 'links outside the .bin\'s directory' if os.path.islink(named) else 'is not a regular file'
+        _bad(path, f'invalid header: "{key}" names {named!r}, which {what}', fix)
 
 
 _MAX_TOKEN_MEMO: dict[tuple[Any, ...], tuple[int, int]] = {}
@@ -205,10 +252,7 @@ def _open_mask(path: Any, bin_path: str, header: dict[str, Any]) -> np.ndarray |
     name = header.get('loss_mask')
     if name is None:
         return None
-    fix = 'rewrite the file with python -m jaxfrontier.prepare --sft, or drop "loss_mask" from its header'
-    if (not isinstance(name, str) or not name.isprintable() or name in ('', '.', '..')
-            or os.path.basename(name) != name or (os.altsep and os.altsep in name)):
-        _bad(path, f'invalid header: "loss_mask" is {name!r}, not the name of the mask file beside the .bin', fix)
+    fix = NAMED_FILES['loss_mask']  # the name is read_header's to check
     mask_path = os.path.join(os.path.dirname(os.path.abspath(bin_path)), name)
     if not os.path.isfile(mask_path):
         _bad(path, f'the loss mask {mask_path} its header names is missing', fix)
@@ -268,10 +312,11 @@ def tokenizer_path(token_file: TokenFile) -> str | None:
     """The tokenizer file the header names (`"tokenizer"`, relative to the .bin), or None.
 
     Files written by `python -m jaxfrontier.prepare` record their Hugging Face tokenizer.json
-    (and the end-of-text id, `"eot_id"`); older or hand-written files have no such key.
+    (and the end-of-text id, `"eot_id"`); older or hand-written files have no such key. The name
+    is a file beside the .bin (`read_header` refuses any other).
     """
     name = token_file.header.get('tokenizer')
-    if not isinstance(name, str) or not name:
+    if name is None:
         return None
     return os.path.join(os.path.dirname(os.path.abspath(token_file.path)), name)
 

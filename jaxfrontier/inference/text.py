@@ -69,10 +69,10 @@ class HFCodec:
 def token_file_codec(path: str, vocab_size: int) -> Any:
     """The codec of a token file: its header's tokenizer, else bytes when the vocabulary allows."""
     token_file = token_files.open_token_file(path, vocab_size)
-    tokenizer = token_file.header.get('tokenizer')
+    tokenizer = token_files.tokenizer_path(token_file)  # a file beside the .bin (read_header refuses any other)
     if tokenizer:
         eot = token_file.header.get('eot_id')
-        return HFCodec(os.path.join(os.path.dirname(token_file.path), tokenizer), () if eot is None else (int(eot),))
+        return HFCodec(tokenizer, () if eot is None else (int(eot),))
     if token_file.header['vocab_size'] <= builtin.BYTE_VOCAB:
         return ByteCodec()
     raise UserError(f'the token file {token_file.path} records no tokenizer (header key "tokenizer"), so its '

@@ -9,7 +9,7 @@ import tempfile
 from hypothesis import strategies as st
 
 from fuzzing import fuzz, json_values, mutated_bytes, mutated_dict, snapshot, tiers, user_error_or
-from jaxfrontier.data import corpus
+from jaxfrontier.data import corpus, documents
 from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.data import encode
 
@@ -84,7 +84,8 @@ def test_tokenizer_json(budget):
 
 
 def check_prepare(case):
-    (suffix, data), field = case
+    (suffix, data), field, *split = case  # split: held-out documents (one document cannot be split: issue 48)
+    split = split[0] if split else documents.Split()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, 'in' + suffix)
         with open(path, 'wb') as f:
@@ -94,21 +95,26 @@ def check_prepare(case):
         os.makedirs(os.path.join(d, 'out'))
         before = snapshot(d)
         out = user_error_or(lambda: encode.prepare([path], os.path.join(d, 'out', 'NAME'),
-                                                   tokenizer_path=os.path.join(d, 'tok.json'), text_field=field))
+                                                   tokenizer_path=os.path.join(d, 'tok.json'), text_field=field,
+                                                   split=split))
         after = snapshot(d)
         assert {k: v for k, v in after.items() if not k.startswith(os.path.join(d, 'out'))} == before
         written = sorted(os.listdir(os.path.join(d, 'out')))
-        if isinstance(out, encode.Result):  # the token file, readable, and nothing else
-            assert written == ['NAME.bin', 'NAME.json', 'NAME.tokenizer.json'], written
-            data_lib.open_token_file(out.bin_paths[''], out.headers['']['vocab_size'])
+        if isinstance(out, encode.Result):  # the token file(s), readable, and nothing else
+            parts = ['_train', '_val'] if split.splits else ['']
+            assert written == sorted([f'NAME{p}.{e}' for p in parts for e in ('bin', 'json')] + ['NAME.tokenizer.json'])
+            for part, path in out.bin_paths.items():
+                data_lib.open_token_file(path, out.headers[part]['vocab_size'])
         else:
             assert written == [], written
 
 
 @tiers(fast=60, slow=400)
 def test_prepare_run(budget):
-    fuzz('prepare (whole run)', st.tuples(inputs, fields), check_prepare, budget, deadline_ms=10_000,
-         examples=[(('.parquet', PARQUET.replace(b'another one', b'\x9enother one')), 'text')])
+    splits = st.sampled_from([documents.Split(), documents.Split(val_documents=1), documents.Split(val_fraction=0.5)])
+    fuzz('prepare (whole run)', st.tuples(inputs, fields, splits), check_prepare, budget, deadline_ms=10_000,
+         examples=[(('.parquet', PARQUET.replace(b'another one', b'\x9enother one')), 'text'),
+                   (('.txt', b'one document'), 'text', documents.Split(val_fraction=0.5))])
 
 
 # --------------------------------------------------------------------------- prepare --sft: conversations

@@ -75,3 +75,57 @@ def check_masked(case):
 def test_token_file_with_a_loss_mask(budget):
     fuzz('token file with a loss mask (header + .bin + .mask.bin)', st.tuples(masked_headers, bins, masks),
          check_masked, budget)
+
+
+# Every file a header names (data_lib.NAMED_FILES) must be a plain file beside the .bin (issue 48: a header's
+# "tokenizer": "/abs/secret" was accepted and an HF export copied the file). Outside the data directory lies a
+# secret that would pass as a mask (40 bytes of 0/1), reached by a path, by '..' or by a link.
+PLACES = ['SECRET', '../secret', 'link', 'inner', 'fifo', 'sub/f.mask.bin', 'f.mask.bin', 'x.tokenizer.json', 'f.bin',
+          '.', '..', '', '/', './f.mask.bin', 'f.mask.bin/', 'f.mask.bin\\..\\..\\secret', 'f.mask.bin\x00',
+          'f.mask.bin\n', '\u202ef.mask.bin', 'C:\\secret']
+named_values = st.one_of(
+    st.sampled_from(PLACES), json_values,
+    st.text(st.one_of(st.characters(categories=['Cc', 'Cf', 'Zl', 'Zp', 'Zs']), st.sampled_from('./\\~')),
+            max_size=8),
+    st.tuples(st.sampled_from(['', '.', '..', '~', 'SECRET']), st.sampled_from(['/', '//', '\\']), st.text(max_size=6))
+    .map(''.join))
+named_cases = st.tuples(st.sampled_from(sorted(data_lib.NAMED_FILES)), named_values, st.booleans())
+
+
+def check_named_file(case):
+    field, value, masked = case
+    with tempfile.TemporaryDirectory() as root:
+        d = os.path.join(root, 'data')
+        os.makedirs(os.path.join(d, 'sub'))
+        with open(os.path.join(root, 'secret'), 'wb') as f:
+            f.write(MASK.tobytes())
+        for name, content in (('f.bin', TOKENS.tobytes()), ('f.mask.bin', MASK.tobytes()),
+                              ('sub/f.mask.bin', MASK.tobytes()), ('x.tokenizer.json', b'{}')):
+            with open(os.path.join(d, name), 'wb') as f:
+                f.write(content)
+        os.symlink(os.path.join(root, 'secret'), os.path.join(d, 'link'))
+        os.symlink('f.mask.bin', os.path.join(d, 'inner'))
+        os.mkfifo(os.path.join(d, 'fifo'))  # a reader that opened it would hang
+        value = value.replace('SECRET', os.path.join(root, 'secret')) if isinstance(value, str) else value
+        header = HEADER | ({'loss_mask': 'f.mask.bin'} if masked else {}) | {field: value}
+        with open(os.path.join(d, 'f.json'), 'w') as f:
+            json.dump(header, f, allow_nan=True)
+        before = snapshot(root)
+        out = user_error_or(lambda: data_lib.open_token_file(os.path.join(d, 'f.bin'), 256))
+        assert snapshot(root) == before
+        if isinstance(out, data_lib.TokenFile):  # a correct result: every named file lies in the data directory
+            for key in data_lib.NAMED_FILES:
+                if out.header.get(key) is not None:
+                    named = os.path.join(d, out.header[key])
+                    assert os.path.dirname(named) == d and os.path.dirname(os.path.realpath(named)) == d, (key, named)
+            tokenizer = data_lib.tokenizer_path(out)
+            assert tokenizer is None or os.path.dirname(tokenizer) == d
+            assert (out.mask is None) == (header.get('loss_mask') is None)
+            del out
+
+
+@tiers()
+def test_token_file_names_only_files_beside_it(budget):
+    fuzz('token file header naming files (tokenizer, loss_mask)', named_cases, check_named_file, budget,
+         examples=[(field, place, masked) for field in sorted(data_lib.NAMED_FILES)
+                   for place in ('SECRET', '../secret', 'link', 'fifo', 'inner') for masked in (False,)])
