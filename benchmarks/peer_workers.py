@@ -18,6 +18,8 @@ lr 6e-4, betas 0.9/0.95, weight decay 0.1, global-norm clipping 1.0, tied embedd
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import json
 import os
@@ -228,3 +230,80 @@ def serve(peer: str, size: str, family: str, overrides: tuple[str, ...], warmup:
         reply = {'peak_flops': cpu_matmul_peak()} if cmd[0] == 'peak' else measure(step, int(cmd[1]))
         out.write(json.dumps(reply) + '\n')
         out.flush()
+
+
+# --------------------------------------------------------------------------- the command lines' checks
+
+FAMILIES = ('gpt', 'llama')  # what every peer builds (torch_gpt.py's GPT, transformers' Llama)
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit 2: a mistake in the command, found before any worker starts."""
+    print(f'error: {" ".join(message.split())}', file=sys.stderr)
+    sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose mistakes (an unknown flag, a value that is no integer) are one `error:` line, exit 2."""
+
+    def error(self, message: str) -> None:
+        fail(f'{self.prog}: {message}. Fix: see --help')
+
+
+def check_names(flag: str, names: list[str], known) -> None:
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        fail(f'{flag}={",".join(names)}: unknown {", ".join(map(repr, bad)) or "(none named)"}. Fix: name some of '
+             f'{", ".join(known)}, comma-separated')
+
+
+def check_at_least(flag: str, value: int, least: int, meaning: str = '') -> None:
+    if value < least:
+        fail(f'{flag}={value}: must be at least {least}{meaning}. Fix: pass {flag}=N with N >= {least}')
+
+
+def check_out(flag: str, path: str) -> None:
+    """`path` can be written (its directory made): tried now with a probe file, not after hours of measuring."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        fail(f'{flag}={path} is a directory. Fix: name a file, e.g. {flag}={os.path.join(path, "result.json")}')
+    probe = path + '.tmp'
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(probe, 'w'):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        fail(f'{flag}={path} cannot be written ({e.strerror or e}). Fix: name a file in a writable directory')
+
+
+def _baseline_fields() -> set[str]:
+    """baseline_jax_gpt.Config's fields, read from its source (importing it imports JAX)."""
+    with open(os.path.join(HERE, 'baseline_jax_gpt.py')) as f:
+        tree = ast.parse(f.read())
+    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == 'Config')
+    return {n.target.id for n in config.body if isinstance(n, ast.AnnAssign)}
+
+
+def check_overrides(where: str, peer: str, size: str, family: str, overrides: tuple[str, ...]) -> None:
+    """A row's overrides name fields of its peer and values they take (jaxfrontier's: `config.validate`)."""
+    if peer.startswith('torch') and overrides:
+        fail(f'{where}: the {peer} peer takes no config overrides ({", ".join(overrides)}); they set jaxfrontier\'s '
+             'config (peer jf) or the plain JAX GPT\'s (peer jax). Fix: drop them')
+    if peer == 'jax':
+        bad = [o for o in overrides if o.split('=', 1)[0] not in _baseline_fields() or '=' not in o]
+        if bad:
+            fail(f'{where}: {", ".join(bad)} sets no field of baseline_jax_gpt.Config. Fix: use key=value with a key '
+                 f'of {", ".join(sorted(_baseline_fields()))}')
+    if peer != 'jf':
+        return
+    from jaxfrontier import config as config_lib  # no JAX
+    from jaxfrontier.errors import UserError
+    try:
+        config_lib.validate(jf_config(SHAPES[size], family, overrides))
+    except UserError as e:
+        fail(f'{where}: {e}')
+    except (KeyError, AttributeError, ValueError, TypeError) as e:
+        fail(f'{where}: {", ".join(overrides)} is not section.field=value of a field jaxfrontier\'s config has '
+             f'({type(e).__name__}: {e}). Fix: e.g. model.attention=reference')

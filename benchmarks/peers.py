@@ -188,7 +188,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap = peer_workers.Parser(description=__doc__.split('\n')[0])
     ap.add_argument('--sizes', default='small,100m')
     ap.add_argument('--families', default='gpt,llama')
     ap.add_argument('--peers', default=','.join(PEERS))
@@ -206,6 +206,7 @@ def main() -> None:
     if args.worker:
         peer_workers.serve(args.worker, args.size, args.family, tuple(args.override), args.warmup)
         return
+    check_args(args)  # every mistake one line before the first worker starts
     t0 = time.perf_counter()
     started = time.strftime('%Y-%m-%d %H:%M:%S')
     rows = []
@@ -221,6 +222,37 @@ def main() -> None:
             write(args.out, started, t0, rows)  # after every group: a run cut short keeps what it measured
     print_table(rows)
     print(f'{len(rows)} rows in {(time.perf_counter() - t0) / 60:.1f} min')
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Sizes, families, peers and variants known, counts in range, --out writable: else one line, exit 2."""
+    sizes, families = args.sizes.split(','), args.families.split(',')
+    peer_workers.check_names('--sizes', sizes, peer_workers.SHAPES)
+    peer_workers.check_names('--families', families, peer_workers.FAMILIES)
+    peer_workers.check_names('--peers', args.peers.split(','), PEERS)
+    peer_workers.check_at_least('--rounds', args.rounds, 1)
+    peer_workers.check_at_least('--steps', args.steps, 0, ' (0: 5 on the small sizes, 2 on larger ones)')
+    peer_workers.check_at_least('--warmup', args.warmup, 0)
+    labels = set(args.peers.split(','))
+    for spec in args.variant:
+        label, _, rest = spec.partition('=')
+        peer = rest.partition(':')[0]
+        if not label or not rest:
+            peer_workers.fail(f'--variant={spec}: not label=peer:key=value,... Fix: e.g. '
+                              '--variant=ref=jf:model.attention=reference')
+        if peer not in PEERS:
+            peer_workers.fail(f'--variant={spec}: unknown peer {peer!r}. Fix: one of {", ".join(PEERS)}')
+        if label in labels:
+            peer_workers.fail(f'--variant={spec}: the label {label!r} names another row already. Fix: a new label')
+        labels.add(label)
+    pairs = [(s, f) for s in sizes for f in families if not (peer_workers.SHAPES[s].llama_only and f != 'llama')]
+    if not pairs:
+        peer_workers.fail(f'--sizes={args.sizes} --families={args.families}: nothing to run (those sizes are '
+                          'Llama-only). Fix: add --families=llama')
+    for size, family in pairs:
+        for label, peer, overrides, _ in rows_for(size, family, args.peers.split(','), args.variant):
+            peer_workers.check_overrides(f'--variant {label} ({size} {family})', peer, size, family, overrides)
+    peer_workers.check_out('--out', args.out)
 
 
 def write(out: str, started: str, t0: float, rows: list[dict]) -> None:

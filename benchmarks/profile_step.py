@@ -231,9 +231,21 @@ def profile_torch(size: str, family: str, steps: int, compiled: bool = True) -> 
             'top_ops': [{'op': e.key, 'share': e.self_cpu_time_total / whole, 'count': e.count} for e in rows[:40]]}
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """A known size and family, overrides jaxfrontier's config takes, --steps >= 1, --out writable."""
+    peer_workers.check_names('--size', [args.size], peer_workers.SHAPES)
+    peer_workers.check_names('--family', [args.family], peer_workers.FAMILIES)
+    peer_workers.check_at_least('--steps', args.steps, 1, ' (the steps timed, then traced)')
+    if args.eager and not args.torch:
+        peer_workers.fail('--eager: profiles PyTorch eager, with --torch only. Fix: add --torch, or drop --eager')
+    peer = ('torch_eager' if args.eager else 'torch_compile') if args.torch else 'jf'
+    peer_workers.check_overrides('--override', peer, args.size, args.family, tuple(args.override))
+    peer_workers.check_out('--out', args.out)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('--size', default='small', choices=list(peer_workers.SHAPES))
+    ap = peer_workers.Parser(description=__doc__.split('\n')[0])
+    ap.add_argument('--size', default='small', help=f'one of {", ".join(peer_workers.SHAPES)}')
     ap.add_argument('--family', default='gpt')
     ap.add_argument('--override', action='append', default=[])
     ap.add_argument('--steps', type=int, default=3)
@@ -241,6 +253,7 @@ def main() -> None:
     ap.add_argument('--eager', action='store_true', help='with --torch: PyTorch eager, not torch.compile')
     ap.add_argument('--out', default='')
     args = ap.parse_args()
+    check_args(args)  # every mistake one line before anything compiles
     res = (profile_torch(args.size, args.family, args.steps, not args.eager) if args.torch
            else profile_jf(args.size, args.family, tuple(args.override), args.steps))
     for k, v in res.items():

@@ -168,6 +168,9 @@ def parse_config_flags(argv: list[str], config_flag, *, default_config: str | No
         problem = user_error_in_chain(e) or config_file_problem(e, config_path(argv))
         if problem is not None:
             fail(str(problem))
+        if 'FrozenConfigDict is immutable' in str(e):  # config_flags locks what get_config() returned
+            fail(f'--config={config_path(argv) or default_config}: get_config() returned a FrozenConfigDict, which '
+                 '--config.* overrides cannot set. Fix: return an ml_collections.ConfigDict (configs/tiny.py)')
         if not isinstance(e, (AttributeError, KeyError, flags.Error)):
             raise
         _fail_flag(e, argv)
@@ -189,11 +192,18 @@ def parse_config_flags(argv: list[str], config_flag, *, default_config: str | No
 
 
 def check_config_type(value, path: str) -> None:
-    """One line when a config file's get_config() returned no ml_collections.ConfigDict."""
+    """One line when a config file's get_config() returned no ml_collections.ConfigDict, or one without the
+    sections of config.base_config() (every reader of the config would fail on the first it lacks)."""
     import ml_collections  # pylint: disable=g-import-not-at-top  (no JAX)
+    from jaxfrontier.config import schema  # pylint: disable=g-import-not-at-top  (no JAX; imports no cli)
+    shape = 'configs/tiny.py shows the shape: c = config_lib.base_config(); ...; return c'
     if not isinstance(value, ml_collections.ConfigDict):
         fail(f'--config={path}: get_config() returned {type(value).__name__}, not an ml_collections.ConfigDict. '
-             'Fix: return the config (configs/tiny.py shows the shape: c = config_lib.base_config(); ...; return c)')
+             f'Fix: return the config ({shape})')
+    missing = [name for name in schema.base_config() if name not in value]
+    if missing:
+        fail(f'--config={path}: get_config() returned a ConfigDict without the top-level field(s) {", ".join(missing)} '
+             f'of config_lib.base_config(). Fix: start from the base config ({shape})')
 
 
 def _fail_flag(e: Exception, argv: list[str]) -> NoReturn:

@@ -101,6 +101,11 @@ _HARDWARE = flags.DEFINE_string('hardware', 'mi250x', 'mode=plan: the device to 
                                  'path.json (python -m jaxfrontier.calibrate writes one).')
 _SEARCH = flags.DEFINE_bool('search', False, 'mode=plan: search layouts of the model that fit, fastest first.')
 _SEARCH_DEVICES = flags.DEFINE_integer('search_devices', 0, 'mode=plan --search: devices (0: the config mesh).')
+_MAX_SEARCH_DEVICES = 2**20  # beyond any machine (Frontier: 75,264 GCDs); 2^62 hung the search counting divisors
+flags.register_validator(  # checked while the flags are parsed: one line, exit 2 (cli.parse_config_flags)
+    'search_devices', lambda n: 0 <= n <= _MAX_SEARCH_DEVICES,
+    message=f'is not a device count: 0 (the config\'s mesh) or 1 to {_MAX_SEARCH_DEVICES:,}. Fix: pass the devices to '
+            'search layouts for, e.g. --search_devices=64, or leave it out')
 _PLAN_CHECK = flags.DEFINE_enum('plan_check', 'lower', ['none', 'lower', 'compile'],
                                 'mode=plan: lower the train step on an AbstractMesh (lower), and also compile an '
                                 'fp32 copy on <= 2048 simulated CPU devices (compile).')

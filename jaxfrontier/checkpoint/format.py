@@ -15,6 +15,7 @@ import ml_collections
 from jaxfrontier import families
 from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.families import lora as lora_lib
+from jaxfrontier.families import moe as moe_lib
 from jaxfrontier.checkpoint import integrity
 
 FORMAT = 'jaxfrontier-checkpoint'
@@ -102,6 +103,27 @@ def check_optimizer_matches(saved: dict[str, Any], c: ml_collections.ConfigDict,
         raise ConfigError('optim.factor_min_dim', c.optim.factor_min_dim,
                           f'the checkpoint {where} factored with optim.factor_min_dim = {theirs!r}',
                           f'set --config.optim.factor_min_dim={theirs} to resume it, {fresh}')
+
+
+def check_routing_matches(saved: dict[str, Any], c: ml_collections.ConfigDict, where: str) -> None:
+    """Raises ConfigError when a mixture-of-experts `c` routes tokens otherwise than `saved` trained with
+    (families/moe.ROUTING_FIELDS: top-k, router, renormalisation, routed scale, dropless).
+
+    Refused as an optimizer switch is: the router and the experts were trained for those values, so a
+    silent change on resume is a different model mid-run. A deliberate change is a fine-tune: a new
+    workdir with checkpoint.init_params_from. A field the checkpoint lacks (saved before it existed) is
+    not checked.
+    """
+    model = saved.get('model', {}) if isinstance(saved.get('model'), dict) else {}
+    if not (moe_lib.on(model) and moe_lib.on(c.model)):
+        return  # dense on either side: check_model_matches names model.moe_experts
+    for field in moe_lib.ROUTING_FIELDS:
+        theirs, ours = model.get(field), c.model[field]
+        if theirs is not None and theirs != ours:
+            raise ConfigError(
+                f'model.{field}', ours, f'the checkpoint {where} was trained routing with model.{field} = {theirs!r} '
+                '(its router and experts were trained for it)', f'set --config.model.{field}={theirs} to resume it, '
+                f'or change it as a fine-tune: a new --workdir with --config.checkpoint.init_params_from={where}')
 
 
 def check_lora_matches(saved: dict[str, Any], c: ml_collections.ConfigDict, where: str) -> None:

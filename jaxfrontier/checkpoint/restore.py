@@ -27,6 +27,7 @@ from jaxfrontier.checkpoint import integrity
 from jaxfrontier.checkpoint import lora_base
 from jaxfrontier.checkpoint import reshard
 from jaxfrontier.checkpoint import verdict
+from jaxfrontier.families import moe as moe_lib
 
 State = dict[str, Any]
 
@@ -93,6 +94,7 @@ class Restoring:
         meta = self.read_meta(step) if meta is None else meta
         format_lib.check_model_matches(meta['config'], self.c, where, 'use a new --workdir to start a new run')
         format_lib.check_optimizer_matches(meta['config'], self.c, where)
+        format_lib.check_routing_matches(meta['config'], self.c, where)
         format_lib.check_lora_matches(meta['config'], self.c, where)
         if format_lib.FROZEN in target:  # LoRA: the adapters restore onto the base they were trained over only
             lora_base.check(meta.get('lora_base'), self.cc.init_params_from, where, self.base_record()['fingerprint'])
@@ -267,20 +269,24 @@ class Restoring:
 
     # ------------------------------------------------------------------ messages
 
-    def resume_hint(self) -> str:
-        """Where to resume from after a divergence: the newest finite checkpoint and the command."""
+    def resume_hint(self, suspect_named: bool = False) -> str:
+        """Where to resume from after a divergence: the newest finite checkpoint and the command; first the
+        suspect a config has beside the learning rate (families/moe.divergence_suspect), unless `suspect_named`."""
         lower = f'--config.optim.lr={self.c.optim.lr / 10:g}'
+        suspect = moe_lib.divergence_suspect(self.c.model)  # a moving router bias: suspected before the lr
+        first = f'The first suspect is {suspect}. ' if suspect and not suspect_named else ''
+        change = 'that change, else a lower learning rate' if suspect else 'a lower learning rate'
         if not self.enabled or self._last_good is None:
-            return f'There is no healthy checkpoint to resume from; rerun with a lower learning rate (e.g. {lower}).'
-        return (f'The newest healthy checkpoint is step {self._last_good} ({self.directory}/{self._last_good}): '
-                f'rerun the same command with a lower learning rate, e.g. {lower}, to resume from it, or roll '
+            return f'{first}There is no healthy checkpoint to resume from; rerun with {change} (e.g. {lower}).'
+        return (f'{first}The newest healthy checkpoint is step {self._last_good} ({self.directory}/{self._last_good}): '
+                f'rerun the same command with {change}, e.g. {lower}, to resume from it, or roll '
                 'back further with --config.checkpoint.restore_step=N.')
 
     def with_resume_hint(self, error: errors.NonFiniteLossError) -> errors.NonFiniteLossError:
         """`error` (the loop's NaN check), with the checkpoint to resume from added once."""
         if getattr(error, 'names_checkpoint', False):
             return error
-        return errors.NonFiniteLossError(f'{error} {self.resume_hint()}')
+        return errors.NonFiniteLossError(f'{error} {self.resume_hint(getattr(error, "suspect_named", False))}')
 
     def nonfinite_message(self, step: int, health: dict[str, Any]) -> str:
         values = ', '.join(f'{k} {v}' for k, v in health.items() if k not in ('finite', 'healthy', 'reason'))

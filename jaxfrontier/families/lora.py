@@ -57,6 +57,10 @@ def check(section: Mapping[str, Any], family: Family, shape_of: Callable[[], Mod
     require(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, 'lora.rank', rank,
             'must be an integer >= 0', 'set 0 (no LoRA) or the adapters\' rank, e.g. 8')
     if rank == 0:
+        # Targets named (not the default, every one) choose adapters that rank 0 does not train: a forgotten rank.
+        require(section['targets'] == FIELDS['targets'], 'lora.targets', section['targets'], 'is set, but '
+                'lora.rank = 0 turns LoRA off: the whole model would be trained, no adapters',
+                'set lora.rank (e.g. 8) to train adapters on them, or leave lora.targets out for full fine-tuning')
         return
     alpha, dropout = section['alpha'], section['dropout']
     require(isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0, 'lora.alpha', alpha,
@@ -74,12 +78,17 @@ def check(section: Mapping[str, Any], family: Family, shape_of: Callable[[], Mod
     require(len(set(names)) == len(names), 'lora.targets', section['targets'], 'names a target twice',
             'name each target once')
     specs = {p.path: p for p in family.param_specs(shape_of())}
+    dense = _dense_targets(family, specs)
+    missing = [n for n in names if n not in dense]
+    experts = any('blocks/' + offered[n].weight in specs for n in missing)
+    kept = ','.join(n for n in names if n in dense) or ','.join(dense)
+    require(not missing, 'lora.targets', section['targets'], f'{",".join(missing)} match{"es" * (len(missing) == 1)} '
+            'no dense weight of this model ' + ('(its MLPs are mixture-of-experts experts, which take no LoRA '
+                                                'adapters)' if experts else '(no such weight under blocks/)'),
+            f'drop {",".join(missing)} from lora.targets (lora.targets={kept})')
     for name in names:
         t = offered[name]
-        spec = specs.get('blocks/' + t.weight)
-        require(spec is not None, 'lora.targets', section['targets'], f'{name!r} matches nothing in this model '
-                f'(no weight blocks/{t.weight}; LoRA on mixture-of-experts layers is not implemented)',
-                f'drop {name!r} from lora.targets')
+        spec = specs['blocks/' + t.weight]
         smallest = min(_in_out(spec, t))
         require(rank <= smallest, 'lora.rank', rank, f'is larger than the {name!r} matrix allows ({t.weight}: '
                 f'{" x ".join(map(str, _in_out(spec, t)))}, rank at most {smallest})',
@@ -87,6 +96,13 @@ def check(section: Mapping[str, Any], family: Family, shape_of: Callable[[], Mod
     require(pipeline == 1, 'mesh.pipeline', pipeline, 'LoRA does not run in a pipeline (its executors '
             'differentiate every parameter of a chunk, a frozen base included)',
             'set mesh.pipeline=1 and shard the base with mesh.fsdp / mesh.tensor')
+
+
+def _dense_targets(family: Family, specs: Mapping[str, ParamSpec]) -> tuple[str, ...]:
+    """The family's targets whose weight this model has as a plain matrix per layer. A mixture-of-experts
+    layer's experts (blocks/mlp/w_gate [L, E, d, F], axis `experts`) take no adapters: not implemented."""
+    return tuple(t.name for t in family.lora_targets
+                 if (p := specs.get('blocks/' + t.weight)) is not None and 'experts' not in p.names)
 
 
 def resolve(section: Mapping[str, Any] | None, family: Family) -> Lora | None:

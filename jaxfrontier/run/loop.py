@@ -36,6 +36,7 @@ from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.data import dpo as dpo_data
 from jaxfrontier.data import loader as data_lib
 from jaxfrontier.errors import NonFiniteLossError
+from jaxfrontier.families import moe as moe_lib
 from jaxfrontier.model import packing as packing_lib
 from jaxfrontier.model import params as params_lib
 from jaxfrontier.run import after_step
@@ -333,7 +334,8 @@ def _services(c: ml_collections.ConfigDict, workdir: str, start: _Start, steps: 
     if spikes.enabled(c) and start.restored:
         skips = spikes.skips_in_meta(start.fast.restored_meta if start.from_fast else
                                      start.checkpointer.read_meta(start.step))
-    guard = spikes.SpikeGuard(t, workdir, skips)  # loss spikes: skip, roll back (training/spikes.py)
+    suspect = moe_lib.divergence_suspect(c.model)  # a divergence's suspect before the learning rate, or ''
+    guard = spikes.SpikeGuard(t, workdir, skips, suspect)  # loss spikes: skip, roll back (training/spikes.py)
     writer = metrics_lib.MetricsWriter(workdir, t.steps, enabled=process == 0, progress=t.progress,
                                        initial_step=start.step, sinks=sinks,
                                        moe_empty_warn_steps=t.moe_empty_warn_steps)
@@ -341,7 +343,7 @@ def _services(c: ml_collections.ConfigDict, workdir: str, start: _Start, steps: 
     sched = start.layout.pipeline_schedule
     reporter = report.Reporter(t, writer, jax.device_count(), seq_len=c.model.seq_len, dtype=c.model.dtype,
                                flops=config_lib.flops_per_step(c),
-                               bubble=None if sched is None else sched.bubble, first_row=first_row)
+                               bubble=None if sched is None else sched.bubble, first_row=first_row, suspect=suspect)
     watch = stragglers.Watch(t, workdir, ledger)
     reporter.extras = [ledger.metrics, watch.metrics]
     profiler = profile_lib.StepProfiler(t, workdir)

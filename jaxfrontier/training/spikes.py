@@ -192,9 +192,12 @@ class SpikeGuard:
     the loop's 0-based steps; messages and the record name metrics.jsonl's rows (step + 1).
     """
 
-    def __init__(self, t: ml_collections.ConfigDict, workdir: str, checkpoint_skips: list | None = None):
-        """`t`: the run's `train` section (spike_*); `checkpoint_skips`: the restored checkpoint's `data.skips`."""
+    def __init__(self, t: ml_collections.ConfigDict, workdir: str, checkpoint_skips: list | None = None,
+                 suspect: str = ''):
+        """`t`: the run's `train` section (spike_*); `checkpoint_skips`: the restored checkpoint's `data.skips`;
+        `suspect`: what to try before the learning rate when it stops (families/moe.divergence_suspect)."""
         self.t, self.on = t, bool(t.spike_skip)
+        self.first = f'first suspect {suspect}, then ' if suspect else ''
         self.record = SkipRecord(workdir, checkpoint_skips) if self.on else None
         self.recent: list[int] = []  # skipped steps within the window, oldest first
         self.seen = -1  # the newest step observed
@@ -262,7 +265,7 @@ class SpikeGuard:
         if made >= t.spike_max_rollbacks:
             raise errors.LossSpikeError(
                 f'{what} after {made} roll-back(s) (train.spike_max_rollbacks = {t.spike_max_rollbacks}); stopping. '
-                f'The skipped data is listed in {self.record.path}. Fix: lower the learning rate (e.g. '
+                f'The skipped data is listed in {self.record.path}. Fix: {self.first}lower the learning rate (e.g. '
                 '--config.optim.lr) or check the data at those steps, allow more roll-backs with '
                 '--config.train.spike_max_rollbacks, or widen the margin with --config.train.spike_sigmas.')
         checkpointer.wait()
@@ -274,9 +277,9 @@ class SpikeGuard:
         if back_to is None:
             raise errors.LossSpikeError(
                 f'{what}, and no healthy committed checkpoint at or before step {first} that was not rolled back to '
-                f'already (steps {", ".join(map(str, sorted(tried))) or "none"}); stopping. Fix: lower the learning '
-                'rate (e.g. --config.optim.lr) and rerun to resume from the newest healthy checkpoint, save more '
-                'often (--config.checkpoint.every_steps), or skip without rolling back '
+                f'already (steps {", ".join(map(str, sorted(tried))) or "none"}); stopping. Fix: {self.first}lower the '
+                'learning rate (e.g. --config.optim.lr) and rerun to resume from the newest healthy checkpoint, save '
+                'more often (--config.checkpoint.every_steps), or skip without rolling back '
                 '(--config.train.spike_rollback_after=0).')
         data_from = self.data_step(back_to)
         data_to = max(self.data_step(last) + 1, data_from + t.spike_skip_batches)

@@ -189,6 +189,10 @@ def test_peft_pair_is_the_adapters_of_a_torch_linear():
     (dict(alpha=0.0), 'config.lora.alpha = 0.0: must be a finite number > 0'),
     (dict(targets='q,q'), 'names a target twice'),
     (dict(pipeline=2), 'config.mesh.pipeline = 2: LoRA does not run in a pipeline'),
+    (dict(targets='q,gate,up', model=dict(LLAMA, moe_experts=4)),  # Mixtral: every MLP is experts
+     "config.lora.targets = 'q,gate,up': gate,up match no dense weight of this model (its MLPs are "
+     'mixture-of-experts experts, which take no LoRA adapters). Fix: drop gate,up from lora.targets (lora.targets=q)'),
+    (dict(rank=0), "config.lora.targets = 'q,v': is set, but lora.rank = 0 turns LoRA off"),
 ])
 def test_bad_lora_configs_are_one_line(lora, needle):
     lora = dict(lora)

@@ -226,12 +226,16 @@ class MetricsWriter:
 # --------------------------------------------------------------------------- NaN/Inf guard
 
 
-def check_finite(step: int, loss: Any) -> None:
-    """Raises errors.NonFiniteLossError if `loss` (a scalar, host or device) is NaN or Inf."""
+def check_finite(step: int, loss: Any, suspect: str = '') -> None:
+    """Raises errors.NonFiniteLossError if `loss` (a scalar, host or device) is NaN or Inf; `suspect`: what to
+    try before the learning rate (families/moe.divergence_suspect), '' for none."""
     value = float(loss)
     if not math.isfinite(value):
-        raise errors.NonFiniteLossError(
-            f'training loss is {value} at step {step}; stopping. Things to try: lower the learning '
-            f'rate (--config.optim.lr, or more --config.optim.warmup_steps); check the data (token '
+        first = f'first {suspect}; then ' if suspect else ''
+        error = errors.NonFiniteLossError(
+            f'training loss is {value} at step {step}; stopping. Things to try: {first}'
+            f'lower the learning rate (--config.optim.lr, or more --config.optim.warmup_steps); check the data (token '
             f'ids below model.vocab_size, no corrupt or empty token file); compute in float32 '
             f'(--config.model.dtype=float32) to rule out bfloat16/float16 overflow.')
+        error.suspect_named = bool(suspect)
+        raise error

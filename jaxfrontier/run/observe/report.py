@@ -41,8 +41,9 @@ class Reporter:
 
     def __init__(self, t: ml_collections.ConfigDict, writer: metrics_lib.MetricsWriter, n_devices: int, *,
                  seq_len: int, dtype: str, flops: tuple[float, float], bubble: float | None = None,
-                 first_row: dict[str, float] | None = None):
+                 first_row: dict[str, float] | None = None, suspect: str = ''):
         self.log_every, self.steps, self.writer, self.n_devices = t.log_every, t.steps, writer, n_devices
+        self.suspect = suspect  # of a non-finite loss, before the learning rate (families/moe.divergence_suspect)
         self.first_row = dict(first_row or {})
         self.model_flops, self.hw_flops = flops
         self.peak, self.peak_source = hardware.device_peak_flops(jax.devices()[0], dtype)
@@ -72,7 +73,7 @@ class Reporter:
         now = time.perf_counter()
         skipped = scalars.get('spike/skipped', 0.0) > 0
         if not skipped:
-            metrics_lib.check_finite(step, scalars['train/loss'])
+            metrics_lib.check_finite(step, scalars['train/loss'], self.suspect)
         self.writer.advance(step)
         due = last or step % self.log_every == 0 or step == self.steps or evals is not None or skipped
         if self.last_time is None:  # the first step's time includes start-up: not a rate
