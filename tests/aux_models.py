@@ -159,10 +159,15 @@ def run_with_aux(c):
 LAYOUT_ONLY = ('moe_dispatch_fallback',)
 
 
+def model_aux(aux):
+    """`aux` without the layout's own entries (LAYOUT_ONLY)."""
+    return {name: value for name, value in aux.items() if name not in LAYOUT_ONLY}
+
+
 def assert_aux_close(aux, ref_aux, what=''):
     """Every aux entry as one device's: the layers' values (loss terms at the loss's rtol); the layout's own
     entries (LAYOUT_ONLY) are left out."""
-    aux = {name: value for name, value in aux.items() if name not in LAYOUT_ONLY}
+    aux = model_aux(aux)
     assert sorted(aux) == sorted(ref_aux), (sorted(aux), sorted(ref_aux))
     for name in ref_aux:
         assert aux[name].shape == ref_aux[name].shape, (name, aux[name].shape, ref_aux[name].shape)
@@ -185,7 +190,7 @@ def check_layout_with_aux(c, ref):
     worst = lambda a, b: max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))  # noqa: E731
                              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     fallback = aux.get('moe_dispatch_fallback')
-    aux = {name: value for name, value in aux.items() if name not in LAYOUT_ONLY}
+    aux = model_aux(aux)
     diffs = {'loss_rel': abs(result[0] - ref_result[0]) / abs(ref_result[0]), 'grad': worst(result[1], ref_result[1]),
              'param': worst(without_key_bias(result[2]), without_key_bias(ref_result[2])), 'aux': worst(aux, ref_aux)}
     if fallback is not None:  # how often the dispatch's exact fallback ran (layers' mean at step 0)

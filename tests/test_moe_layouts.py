@@ -23,13 +23,16 @@ SKEWED = dict(MOE, moe_router='sigmoid', moe_router_bias=True, moe_bias_rate=0.0
 CAPACITY = dict(MOE, moe_dropless=False, moe_capacity_factor=0.75)
 FIRST_DENSE = dict(MOE, moe_first_dense=1, moe_shared_experts=1)
 MODELS = {'moe': MOE, 'skewed': SKEWED, 'capacity': CAPACITY, 'first_dense': FIRST_DENSE}
-# The dispatches (model/layers/moe_dispatch.py): each model with a dispatch forced; `roomy` buffers never
-# overflow (moe_dispatch_buffer >= EP), `tight` ones overflow under skewed routing and take the exact fallback.
-DISPATCH_FIELDS = ('moe_dispatch', 'moe_dispatch_buffer')
-for _name, _model in list(MODELS.items()):
-    for _dispatch in ('all_to_all', 'ragged'):
-        MODELS[f'{_name}/{_dispatch}'] = dict(_model, moe_dispatch=_dispatch, moe_dispatch_buffer=8.0)
-        MODELS[f'{_name}/{_dispatch}/tight'] = dict(_model, moe_dispatch=_dispatch, moe_dispatch_buffer=1.0)
+# A dispatch forced on a model (model/layers/moe_dispatch.py): 'MODEL/DISPATCH' has roomy buffers that never
+# overflow (moe_dispatch_buffer >= EP), 'MODEL/DISPATCH/tight' tight ones that overflow under skewed routing and
+# take the exact fallback.
+
+
+def model_fields(name: str) -> dict:
+    base, *dispatch = name.split('/')
+    if not dispatch:
+        return MODELS[base]
+    return dict(MODELS[base], moe_dispatch=dispatch[0], moe_dispatch_buffer=1.0 if dispatch[1:] == ['tight'] else 8.0)
 
 
 @pytest.fixture
@@ -55,7 +58,7 @@ def check(model: str, accum: int = 1, layers: int = 2, **mesh):
     key = (base, accum, layers)
     if key not in _REFERENCES:  # one device on the same global batches: shared by every layout
         _REFERENCES[key] = aux_models.reference(make_config(accum=accum, layers=layers, **MODELS[base]))
-    return aux_models.check_layout_with_aux(make_config(accum=accum, layers=layers, **mesh, **MODELS[model]),
+    return aux_models.check_layout_with_aux(make_config(accum=accum, layers=layers, **mesh, **model_fields(model)),
                                             _REFERENCES[key])
 
 

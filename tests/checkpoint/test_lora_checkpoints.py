@@ -186,7 +186,7 @@ def test_merged_safetensors_export_starts_a_model_without_lora(run, tmp_path):
     out = str(tmp_path / 'merged.safetensors')
     names = safetensors_lib.export_params(run['workdir'], out)
     assert not any(lora_np.is_adapter(n) for n in names)
-    c = lora_config(run['base'], rank=0)
+    c = lora_config(run['base'], rank=0, targets=lora_np.FIELDS['targets'])  # no LoRA: the default targets
     c.checkpoint.init_params_from = out
     placement = target_lib.param_placement(c, mesh_lib.mesh_from_config(c))
     params = init_from.load_params(out, c, placement.target())

@@ -111,7 +111,7 @@ def test_compiled_expert_collectives_equal_the_plan(arg, remat, dropless):
     drop decisions' gathers too) and the expert weights' gradient all-reduce over `data` in the compiled HLO
     carry exactly the plan's bytes; the all-reduces over `tensor` (the experts' partial sums over the routed
     buffer) too, but for the router statistics' few bytes."""
-    c = tiny(arg, remat=remat, moe_dropless=dropless)
+    c = tiny(arg, remat=remat, moe_dropless=dropless, moe_dispatch='gather')
     compiled = compile_check.compile_on_cpu(c)
     plan, in_hlo, planned = planner.plan(c), {}, {}
     for x in compile_check.collectives(c, compiled):

@@ -1,10 +1,10 @@
 """How a MoE layer's assignments reach the devices holding their experts and come back (`model.moe_dispatch`).
 
-One function per dispatch behind one signature, `fn(owner, x_nd, experts_nk, gates_nk, valid_nk, s, ep,
-buffer) -> y_nd`: inside moe_parallel's map (manual over `expert`), this device's n tokens x [n, d],
-their k experts [n, k] (global ids) and gates, which assignments count (`valid_nk`: the capacity mode's
-kept ones), and the routed output of this device's tokens [n, d] in x's dtype. With EP = 1 every
-dispatch is the local one (no collective).
+`routed_output(owner, x_nd, experts_nk, gates_nk, valid_nk, s, ep, buffer)` is the one entry: inside
+moe_parallel's map (manual over `expert`), this device's n tokens x [n, d], their k experts [n, k]
+(global ids) and gates, which assignments count (`valid_nk`: the capacity mode's kept ones); it returns
+the routed output of this device's tokens [n, d] in x's dtype by one function per dispatch. With EP = 1
+every dispatch is the local one (no collective).
 
   gather      all-gather the expert group's tokens over `expert`, every device computes its experts'
               assignments of the whole group, a reduce-scatter returns each device's sum: 2 (EP - 1) n d
@@ -22,7 +22,7 @@ dispatch is the local one (no collective).
               counts (an all-gather of [EP, E] int32). A receive buffer that would overflow takes `gather`
               as above; at moe_dispatch_buffer >= EP it never does.
 
-`resolve` picks `auto`: ragged where EP > k (it moves k / EP of gather's bytes), gather otherwise (the
+`families.moe.resolve_dispatch` picks `auto`: ragged where EP > k (it moves k / EP of gather's bytes), gather otherwise (the
 same decision on every platform, so the CPU checks run the GPU's code around the collective).
 """
 
@@ -49,19 +49,19 @@ def routed_output(owner, x_nd, experts_nk, gates_nk, valid_nk, s: MoEShape, ep: 
     if ep == 1 or dispatch == 'gather':
         return gathered(owner, x_nd, experts_nk, gates_nk, valid_nk, s, ep, buffer), None
     sent = {'all_to_all': all_to_all, 'ragged': ragged_sent}[dispatch]
-    rows = send_buffer_rows(s, ep, x_nd.shape[0])
-    plan = _Plan(experts_nk, valid_nk, s, ep)
-    overflow = jax.lax.pmax(plan.overflows(rows, dispatch), EXPERT)
+    rows = send_buffer_rows(s, dispatch, ep, x_nd.shape[0])
+    plan = _Plan(experts_nk, valid_nk, s, ep, group_counts=dispatch == 'ragged')
+    overflow = jax.lax.pmax(plan.overflows(rows), EXPERT)
     y_nd = jax.lax.cond(overflow, lambda a: gathered(owner, *a, s, ep, buffer),
                         lambda a: sent(owner, *a, plan, s, ep, rows),
                         (x_nd, experts_nk, gates_nk, valid_nk))
     return y_nd, overflow.astype(jnp.float32)
 
 
-def send_buffer_rows(s: MoEShape, ep: int, n: int) -> int:
+def send_buffer_rows(s: MoEShape, dispatch: str, ep: int, n: int) -> int:
     """all_to_all: rows per peer; ragged: rows of the receive buffer (the module docstring)."""
     even = s.top_k * n
-    if resolve_dispatch(s, ep) == 'all_to_all':
+    if dispatch == 'all_to_all':
         return min(even, max(1, math.ceil(s.dispatch_buffer * even / ep)))
     return min(ep * even, max(1, math.ceil(s.dispatch_buffer * even)))
 
@@ -117,26 +117,29 @@ def gathered(owner, x_nd, experts_nk, gates_nk, valid_nk, s: MoEShape, ep: int, 
 
 
 class _Plan:
-    """This device's assignments sorted by global expert (the invalid ones last) and the group's counts."""
+    """This device's assignments sorted by global expert (the invalid ones last), the rows it sends each peer,
+    and with `group_counts` (ragged: its offsets need them) every device's counts per expert."""
 
-    def __init__(self, experts_nk, valid_nk, s: MoEShape, ep: int):
-        e, self.ep, self.local = s.experts, ep, s.experts // ep
+    def __init__(self, experts_nk, valid_nk, s: MoEShape, ep: int, group_counts: bool):
+        e, self.local = s.experts, s.experts // ep
         expert_r = jnp.where(valid_nk, experts_nk, e).reshape(-1)  # e: not sent
         self.order_r = jnp.argsort(expert_r, stable=True)
         self.expert_sorted_r = expert_r[self.order_r]
         counts_e = jnp.sum(jax.nn.one_hot(expert_r, e, dtype=jnp.int32), axis=0)  # the invalid ones: no column
-        self.counts_se = jax.lax.all_gather(counts_e, EXPERT)  # [EP sources, E]
-        self.pairs_sd = jnp.sum(self.counts_se.reshape(ep, ep, self.local), axis=-1)  # rows source -> destination
         self.me = jax.lax.axis_index(EXPERT)
-        self.send_d = self.pairs_sd[self.me]
+        self.send_d = jnp.sum(counts_e.reshape(ep, self.local), axis=-1)
         self.send_offsets_d = jnp.cumsum(self.send_d) - self.send_d
+        self.counts_se = self.pairs_sd = None
+        if group_counts:
+            self.counts_se = jax.lax.all_gather(counts_e, EXPERT)  # [EP sources, E]
+            self.pairs_sd = jnp.sum(self.counts_se.reshape(ep, ep, self.local), axis=-1)  # rows source -> destination
 
-    def overflows(self, rows: int, dispatch: str) -> jax.Array:
-        """Whether this device would overflow its buffer: a peer's rows past `rows` (all_to_all), or more
-        than `rows` received (ragged)."""
-        if dispatch == 'all_to_all':
-            return jnp.any(self.send_d > rows)
-        return jnp.sum(self.pairs_sd[:, self.me]) > rows
+    def overflows(self, rows: int) -> jax.Array:
+        """Whether this device would overflow its buffer: more than `rows` received (ragged, with the group's
+        counts), or a peer's rows past `rows` (all_to_all)."""
+        if self.pairs_sd is not None:
+            return jnp.sum(self.pairs_sd[:, self.me]) > rows
+        return jnp.any(self.send_d > rows)
 
     def received_expert(self, rows: int) -> jax.Array:
         """The local expert of each row of the ragged receive buffer (sources in order, each source's rows
@@ -158,11 +161,11 @@ def _local_experts(owner, recv_md, expert_m, local: int):
 def all_to_all(owner, x_nd, experts_nk, gates_nk, valid_nk, plan: _Plan, s: MoEShape, ep: int, rows: int):
     """Per-peer buffers of `rows` rows, one all_to_all each way (the module docstring); never overflows here."""
     k, r = s.top_k, plan.order_r.shape[0]
-    dest_r = jnp.minimum(plan.expert_sorted_r // plan.local, ep)  # ep: not sent
+    dest_r = plan.expert_sorted_r // plan.local  # ep (the sentinel expert E): not sent
     sent_r = dest_r < ep
     slot_r = jnp.arange(r) - plan.send_offsets_d[jnp.minimum(dest_r, ep - 1)]
     x_rd = x_nd[plan.order_r // k]
-    where = (jnp.where(sent_r, dest_r, ep), slot_r)  # out of range: dropped by the scatter
+    where = (dest_r, slot_r)  # the unsent rows' destination ep is out of range: dropped by the scatter
     send_pmd = jnp.zeros((ep, rows, x_nd.shape[1]), x_nd.dtype).at[where].set(x_rd, mode='drop')
     ids_pm = jnp.full((ep, rows), plan.local, jnp.int32).at[where].set(
         plan.expert_sorted_r - dest_r * plan.local, mode='drop')
