@@ -11,11 +11,13 @@
 
 Issue 48: a token file's header named its tokenizer anywhere (`"tokenizer": "/abs/secret"`, `"../secret"`, a link
 out of the directory) and an HF export copied that file as tokenizer.json; an LM or SFT run on a file of DPO pairs
-trained on the chosen and the rejected answers alike (a file's kind must match train.objective).
+trained on the chosen and the rejected answers alike (a file's kind must match train.objective); --mode=eval
+scored the perplexity of a pairs file (now the same check: the kinds its run's objective reads).
 """
 
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from jaxfrontier.checkpoint.interop import hf as hf_export
 from jaxfrontier.data import corpus, dpo, loader, token_files
 from jaxfrontier.data.corpus import FlagError
 from jaxfrontier.errors import ConfigError, UserError
+from jaxfrontier.inference import evaluate, evaluate_dpo
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.inference import text as text_lib
 import processes
@@ -281,3 +284,61 @@ def test_cli_lm_run_on_dpo_pairs_is_one_line(tmp_path):
                                     '--config.data.kind=tokens', f'--workdir={tmp_path / "w"}'))
     assert f'config.data.path = {pairs!r}' in line and '(kind dpo)' in line and 'train.objective=dpo' in line, line
     assert not (tmp_path / 'w').exists()
+
+
+# --------------------------------------------------------------------------- --mode=eval reads the kinds its run reads
+
+LM_ON_PAIRS = (": holds preference pairs of prepare --dpo, row 2i chosen and 2i + 1 rejected (kind dpo), which a run "
+               "of train.objective='lm' does not score: its perplexity would score every row as text, the chosen "
+               "and the rejected answers alike. Fix: pass --eval_path=FILE.bin of text or conversations (python -m "
+               "jaxfrontier.prepare, --sft for conversations), or evaluate it with the --workdir of a "
+               "train.objective=dpo run.")
+
+
+eval_range, eval_pairs = evaluate._range, evaluate_dpo._pairs  # pylint: disable=protected-access
+
+
+def loaded_run(objective, **data):
+    """What evaluate takes of a loaded run (inference/load.Loaded): its config and saved config; no model."""
+    c = kind_config(objective, **data)
+    return types.SimpleNamespace(config=c, run_config=c.to_dict())
+
+
+@pytest.mark.parametrize('source', ['eval_path', 'val_path', 'path'])
+def test_eval_of_an_lm_run_on_dpo_pairs_is_one_line(tmp_path, source):
+    pairs, plain = kind_file(tmp_path, 'dpo'), kind_file(tmp_path, 'plain')
+    data = {'path': pairs if source == 'path' else plain, 'val_path': pairs if source == 'val_path' else ''}
+    with pytest.raises(UserError) as e:
+        eval_range(loaded_run('lm', **data), pairs if source == 'eval_path' else '', str(tmp_path))
+    where = f'--eval_path={pairs}' if source == 'eval_path' else f"the run's data.{source} {pairs}"
+    assert str(e.value) == f'{where}{LM_ON_PAIRS}'
+
+
+@pytest.mark.parametrize('kind,source', [('sft', 'eval_path'), ('plain', 'val_path')])
+def test_eval_of_a_dpo_run_on_other_files_is_one_line(tmp_path, kind, source):
+    wrong, pairs = kind_file(tmp_path, kind), kind_file(tmp_path, 'dpo')
+    loaded = loaded_run('dpo', path=pairs, val_path=wrong if source == 'val_path' else pairs)
+    with pytest.raises(UserError) as e:
+        eval_pairs(loaded, wrong if source == 'eval_path' else '')
+    where = f'--eval_path={wrong}' if source == 'eval_path' else f"the run's data.val_path {wrong}"
+    assert str(e.value) == (
+        f"{where}: holds {token_files.KINDS[kind]} (kind {kind}), which a run of train.objective='dpo' does not "
+        'score. Fix: pass --eval_path=FILE.bin of preference pairs (python -m jaxfrontier.prepare --dpo), or '
+        'evaluate it with the --workdir of a train.objective=lm run.')
+
+
+def test_eval_reads_the_kinds_its_run_reads(tmp_path):
+    for kind in ('plain', 'sft'):
+        path = kind_file(tmp_path, kind)
+        assert eval_range(loaded_run('lm', path=path), path, str(tmp_path))[:3] == (path, 0, 64 * 2 * 33)
+    pairs = kind_file(tmp_path, 'dpo')
+    path, rows = eval_pairs(loaded_run('dpo', path=pairs, val_path=pairs), '')
+    assert path == pairs and rows.shape == (128, 33)
+
+
+@pytest.mark.slow  # loads a model before the path is read
+def test_cli_eval_of_dpo_pairs_is_one_line(tmp_path):
+    params, pairs = write_params(tmp_path / 'p.safetensors', tiny_config()), kind_file(tmp_path, 'dpo')
+    proc = run('main', *processes.TINY, '--config.model.num_heads=2', '--mode=eval', f'--eval_path={pairs}',
+               f'--config.checkpoint.init_params_from={params}', f'--workdir={tmp_path / "w"}')
+    assert proc.returncode == 2 and processes.error_line(proc) == f'error: --eval_path={pairs}{LM_ON_PAIRS}'

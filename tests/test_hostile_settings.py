@@ -1,7 +1,8 @@
 """Issue 48, items 5 and 7: settings that were taken silently or failed late, now one line (exit 2) before work.
 
 - a resume that changes how a mixture-of-experts model routes (top-k, router, renormalisation, routed
-  scale, dropless): refused like an optimizer switch (checkpoint/format.check_routing_matches);
+  scale, dropless, node-limited groups): refused like an optimizer switch (checkpoint/format.check_routing_matches),
+  through a checkpoint and directly; a resume with another dispatch (moe_dispatch, its buffer) is allowed;
 - model.moe_bias_rate above 0.1 and model.moe_capacity_factor above experts / top_k (families/moe.py);
 - a divergence of a model whose router bias moves names model.moe_bias_rate before the learning rate;
 - --search_devices outside 0..2^20; get_config() returning a FrozenConfigDict or a ConfigDict that is not
@@ -18,6 +19,7 @@ import sys
 import pytest
 
 from jaxfrontier import config as config_lib
+from jaxfrontier.checkpoint import format as format_lib
 from jaxfrontier.checkpoint import manager as ckpt_lib
 from jaxfrontier.errors import ConfigError, LossSpikeError, NonFiniteLossError
 from jaxfrontier.families import moe as moe_lib
@@ -52,15 +54,66 @@ def moe_checkpoint(tmp_path_factory):
     return workdir
 
 
-@pytest.mark.parametrize('field,value', [('moe_top_k', 1), ('moe_router', 'sigmoid'), ('moe_norm_topk', False),
-                                         ('moe_routed_scale', 2.5), ('moe_dropless', False)])
-def test_resuming_with_other_routing_is_refused(moe_checkpoint, field, value):
-    other = moe_config(**{field: value})
+@pytest.mark.parametrize('changes', [dict(moe_top_k=1), dict(moe_router='sigmoid'), dict(moe_norm_topk=False),
+                                     dict(moe_routed_scale=2.5), dict(moe_dropless=False),
+                                     dict(moe_groups=2, moe_topk_groups=1)])
+def test_resuming_with_other_routing_is_refused(moe_checkpoint, changes):
+    field, other = next(iter(changes)), moe_config(**changes)
     with pytest.raises(ConfigError) as e:
         ckpt_lib.Checkpointer(other, moe_checkpoint).restore(target_of(layout_for(other)))
     message, saved = str(e.value), moe_config().model[field]
     assert f'model.{field}' in message and repr(saved) in message and '\n' not in message, message
     assert f'--config.model.{field}={saved}' in message and 'init_params_from' in message, message
+
+
+def test_resuming_with_another_dispatch_is_allowed(moe_checkpoint):
+    """moe_dispatch and its buffer move the same assignments otherwise: not routing, a resume may change them."""
+    assert not {'moe_dispatch', 'moe_dispatch_buffer'} & set(moe_lib.ROUTING_FIELDS + moe_lib.SHAPE_FIELDS)
+    other = moe_config(moe_dispatch='all_to_all', moe_dispatch_buffer=3.0)
+    state = ckpt_lib.Checkpointer(other, moe_checkpoint).restore(target_of(layout_for(other)))
+    assert state is not None
+
+
+# Each routing field changed on resume (the fast tier's direct check: no checkpoint written, nothing compiled):
+# (saved, resumed with), the first key of the second the field named.
+ROUTING_CHANGES = [
+    (dict(), dict(moe_top_k=1)),
+    (dict(), dict(moe_router='sigmoid')),
+    (dict(), dict(moe_norm_topk=False)),
+    (dict(), dict(moe_routed_scale=2.5)),
+    (dict(), dict(moe_dropless=False)),
+    (dict(), dict(moe_groups=2, moe_topk_groups=1)),
+    (dict(moe_groups=2, moe_topk_groups=2), dict(moe_topk_groups=1, moe_groups=2)),
+]
+
+
+def test_every_routing_field_has_a_case():
+    assert {next(iter(ours)) for _, ours in ROUTING_CHANGES} == set(moe_lib.ROUTING_FIELDS)
+
+
+@pytest.mark.parametrize('saved,ours', ROUTING_CHANGES, ids=[next(iter(o)) for _, o in ROUTING_CHANGES])
+def test_routing_check_names_the_field_the_saved_value_and_the_fix(saved, ours):
+    field, theirs = next(iter(ours)), moe_config(**saved).model[next(iter(ours))]
+    with pytest.raises(ConfigError) as e:
+        format_lib.check_routing_matches(moe_config(**saved).to_dict(), moe_config(**ours), 'W/2')
+    assert str(e.value) == (
+        f'config.model.{field} = {ours[field]!r}: the checkpoint W/2 was trained routing with model.{field} = '
+        f'{theirs!r} (its router and experts were trained for it). Fix: set --config.model.{field}={theirs} to '
+        'resume it, or change it as a fine-tune: a new --workdir with --config.checkpoint.init_params_from=W/2')
+
+
+def test_routing_check_reads_fields_a_checkpoint_predates_as_they_were_and_skips_the_dispatch():
+    old = moe_config().to_dict()
+    for field in ('moe_groups', 'moe_topk_groups', 'moe_dropless'):  # saved before the fields existed
+        del old['model'][field]
+    format_lib.check_routing_matches(old, moe_config(moe_dropless=False), 'W/2')  # not checked
+    format_lib.check_routing_matches(old, moe_config(), 'W/2')  # groups off, as they were before they existed
+    with pytest.raises(ConfigError, match='trained routing with model.moe_groups = 0'):
+        format_lib.check_routing_matches(old, moe_config(moe_groups=2, moe_topk_groups=1), 'W/2')
+    saved = moe_config(moe_dispatch='gather', moe_dispatch_buffer=2.0).to_dict()
+    other = moe_config(moe_dispatch='ragged', moe_dispatch_buffer=4.0)
+    format_lib.check_routing_matches(saved, other, 'W/2')
+    format_lib.check_model_matches(saved, other, 'W/2', 'use a new --workdir')
 
 
 @pytest.mark.parametrize('fields,needle', [

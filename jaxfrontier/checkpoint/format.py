@@ -107,18 +107,18 @@ def check_optimizer_matches(saved: dict[str, Any], c: ml_collections.ConfigDict,
 
 def check_routing_matches(saved: dict[str, Any], c: ml_collections.ConfigDict, where: str) -> None:
     """Raises ConfigError when a mixture-of-experts `c` routes tokens otherwise than `saved` trained with
-    (families/moe.ROUTING_FIELDS: top-k, router, renormalisation, routed scale, dropless).
+    (families/moe.ROUTING_FIELDS: top-k, router, renormalisation, routed scale, dropless, node-limited groups).
 
     Refused as an optimizer switch is: the router and the experts were trained for those values, so a
     silent change on resume is a different model mid-run. A deliberate change is a fine-tune: a new
     workdir with checkpoint.init_params_from. A field the checkpoint lacks (saved before it existed) is
-    not checked.
+    not checked. The dispatch (model.moe_dispatch, its buffer) is not routing: it may change on resume.
     """
     model = saved.get('model', {}) if isinstance(saved.get('model'), dict) else {}
     if not (moe_lib.on(model) and moe_lib.on(c.model)):
         return  # dense on either side: check_model_matches names model.moe_experts
     for field in moe_lib.ROUTING_FIELDS:
-        theirs, ours = model.get(field), c.model[field]
+        theirs, ours = model.get(field, moe_lib.ROUTING_BEFORE.get(field)), c.model[field]
         if theirs is not None and theirs != ours:
             raise ConfigError(
                 f'model.{field}', ours, f'the checkpoint {where} was trained routing with model.{field} = {theirs!r} '

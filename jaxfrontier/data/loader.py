@@ -24,7 +24,7 @@ from jaxfrontier.data.builtin import BYTE_VOCAB, builtin_corpus
 from jaxfrontier.data.sources import TRAIN, VAL, Source, SyntheticSource, TokenSource
 from jaxfrontier.data.token_files import (KINDS, OBJECTIVE_KINDS, TokenFile, file_kind, open_token_file, read_header,
                                           run_token_path, token_paths, tokenizer_path)
-from jaxfrontier.errors import ConfigError
+from jaxfrontier.errors import ConfigError, UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,28 +270,59 @@ def check_data(c: ml_collections.ConfigDict) -> None:
 
 
 # What each train.objective wants, for the fix; what reading a kind it does not read would do, where that is worse
-# than a refusal.
+# than a refusal. _SCORES, _SCORING: the same for --mode=eval of a run of that objective (check_scored_kind).
 _WANTS = {'lm': 'a file of python -m jaxfrontier.prepare (--sft for conversations)',
           'dpo': 'preference pairs of python -m jaxfrontier.prepare --dpo (data.kind=tokens)'}
 _WOULD = {('lm', 'dpo'): ': it would train on every row as text, the chosen and the rejected answers alike'}
+_SCORES = {'lm': 'text or conversations (python -m jaxfrontier.prepare, --sft for conversations)',
+           'dpo': 'preference pairs (python -m jaxfrontier.prepare --dpo)'}
+_SCORING = {('lm', 'dpo'): ': its perplexity would score every row as text, the chosen and the rejected answers '
+                           'alike'}
+
+
+def kind_mismatch(header: dict[str, Any], objective: str) -> tuple[str, str] | None:
+    """(the file's kind, the objective that reads it) when `objective` does not read the kind of a token file
+    with `header` (token_files.file_kind, OBJECTIVE_KINDS), else None; an unknown objective is dpo.check_run's
+    to name."""
+    kind = file_kind(header)
+    if objective not in OBJECTIVE_KINDS or kind in OBJECTIVE_KINDS[objective]:
+        return None
+    return kind, next(o for o, kinds in OBJECTIVE_KINDS.items() if kind in kinds)
 
 
 def check_kind(field: str, value: str, path: str, header: dict[str, Any], objective: str) -> None:
     """The kind of the token file at `path` (token_files.file_kind of its header) must be one `objective` reads
-    (OBJECTIVE_KINDS); an unknown objective is dpo.check_run's to name.
+    (kind_mismatch).
 
     Raises:
       ConfigError: naming `field` (data.path, data.blend, data.val_path or data.kind), the file, its kind and
         the fix.
     """
-    kind = file_kind(header)
-    if objective not in OBJECTIVE_KINDS or kind in OBJECTIVE_KINDS[objective]:
+    mismatch = kind_mismatch(header, objective)
+    if mismatch is None:
         return
-    readers = [o for o, kinds in OBJECTIVE_KINDS.items() if kind in kinds]
+    kind, reader = mismatch
     raise ConfigError(field, value, f'{path} holds {KINDS[kind]} (kind {kind}), which train.objective={objective!r} '
                       f'does not read{_WOULD.get((objective, kind), "")}',
-                      f'set train.objective={readers[0]} to train on it, or pass '
+                      f'set train.objective={reader} to train on it, or pass '
                       f'{_WANTS.get(objective, "a file it reads")}')
+
+
+def check_scored_kind(where: str, header: dict[str, Any], objective: str) -> None:
+    """check_kind for --mode=eval (inference/evaluate.py): the file `where` names (its flag or the run's field and
+    its path) must be of a kind a run of `objective` (the run's saved train.objective) reads.
+
+    Raises:
+      UserError: one line naming the file, its kind and the fix.
+    """
+    mismatch = kind_mismatch(header, objective)
+    if mismatch is None:
+        return
+    kind, reader = mismatch
+    raise UserError(f'{where}: holds {KINDS[kind]} (kind {kind}), which a run of train.objective={objective!r} does '
+                    f'not score{_SCORING.get((objective, kind), "")}. Fix: pass --eval_path=FILE.bin of '
+                    f'{_SCORES.get(objective, "a file it reads")}, or evaluate it with the --workdir of a '
+                    f'train.objective={reader} run.')
 
 
 def val_entries(val_path: str) -> list[tuple[float, str]]:

@@ -88,13 +88,17 @@ def eval_path_error(e: ConfigError, eval_path: str) -> UserError:
     return UserError(f'--eval_path={eval_path}: {problem}')
 
 
-def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, int, int, object]:
+def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str, where: str = '') -> tuple[str, int, int, object]:
     """(token file, first token, stop, codec): --eval_path whole, else the run's data.val_path whole, else
-    its validation split."""
+    its validation split; each of a kind the run's train.objective reads (data/loader.check_scored_kind).
+
+    `where`: how a message names eval_path (default --eval_path=PATH)."""
     c, vocab = loaded.config, loaded.config.model.vocab_size
+    objective = loaded.run_config.get('train', {}).get('objective', 'lm')
     if eval_path:
         try:
             token_file = token_files.open_token_file(eval_path, vocab, seq_len=1)
+            data_lib.check_scored_kind(where or f'--eval_path={eval_path}', token_file.header, objective)
             return token_file.path, 0, token_file.num_tokens, text.token_file_codec(eval_path, vocab)
         except ConfigError as e:  # it names config.data.path: the file is --eval_path's here
             raise eval_path_error(e, eval_path) from None
@@ -104,7 +108,7 @@ def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, 
         if len(entries) > 1 or entries[0][1] != data['val_path']:
             raise UserError('the run evaluated on several held-out files (data.val_path is a blend). '
                             'Fix: pass --eval_path=FILE.bin to score one file whole.')
-        return _range(loaded, data['val_path'], workdir)
+        return _range(loaded, data['val_path'], workdir, f'the run\'s data.val_path {data["val_path"]}')
     if data.get('kind') == 'builtin':
         path = builtin.builtin_corpus(data_lib.builtin_cache_dir(data, workdir))  # where the run cached it
     elif data.get('kind') == 'tokens' and data.get('blend'):
@@ -115,6 +119,7 @@ def _range(loaded: load_lib.Loaded, eval_path: str, workdir: str) -> tuple[str, 
     else:
         raise UserError('the run has no token file to take a validation split from. Fix: pass --eval_path=FILE.bin.')
     token_file = token_files.open_token_file(path, vocab, seq_len=c.model.seq_len)
+    data_lib.check_scored_kind(f'the run\'s data.path {path}', token_file.header, objective)
     start = token_file.num_tokens - int(token_file.num_tokens * data.get('val_fraction', c.data.val_fraction))
     return token_file.path, start, token_file.num_tokens, text.run_codec(data, vocab)
 

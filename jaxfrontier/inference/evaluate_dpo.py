@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding
 from jaxfrontier import mesh as mesh_lib
 from jaxfrontier.checkpoint.interop import init_from
 from jaxfrontier.data import dpo as dpo_data
+from jaxfrontier.data import loader as data_lib
+from jaxfrontier.data import token_files
 from jaxfrontier.errors import ConfigError, FlagError, UserError
 from jaxfrontier.inference import load as load_lib
 from jaxfrontier.model import packing as packing_lib
@@ -39,6 +41,8 @@ def _pairs(loaded: load_lib.Loaded, eval_path: str) -> tuple[str, np.ndarray]:
                         '(python -m jaxfrontier.prepare --dpo).')
     where = f'--eval_path={path}' if eval_path else f'the run\'s data.val_path {path}'
     try:
+        data_lib.check_scored_kind(where, token_files.open_token_file(path, loaded.config.model.vocab_size).header,
+                                   'dpo')
         rows = dpo_data.read_rows(path, loaded.config.model.vocab_size)
     except (ConfigError, FlagError) as e:  # it names data.path: the file is --eval_path's or data.val_path's here
         raise UserError(f'{where}: {str(e).split(": ", 1)[-1]}') from None
