@@ -293,6 +293,27 @@ def axis_level(mesh_shape: dict[str, int], axes: tuple[str, ...], hw: Hardware) 
     return 'network'
 
 
+def peer_shares(mesh_shape: dict[str, int], axes: tuple[str, ...], hw: Hardware) -> dict[str, float]:
+    """For an all-to-all over `axes`: the share of a device's peers (the group's other members) at each link
+    level, 'package' (the same package), 'node' (the same node, another package) and 'network', averaged
+    over the groups (devices numbered as in `axis_level`). What an even all-to-all sends a peer crosses
+    that peer's level; the shares sum to 1 (empty for a group of one)."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    group = math.prod(mesh_shape[a] for a in axes)
+    if group <= 1:
+        return {}
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    inside = [names.index(a) for a in axes]
+    outside = [i for i in range(len(names)) if i not in inside]
+    groups = ids.transpose(outside + inside).reshape(-1, group)
+    package = groups[:, :, None] // hw.devices_per_package == groups[:, None, :] // hw.devices_per_package
+    node = groups[:, :, None] // hw.devices_per_node == groups[:, None, :] // hw.devices_per_node
+    pairs = groups.shape[0] * group * (group - 1)
+    same_package = (package.sum() - groups.shape[0] * group) / pairs  # less each device with itself
+    same_node = (node & ~package).sum() / pairs
+    return {'package': float(same_package), 'node': float(same_node), 'network': float(1 - same_package - same_node)}
+
+
 def link_bytes_per_s(hw: Hardware, level: str) -> float:
     """Per-device bandwidth of a level; 'local' (no communication) is infinite."""
     return math.inf if level == 'local' else hw.link_bytes_per_s[level]

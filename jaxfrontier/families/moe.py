@@ -62,7 +62,10 @@ DISPATCHES = ('auto', 'gather', 'all_to_all', 'ragged')
 SHAPE_FIELDS = ('moe_experts', 'moe_mlp_dim', 'moe_shared_experts', 'moe_first_dense', 'moe_router_bias')
 # Fields that decide which experts a token goes to and with what weight: a checkpoint's router and experts
 # were trained for its values, so a resume with others is refused (checkpoint/format.check_routing_matches).
-ROUTING_FIELDS = ('moe_top_k', 'moe_router', 'moe_norm_topk', 'moe_routed_scale', 'moe_dropless')
+# Not moe_dispatch or moe_dispatch_buffer: they move the same assignments otherwise (the same numbers).
+ROUTING_FIELDS = ('moe_top_k', 'moe_router', 'moe_norm_topk', 'moe_routed_scale', 'moe_dropless', 'moe_groups',
+                  'moe_topk_groups')
+ROUTING_BEFORE = {'moe_groups': 0, 'moe_topk_groups': 0}  # what a checkpoint saved before the field trained with
 # The router's scores (softmax probabilities, sigmoid scores) lie in [0, 1] and the bias is added to them:
 # a rate above this (100 x DeepSeek-V3's 0.001) moves it by a tenth of that range every step.
 MAX_BIAS_RATE = 0.1
@@ -128,6 +131,16 @@ def resolve_dispatch(s: MoEShape, ep: int) -> str:
     if s.dispatch != 'auto':
         return s.dispatch
     return 'ragged' if ep > s.top_k else 'gather'
+
+
+def send_buffer_rows(s: MoEShape, dispatch: str, ep: int, n: int) -> int:
+    """The sent dispatch's buffer for `n` tokens a device (model/layers/moe_dispatch.py; the planner's too):
+    all_to_all, rows per peer (moe_dispatch_buffer x the even share k n / EP); ragged, rows of the receive
+    buffer (moe_dispatch_buffer x k n, at most the worst case EP k n)."""
+    even = s.top_k * n
+    if dispatch == 'all_to_all':
+        return min(even, max(1, math.ceil(s.dispatch_buffer * even / ep)))
+    return min(ep * even, max(1, math.ceil(s.dispatch_buffer * even)))
 
 
 def effective(m: Mapping[str, Any], dense_width: int) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class Transfer:
     """One kind of collective traffic of a step, per device."""
 
     what: str
-    kind: str  # all-reduce | all-gather | reduce-scatter | collective-permute
+    kind: str  # all-reduce | all-gather | reduce-scatter | collective-permute | all-to-all | ragged-all-to-all
     axes: tuple[str, ...]
     payload_bytes: float  # per device per step, summed over executions (hlo_collectives convention)
     count: float  # executions per step (per device, averaged over pipeline stages)
@@ -68,12 +68,21 @@ RING_HIDDEN_SHARE = 0.5
 
 _WIRE_FACTOR = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
                 'reduce-scatter': lambda n: (n - 1) / n, 'collective-permute': lambda n: 1.0}
+ALL_TO_ALL = ('all-to-all', 'ragged-all-to-all')  # each device sends (n - 1) / n of its buffer straight to its peers
 
 
-def wire_time_s(kind: str, payload_bytes: float, count: float, group: int, level: str, hw: hw_lib.Hardware) -> float:
-    """Ring-algorithm time of `count` collectives over `group` devices moving `payload_bytes` in all."""
+def wire_time_s(kind: str, payload_bytes: float, count: float, group: int, level: str, hw: hw_lib.Hardware,
+                shares: dict[str, float] | None = None) -> float:
+    """Time of `count` collectives over `group` devices moving `payload_bytes` in all: ring algorithms at the
+    slowest level's bandwidth; an all-to-all sends each peer its slice at that peer's level (`shares`:
+    hardware.peer_shares), the levels' links at once (the slowest level's bytes set the time)."""
     if group <= 1 or payload_bytes <= 0:
         return 0.0
+    if kind in ALL_TO_ALL:
+        sent = payload_bytes * (group - 1) / group
+        shares = shares or {level: 1.0}
+        wire = max(share * sent / hw_lib.link_bytes_per_s(hw, at) for at, share in shares.items() if share > 0)
+        return count * (group - 1) * hw.link_latency_s[level] + wire
     steps = 2 * (group - 1) if kind == 'all-reduce' else 1 if kind == 'collective-permute' else group - 1
     bandwidth = hw_lib.link_bytes_per_s(hw, level)
     return count * steps * hw.link_latency_s[level] + _WIRE_FACTOR[kind](group) * payload_bytes / bandwidth
@@ -84,6 +93,14 @@ def _level(mesh_items: tuple[tuple[str, int], ...], axes: tuple[str, ...], per_p
     hw = hw_lib.HARDWARE['mi250x']
     hw = dataclasses.replace(hw, devices_per_package=per_package, devices_per_node=per_node)
     return hw_lib.axis_level(dict(mesh_items), axes, hw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shares(mesh_items: tuple[tuple[str, int], ...], axes: tuple[str, ...], per_package: int, per_node: int
+            ) -> tuple[tuple[str, float], ...]:
+    hw = hw_lib.HARDWARE['mi250x']
+    hw = dataclasses.replace(hw, devices_per_package=per_package, devices_per_node=per_node)
+    return tuple(hw_lib.peer_shares(dict(mesh_items), axes, hw).items())
 
 
 @dataclasses.dataclass
@@ -260,6 +277,7 @@ class Traffic:
     per_micro_batch: bool
     group: int  # devices in one collective
     level: str
+    shares: tuple[tuple[str, float], ...] = ()  # all-to-all: the peers' share at each level (peer_shares)
 
 
 def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, ...]:
@@ -276,7 +294,8 @@ def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, 
     for (what, kind, axes, per_mb), (payload, count) in t.items.items():
         group = math.prod(layout.mesh_shape[a] for a in axes)
         level = _level(mesh_items, axes, hw.devices_per_package, hw.devices_per_node)
-        out.append(Traffic(what, kind, axes, payload, count, per_mb, group, level))
+        shares = _shares(mesh_items, axes, hw.devices_per_package, hw.devices_per_node) if kind in ALL_TO_ALL else ()
+        out.append(Traffic(what, kind, axes, payload, count, per_mb, group, level, shares))
     return tuple(out)
 
 
@@ -294,7 +313,7 @@ def timed(items: tuple[Traffic, ...], layout, hw: hw_lib.Hardware, compute_mb_s:
     compute_s = compute_mb_s * layout.accum_steps
     out = []
     for x in items:
-        time_s = wire_time_s(x.kind, x.payload_bytes, x.count, x.group, x.level, hw)
+        time_s = wire_time_s(x.kind, x.payload_bytes, x.count, x.group, x.level, hw, dict(x.shares))
         if x.what.startswith('ring attention'):
             # Each step's transfer overlaps the attention block computed on the chunk in hand (the
             # first, the local block): attention is most of a long-context layer. At least one

@@ -35,6 +35,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jaxfrontier import config as config_lib
 from jaxfrontier.config import axes as axes_lib
 from jaxfrontier.errors import ConfigError
+from jaxfrontier.families import moe as families_moe
 from jaxfrontier.plan import hlo_collectives
 from jaxfrontier import layout as layout_lib
 from jaxfrontier import mesh as mesh_lib
@@ -82,10 +83,30 @@ def pipeline_branch_weights(c: ml_collections.ConfigDict):
     return None if c.mesh.pipeline == 1 else pipeline.build_schedule(layout_lib.Layout.from_config(c)).hlo_weights
 
 
+def dispatch_branch_weights(c: ml_collections.ConfigDict):
+    """The sent MoE dispatch's `lax.cond` (model/layers/moe_dispatch.py, forward and backward): its branch 0,
+    the all_to_all or ragged path, runs; branch 1, the exact gather fallback for a buffer that would
+    overflow, counts 0 (its frequency is aux/moe_dispatch_fallback, and the plan charges the sent path).
+    None where nothing is sent (a dense model, EP 1, gather)."""
+    s = families_moe.shape_of(c.model, c.model.mlp_dim)
+    if s is None or c.mesh.expert <= 1 or families_moe.resolve_dispatch(s, c.mesh.expert) == 'gather':
+        return None
+    return lambda n: [1.0, 0.0] if n == 2 else [1.0] * n
+
+
+def branch_weights(c: ml_collections.ConfigDict):
+    """hlo_collectives branch weights of a train step: the pipeline's switches by the schedule (3, 5 or 7, 4
+    branches), the MoE dispatch's fallback (2 branches) at 0; None where neither is in the program."""
+    pipe, moe = pipeline_branch_weights(c), dispatch_branch_weights(c)
+    if pipe is None or moe is None:
+        return pipe or moe
+    return lambda n: moe(n) if n == 2 else pipe(n)
+
+
 def collectives(c: ml_collections.ConfigDict, compiled) -> list[hlo_collectives.Collective]:
-    """Collectives of a compiled train step (pipeline branches weighted by the schedule)."""
-    return hlo_collectives.collectives(compiled.as_text(), config_lib.mesh_shape(c),
-                                       branch_weights=pipeline_branch_weights(c))
+    """Collectives of a compiled train step (`branch_weights`: pipeline branches by the schedule, the MoE
+    dispatch's fallback not taken)."""
+    return hlo_collectives.collectives(compiled.as_text(), config_lib.mesh_shape(c), branch_weights=branch_weights(c))
 
 
 def cpu_copy(c: ml_collections.ConfigDict, max_devices: int = MAX_CPU_DEVICES) -> ml_collections.ConfigDict:

@@ -39,6 +39,7 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import families
 from jaxfrontier import layout as layout_lib
 from jaxfrontier.config import axes as axes_lib
+from jaxfrontier.families import moe as families_moe
 
 EXPERT = next(a.name for a in axes_lib.AXES if a.holds_experts)
 # Dropless: the busiest expert group's load over the even share, a stated assumption (a trained router
@@ -101,6 +102,18 @@ def buffer_factor(shape, layout) -> float:
     return min(ep * n * s.top_k, (s.experts // ep) * s.capacity(tokens)) / (n * s.top_k)
 
 
+def computed_rows(shape, layout) -> float:
+    """Rows a device's experts compute over per micro-batch (their compiled shape): gather's buffer
+    (`buffer_factor` x k n); all_to_all's EP per-peer buffers; ragged's receive buffer
+    (families/moe.send_buffer_rows). The sent dispatches' gather fallback is not counted (module docstring)."""
+    s, ep = of(shape), getattr(layout, EXPERT, 1)
+    n = layout.micro_batch * -(-shape.seq_len // layout.context)
+    how = dispatch(shape, layout)
+    if how in ('all_to_all', 'ragged'):
+        return families_moe.send_buffer_rows(s, how, ep, n) * (ep if how == 'all_to_all' else 1)
+    return buffer_factor(shape, layout) * s.top_k * n
+
+
 def imbalance(shape, layout) -> float:
     """The busiest device's routed work over the even share (time): the capacity factor with a capacity
     (no expert computes more), DROPLESS_IMBALANCE dropless; at most the buffer (`buffer_factor`)."""
@@ -126,21 +139,50 @@ def imbalanced(flops: float, shape, layout) -> float:
     return flops * (1.0 + share * (imbalance(shape, layout) - 1.0))
 
 
+def dispatch(shape, layout) -> str:
+    """The MoE layers' dispatch at this layout (model.moe_dispatch resolved: families/moe.resolve_dispatch);
+    '' for a dense model, 'local' without expert parallelism."""
+    s, ep = of(shape), getattr(layout, EXPERT, 1)
+    if s is None:
+        return ''
+    return 'local' if ep <= 1 else families_moe.resolve_dispatch(s, ep)
+
+
 def expert_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
-    """The expert axis's collectives of one step (module docstring), through `add(what, kind, axes, bytes, count)`."""
+    """The expert axis's collectives of one step by dispatch (the module docstring), through
+    `add(what, kind, axes, bytes, count)`; forward ones again under full recomputation."""
     s, ep = of(shape), getattr(layout, EXPERT, 1)
     if s is None or ep <= 1:
         return
     n = layout.micro_batch * -(-shape.seq_len // layout.context)  # this device's tokens of a micro-batch
-    rows, d, k = ep * n, shape.d_model, s.top_k
+    d, k, how = shape.d_model, s.top_k, dispatch(shape, layout)
     calls = layout.accum_steps * moe_layers(shape) / layout.pipeline
     forwards = calls * (2 if remat == 'full' else 1)
-    routing = rows * k * (4 + 4 + (0 if s.dropless else 1))  # expert ids, gates (and the kept mask)
-    add('MoE tokens gathered to the experts', 'all-gather', (EXPERT,), rows * d * dtype_bytes + routing, forwards)
-    add('MoE expert outputs returned', 'reduce-scatter', (EXPERT,), rows * d * 4, calls)
-    add('MoE backward: output gradient gathered', 'all-gather', (EXPERT,), rows * d * 4, calls)
-    add('MoE backward: token and gate gradients', 'reduce-scatter', (EXPERT,), rows * d * dtype_bytes + rows * k * 4,
-        calls)
+    if how == 'gather':
+        rows = ep * n
+        routing = rows * k * (4 + 4 + (0 if s.dropless else 1))  # expert ids, gates (and the kept mask)
+        add('MoE tokens gathered to the experts', 'all-gather', (EXPERT,), rows * d * dtype_bytes + routing, forwards)
+        add('MoE expert outputs returned', 'reduce-scatter', (EXPERT,), rows * d * 4, calls)
+        add('MoE backward: output gradient gathered', 'all-gather', (EXPERT,), rows * d * 4, calls)
+        add('MoE backward: token and gate gradients', 'reduce-scatter', (EXPERT,),
+            rows * d * dtype_bytes + rows * k * 4, calls)
+        return
+    add('MoE dispatch: overflow check', 'all-reduce', (EXPERT,), 1, forwards)  # a pmax of one pred
+    if how == 'all_to_all':
+        rows = ep * families_moe.send_buffer_rows(s, how, ep, n)  # per-peer buffers, the whole buffer
+        add('MoE all_to_all: tokens to the experts', 'all-to-all', (EXPERT,), rows * (d * dtype_bytes + 4), forwards)
+        add('MoE all_to_all: expert outputs back', 'all-to-all', (EXPERT,), rows * d * dtype_bytes, forwards)
+        add('MoE all_to_all backward: output and token gradients', 'all-to-all', (EXPERT,),
+            rows * d * dtype_bytes, 2 * calls)
+        return
+    # ragged: what the busiest device receives (each sends its k n assignments; `imbalance` x that lands on
+    # the busiest), counted as sent and received alike (the op's two directions have the same rows).
+    add('MoE ragged: expert counts gathered', 'all-gather', (EXPERT,), ep * s.experts * 4, forwards)
+    rows = imbalance(shape, layout) * k * n
+    add('MoE ragged: tokens to the experts', 'ragged-all-to-all', (EXPERT,), rows * d * dtype_bytes, forwards)
+    add('MoE ragged: expert outputs back', 'ragged-all-to-all', (EXPERT,), rows * d * dtype_bytes, forwards)
+    add('MoE ragged backward: output and token gradients', 'ragged-all-to-all', (EXPERT,),
+        rows * d * dtype_bytes, 2 * calls)
 
 
 def capacity_traffic(add, shape, layout, remat: str) -> None:
@@ -176,7 +218,7 @@ def tensor_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
     if s is None or layout.tensor <= 1:
         return
     n = layout.micro_batch * -(-shape.seq_len // layout.context)
-    rows_per_token = buffer_factor(shape, layout) * s.top_k
+    rows_per_token = computed_rows(shape, layout) / n
     calls = layout.accum_steps * moe_layers(shape) / layout.pipeline
     add("MoE experts' partial sums over the routed buffer", 'all-reduce', ('tensor',),
         n * shape.d_model * dtype_bytes, calls * ((4 if remat == 'full' else 3) * rows_per_token - 1))
@@ -217,6 +259,7 @@ class Summary:
     dropless: bool
     capacity_factor: float
     routed_share: float  # the routed experts' share of the layers' matmul FLOPs (even routing)
+    dispatch: str = 'local'  # `dispatch`: gather | all_to_all | ragged at EP > 1
 
 
 def summary(shape, layout, total: int) -> Summary | None:
@@ -225,7 +268,7 @@ def summary(shape, layout, total: int) -> Summary | None:
         return None
     return Summary(s.experts, s.top_k, getattr(layout, EXPERT, 1), total, active_params(shape, total),
                    maxtext_flops_per_token(shape, total), megatron_flops_per_token(shape), imbalance(shape, layout),
-                   s.dropless, s.capacity_factor, routed_flops_share(shape))
+                   s.dropless, s.capacity_factor, routed_flops_share(shape), dispatch(shape, layout))
 
 
 def format_lines(x: Summary | None, flops_model: float, tokens: float, compute_s: float) -> list[str]:
@@ -241,7 +284,8 @@ def format_lines(x: Summary | None, flops_model: float, tokens: float, compute_s
     else:
         mode = f'capacity factor {x.capacity_factor}'
     return [
-        f'mixture of experts: {x.experts} experts, top {x.top_k}, EP {x.expert_parallel}; '
+        f'mixture of experts: {x.experts} experts, top {x.top_k}, EP {x.expert_parallel}'
+        f'{f" ({x.dispatch} dispatch)" if x.expert_parallel > 1 else ""}; '
         f'{x.total_params / 1e9:,.2f} B total, {x.active_params / 1e9:,.2f} B active per token',
         f'  FLOPs per token (fwd + bwd): planned {flops_model / tokens / 1e9:,.2f} G; MaxText convention '
         f'{x.maxtext_flops_per_token / 1e9:,.2f} G; Megatron-LM {x.megatron_flops_per_token / 1e9:,.2f} G',

@@ -22,9 +22,11 @@ from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
 from jaxfrontier import layout as layout_lib
 from jaxfrontier.config import axes as axes_lib
+from jaxfrontier.plan import moe as plan_moe
 from jaxfrontier.plan import planner
 
 MICRO_BATCHES = (1, 2, 4, 8)
+DISPATCHES = ('gather', 'all_to_all', 'ragged')  # families/moe.DISPATCHES less auto
 VIRTUAL_STAGES = (2, 4)
 
 
@@ -118,6 +120,15 @@ def _time_layouts(c, batch: int, mesh: dict[str, int], zero1: bool, sequence_par
     return out
 
 
+def _dispatches(shape: config_lib.ModelShape, layout: layout_lib.Layout) -> list[config_lib.ModelShape]:
+    """The shape with each expert dispatch (model.moe_dispatch) where a layout sends tokens to other devices'
+    experts (a MoE model at EP > 1); otherwise the shape as it is."""
+    moe = getattr(shape, 'moe', None)
+    if moe is None or layout.expert <= 1:
+        return [shape]
+    return [dataclasses.replace(shape, moe=dataclasses.replace(moe, dispatch=d)) for d in DISPATCHES]
+
+
 def search(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi250x', num_devices: int = 0,
            top: int = 10) -> tuple[list[planner.Plan], int, int]:
     """The `top` layouts that fit, fastest first; also how many were planned and how many fit.
@@ -134,11 +145,11 @@ def search(c: ml_collections.ConfigDict, hardware: str | hw_lib.Hardware = 'mi25
     plans, planned = [], 0
     for layout in candidate_layouts(c, n, hw):
         shape = shapes.setdefault(layout.tensor, _shape_for(c, layout.tensor))
-        shape = dataclasses.replace(shape, remat=layout.remat)
-        p = planner.plan_layout(shape, layout, hw, rules=c.sharding.rules, name=f'{layout.num_devices} devices')
-        planned += 1
-        if p.fits:
-            plans.append(p)
+        for variant in _dispatches(dataclasses.replace(shape, remat=layout.remat), layout):
+            p = planner.plan_layout(variant, layout, hw, rules=c.sharding.rules, name=f'{layout.num_devices} devices')
+            planned += 1
+            if p.fits:
+                plans.append(p)
     plans.sort(key=lambda p: -p.time.tokens_per_s)
     return plans[:top], planned, len(plans)
 
@@ -147,7 +158,7 @@ def format_search(plans: list[planner.Plan], planned: int, fitting: int) -> str:
     """A table of the ranked layouts."""
     lines = [f'{planned} layouts planned, {fitting} fit; the fastest {len(plans)}:',
              f'{"#":>3s} {"TP":>3s} {"SP":>3s} {"CP":>3s} {"PP":>3s} {"data":>5s} {"fsdp":>5s} {"EP":>4s} {"Z1":>3s} {"mb":>3s} '
-             f'{"accum":>5s} '
+             f'{"accum":>5s} {"dispatch":<10s} '
              f'{"remat":<18s} {"schedule":<14s} {"GiB":>6s} {"step s":>8s} {"tokens/s":>10s} {"MFU":>6s} '
              f'{"HW TF/s":>8s} {"bubble":>7s}']
     for i, p in enumerate(plans, 1):
@@ -157,10 +168,16 @@ def format_search(plans: list[planner.Plan], planned: int, fitting: int) -> str:
         lines.append(f'{i:>3d} {lay.tensor:>3d} {"y" if lay.sequence_parallel else "-":>3s} {lay.context:>3d} '
                      f'{lay.pipeline:>3d} {lay.data:>5d} {lay.fsdp:>5d} {lay.expert:>4d} '
                      f'{"y" if lay.zero1 else "-":>3s} {lay.micro_batch:>3d} {lay.accum_steps:>5d} '
+                     f'{_dispatch_of(p):<10s} '
                      f'{lay.remat if lay.pipeline == 1 else "full (pipeline)":<18s} {sched:<14s} '
                      f'{p.memory.total_bytes / hw_lib.GIB:>6.1f} {t.step_s:>8.2f} {t.tokens_per_s:>10,.0f} '
                      f'{t.mfu:>6.1%} {t.megatron_tflops_per_device:>8.1f} {t.bubble_fraction:>7.1%}')
     return '\n'.join(lines)
+
+
+def _dispatch_of(p: planner.Plan) -> str:
+    """The plan's expert dispatch, '-' for a dense model or EP 1."""
+    return plan_moe.dispatch(p.shape, p.layout) if p.layout.expert > 1 and plan_moe.of(p.shape) else '-'
 
 
 def search_to_json(plans: list[planner.Plan], planned: int, fitting: int) -> dict[str, Any]:

@@ -2,18 +2,22 @@
 
 Exact: total and active parameters of the published shapes against their model cards; the two FLOP
 conventions by hand; the expert axis's traffic in closed form, the expert weights neither gathered nor
-reduced over `expert`; the search turning the expert axis. Against XLA (slow): the compiled collectives
-over `expert` (the core's all-gather / reduce-scatter dispatch, model/layers/moe_parallel.py) equal the
-plan's bytes at expert 4; `--mode=verify` certifies an expert-parallel layout against one device.
+reduced over `expert`; the search turning the expert axis and the dispatch. Against XLA (slow): the compiled
+collectives over `expert` equal the plan's bytes for gather (expert 4) and all_to_all (expert 2, 4, 8);
+the ragged dispatch lowered for cuda and rocm holds ragged_all_to_all with the plan's rows (fast: lowering
+only); `--mode=verify` certifies an expert-parallel layout against one device.
 """
 
 import importlib.util
 import os
+import re
 
 import pytest
 
 from jaxfrontier import config as config_lib
 from jaxfrontier import hardware as hw_lib
+from jaxfrontier import layout as layout_lib
+from jaxfrontier.families import moe as families_moe
 from jaxfrontier.plan import compile_check
 from jaxfrontier.plan import moe as plan_moe
 from jaxfrontier.plan import planner
@@ -104,22 +108,26 @@ def test_frontier_layouts_fit(size):
 
 
 @pytest.mark.slow  # one compile on 8 simulated devices each
-@pytest.mark.parametrize('arg, remat, dropless', [('expert=4,data=2', 'none', False),
-                                                   ('expert=2,tensor=2,data=2', 'full', True)])
-def test_compiled_expert_collectives_equal_the_plan(arg, remat, dropless):
-    """The all-gathers and reduce-scatters over `expert` (recomputed under full remat; with a capacity, the
-    drop decisions' gathers too) and the expert weights' gradient all-reduce over `data` in the compiled HLO
-    carry exactly the plan's bytes; the all-reduces over `tensor` (the experts' partial sums over the routed
-    buffer) too, but for the router statistics' few bytes."""
-    c = tiny(arg, remat=remat, moe_dropless=dropless, moe_dispatch='gather')
+@pytest.mark.parametrize('arg, dispatch, remat, dropless', [('expert=4,data=2', 'gather', 'none', False),
+                                                             ('expert=2,tensor=2,data=2', 'all_to_all', 'full', True),
+                                                             ('expert=4,data=2', 'all_to_all', 'none', False),
+                                                             ('expert=8', 'all_to_all', 'none', False)])
+def test_compiled_expert_collectives_equal_the_plan(arg, dispatch, remat, dropless):
+    """The expert axis's collectives in the compiled HLO carry exactly the plan's bytes, per dispatch: gather's
+    all-gathers and reduce-scatters (recomputed under full remat; with a capacity, the drop decisions' gathers
+    too), all_to_all's per-peer buffers each way (the exact gather fallback's branch not taken); the expert
+    weights' gradient all-reduce over `data`; the all-reduces over `tensor` (the experts' partial sums over
+    the routed buffer) too, but for the router statistics' few bytes."""
+    c = tiny(arg, remat=remat, moe_dropless=dropless, moe_dispatch=dispatch)
     compiled = compile_check.compile_on_cpu(c)
     plan, in_hlo, planned = planner.plan(c), {}, {}
     for x in compile_check.collectives(c, compiled):
         in_hlo[(x.kind, x.axes)] = in_hlo.get((x.kind, x.axes), 0) + x.total_bytes
     for t in plan.transfers:
         planned[(t.kind, t.axes)] = planned.get((t.kind, t.axes), 0) + t.payload_bytes
-    for key in [('all-gather', ('expert',)), ('reduce-scatter', ('expert',)), ('all-reduce', ('data',)),
-                ('all-gather', ('data',))]:
+    assert (dispatch == 'all_to_all') == (('all-to-all', ('expert',)) in in_hlo)
+    for key in [('all-gather', ('expert',)), ('reduce-scatter', ('expert',)), ('all-to-all', ('expert',)),
+                ('all-reduce', ('data',)), ('all-gather', ('data',))]:
         assert in_hlo.get(key, 0) == planned.get(key, 0), (key, in_hlo.get(key), planned.get(key))
     key = ('all-reduce', ('tensor',))
     assert abs(in_hlo.get(key, 0) - planned.get(key, 0)) <= 0.001 * in_hlo.get(key, 1), (in_hlo.get(key), planned.get(key))
@@ -140,3 +148,24 @@ def test_sweep_space_takes_the_expert_axis():
     points = space_lib.grid(space)
     meshes = [space_lib.point_config(tiny('data=8'), p, 8, ['expert'])[0].mesh for p in points]
     assert [(m.expert, m.data) for m in meshes] == [(2, 4), (4, 2)]
+
+
+@pytest.mark.parametrize('platform', ['cuda', 'rocm'])
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_ragged_dispatch_lowers_for_gpus_with_the_planned_buffers(platform, remat):
+    """The train step with `ragged` dispatch lowered for cuda and rocm from this CPU machine holds
+    ragged_all_to_all (XLA:CPU has none; the CPU runs the stand-in): per MoE layer body 2 forward (tokens
+    out, outputs back; again under full remat) and 2 backward, each sending a device's k n assignments
+    (the plan's even rows) into the receive buffer of families/moe.send_buffer_rows rows and back."""
+    c = tiny('expert=4,data=2', remat=remat, moe_dispatch='ragged')
+    text = compile_check.lower_abstract(c, platform).as_text()
+    ops = re.findall(r'custom_call @ragged_all_to_all\(.*? : \((tensor<[^>]*>), (tensor<[^>]*>),', text)
+    shape = config_lib.model_shape(c)
+    moe = shape.moe
+    n = c.model.seq_len * c.train.micro_batch
+    even = f'tensor<{moe.top_k * n}x{shape.d_model}xf32>'
+    buffer = f'tensor<{families_moe.send_buffer_rows(moe, "ragged", 4, n)}x{shape.d_model}xf32>'
+    assert sorted(ops) == sorted([(even, buffer), (buffer, even)] * (3 if remat == 'full' else 2)), ops
+    rows = plan_moe.imbalance(shape, layout_lib.Layout.from_config(c)) * moe.top_k * n
+    sent = {t.what: t.payload_bytes / t.count for t in planner.plan(c).transfers if t.kind == 'ragged-all-to-all'}
+    assert sent and all(v == rows * shape.d_model * 4 for v in sent.values()), sent

@@ -28,13 +28,11 @@ same decision on every platform, so the CPU checks run the GPU's code around the
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from jaxfrontier.config import axes as axes_lib
-from jaxfrontier.families.moe import MoEShape, resolve_dispatch
+from jaxfrontier.families.moe import MoEShape, resolve_dispatch, send_buffer_rows
 from jaxfrontier.model.layers import linear
 from jaxfrontier.model.layers import ragged
 
@@ -56,14 +54,6 @@ def routed_output(owner, x_nd, experts_nk, gates_nk, valid_nk, s: MoEShape, ep: 
                         lambda a: sent(owner, *a, plan, s, ep, rows),
                         (x_nd, experts_nk, gates_nk, valid_nk))
     return y_nd, overflow.astype(jnp.float32)
-
-
-def send_buffer_rows(s: MoEShape, dispatch: str, ep: int, n: int) -> int:
-    """all_to_all: rows per peer; ragged: rows of the receive buffer (the module docstring)."""
-    even = s.top_k * n
-    if dispatch == 'all_to_all':
-        return min(even, max(1, math.ceil(s.dispatch_buffer * even / ep)))
-    return min(ep * even, max(1, math.ceil(s.dispatch_buffer * even)))
 
 
 # --------------------------------------------------------------------------- the experts, locally
