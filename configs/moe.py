@@ -56,17 +56,18 @@ FRONTIER = {
     # Plan: 51.5 GiB per GCD, 42.8 s per step, 98,058 tokens/s, MFU 44.7 % (85.5 model TFLOP/s per GCD).
     'qwen3_30b_a3b': dict(tensor=1, pipeline=8, data=2, fsdp=2, expert=1, zero1=True, micro_batch=2, accum=128,
                           remat='full', schedule='interleaved', virtual=2),
-    # 256 GCDs (32 nodes): data 2 x fsdp 16 x expert 8, ZeRO-1, micro-batch 2 x 2, full remat.
-    # Plan: 53.3 GiB per GCD, 57.4 s per step, 73,063 tokens/s, MFU 24.9 % (47.7 model TFLOP/s per GCD).
+    # 256 GCDs (32 nodes): data 2 x fsdp 16 x expert 8, ZeRO-1, micro-batch 2 x 2, full remat, ragged dispatch
+    # (the search's pick at EP = k; auto would take gather, 24.9 %).
+    # Plan: 53.3 GiB per GCD, 56.5 s per step, 74,294 tokens/s, MFU 25.3 % (48.5 model TFLOP/s per GCD).
     'qwen3_235b_a22b': dict(tensor=1, pipeline=1, data=2, fsdp=16, expert=8, zero1=True, micro_batch=2, accum=2,
-                            remat='full'),
-    # 1,024 GCDs (128 nodes): data 2 x fsdp 16 x expert 32, ZeRO-1, micro-batch 1, full remat.
-    # Plan: 57.0 GiB per GCD, 91.1 s per step, 46,022 tokens/s, MFU 5.3 % (10.2 model TFLOP/s per GCD):
-    # 15.5 s of compute, 75.6 s of exposed communication, most of it the expert dispatch over the network
-    # (the core's all-gather of the expert group's tokens and reduce-scatter back: (EP - 1) n d per device and
-    # layer each way, docs/models.md).
+                            remat='full', dispatch='ragged'),
+    # 1,024 GCDs (128 nodes): data 2 x fsdp 16 x expert 32, ZeRO-1, micro-batch 1, full remat, ragged dispatch.
+    # Plan: 57.0 GiB per GCD, 42.8 s per step, 97,949 tokens/s, MFU 11.3 % (21.6 model TFLOP/s per GCD):
+    # 15.5 s of compute, 27.3 s of exposed communication over the network: 12.9 s the ragged dispatch (k n d
+    # per device and layer each way, 3/4 of it to other nodes at 12.5 GB/s per GCD), 11.0 s the fsdp gathers of
+    # the expert weights (docs/models.md). With gather (the all-gather of the group's tokens): 91.1 s, 5.3 %.
     'moe_1t': dict(tensor=1, pipeline=1, data=2, fsdp=16, expert=32, zero1=True, micro_batch=1, accum=1,
-                   remat='full'),
+                   remat='full', dispatch='ragged'),
 }
 
 
@@ -98,6 +99,7 @@ def get_config(arg=None):
         c.mesh.update(data=f['data'], fsdp=f['fsdp'], tensor=f['tensor'], pipeline=f['pipeline'],
                       expert=f['expert'])
         c.sharding.zero1, c.model.remat = f['zero1'], f['remat']
+        c.model.moe_dispatch = f.get('dispatch', 'auto')
         c.sharding.sequence_parallel = 'true' if f.get('sp') else 'false'
         c.pipeline.update(schedule=f.get('schedule', '1f1b'), virtual_stages=f.get('virtual', 1))
         a.micro_batch, a.accum = f['micro_batch'], f['accum']
