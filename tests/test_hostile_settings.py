@@ -117,6 +117,22 @@ def test_routing_check_reads_fields_a_checkpoint_predates_as_they_were_and_skips
 
 
 @pytest.mark.parametrize('fields,needle', [
+    (dict(moe_chunks=0), 'model.moe_chunks = 0: must be an integer from 1 to 64'),
+    (dict(moe_chunks=True), 'model.moe_chunks = True: must be an integer from 1 to 64'),
+    (dict(moe_chunks=65), 'model.moe_chunks = 65: must be an integer from 1 to 64'),
+    (dict(moe_chunks=2, moe_dispatch='gather'), "model.moe_chunks = 2: chunks the sent dispatches only, not "
+                                                "model.moe_dispatch = 'gather'"),
+    (dict(moe_chunks=48, moe_dispatch='ragged'), "model.moe_chunks = 48: must divide a device's 16 positions"),
+])
+def test_moe_chunks_are_checked(fields, needle):
+    """model.moe_chunks (the sent dispatch in chunks, model/layers/moe_dispatch.py): one line each."""
+    c = make_config(**{**MOE, **fields})
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(c)
+    assert needle in str(e.value) and 'Fix:' in str(e.value) and '\n' not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize('fields,needle', [
     (dict(BIASED, moe_bias_rate=0.5), 'model.moe_bias_rate = 0.5: moves the router bias by more than 0.1 a step'),
     (dict(moe_dropless=False, moe_capacity_factor=2.5), 'model.moe_capacity_factor = 2.5: exceeds experts / top_k '
                                                         '= 4 / 2 = 2'),

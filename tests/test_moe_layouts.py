@@ -25,14 +25,17 @@ FIRST_DENSE = dict(MOE, moe_first_dense=1, moe_shared_experts=1)
 MODELS = {'moe': MOE, 'skewed': SKEWED, 'capacity': CAPACITY, 'first_dense': FIRST_DENSE}
 # A dispatch forced on a model (model/layers/moe_dispatch.py): 'MODEL/DISPATCH' has roomy buffers that never
 # overflow (moe_dispatch_buffer >= EP), 'MODEL/DISPATCH/tight' tight ones that overflow under skewed routing and
-# take the exact fallback.
+# take the exact fallback, 'MODEL/DISPATCH/chunksN' a device's tokens in N chunks (model.moe_chunks).
 
 
 def model_fields(name: str) -> dict:
+    """'MODEL[/DISPATCH[/tight|/chunksN]]': tight, a buffer of the even share (the fallback runs); else 8x."""
     base, *dispatch = name.split('/')
     if not dispatch:
         return MODELS[base]
-    return dict(MODELS[base], moe_dispatch=dispatch[0], moe_dispatch_buffer=1.0 if dispatch[1:] == ['tight'] else 8.0)
+    option = dispatch[1] if dispatch[1:] else ''
+    return dict(MODELS[base], moe_dispatch=dispatch[0], moe_dispatch_buffer=1.0 if option == 'tight' else 8.0,
+                moe_chunks=int(option.removeprefix('chunks')) if option.startswith('chunks') else 1)
 
 
 @pytest.fixture
@@ -96,8 +99,8 @@ def test_layout_matrix_equals_one_device(skewed_init, model, accum, mesh):
 
 # Each dispatch on the axes it meets (roomy buffers), and the exact fallback (tight buffers, skewed routing).
 DISPATCH_LAYOUTS = [
-    ('moe/all_to_all', 1, dict(expert=4)), ('moe/ragged', 2, dict(expert=2, data=2)),
-    ('moe/ragged', 2, dict(expert=2, pipeline=2)), ('capacity/all_to_all', 1, dict(expert=2, context=2)),
+    ('moe/all_to_all', 1, dict(expert=4)), ('moe/ragged/chunks2', 2, dict(expert=2, data=2)),
+    ('moe/ragged', 2, dict(expert=2, pipeline=2)), ('capacity/all_to_all/chunks4', 1, dict(expert=2, context=2)),
     ('skewed/ragged/tight', 1, dict(expert=4)),
 ]
 

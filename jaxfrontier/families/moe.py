@@ -52,6 +52,10 @@ FIELDS = dict(
     # all_to_all: rows per peer, ragged: rows received, over the even share (x k N / EP, x k N); a device
     # that would overflow sends its layer through gather instead (exact, counted in aux/moe_dispatch_fallback).
     moe_dispatch_buffer=2.0,
+    # all_to_all and ragged: a device's tokens in this many chunks, each dispatched, computed and combined on
+    # its own, so that one chunk's transfers can run beside another's expert matmuls (XLA's scheduler on
+    # GPUs). The same numbers; 1: one dispatch a layer.
+    moe_chunks=1,
     # Node-limited routing (DeepSeek-V3's n_group / topk_group): the experts in moe_groups groups, a token's
     # k experts from its moe_topk_groups best groups (a group's score: the sum of its two best scores). 0: off.
     moe_groups=0,
@@ -69,6 +73,7 @@ ROUTING_BEFORE = {'moe_groups': 0, 'moe_topk_groups': 0}  # what a checkpoint sa
 # The router's scores (softmax probabilities, sigmoid scores) lie in [0, 1] and the bias is added to them:
 # a rate above this (100 x DeepSeek-V3's 0.001) moves it by a tenth of that range every step.
 MAX_BIAS_RATE = 0.1
+MAX_CHUNKS = 64  # model.moe_chunks: more only adds per-chunk latency
 MAX_SIZES = {'moe_experts': 2**16, 'moe_top_k': 2**16, 'moe_mlp_dim': 2**24, 'moe_shared_experts': 2**10,
              'moe_first_dense': 2**16}
 
@@ -93,6 +98,7 @@ class MoEShape:
     capacity_factor: float = 1.25
     dispatch: str = 'auto'
     dispatch_buffer: float = 2.0
+    chunks: int = 1  # model.moe_chunks
     groups: int = 0  # node-limited routing: n_group (0: off)
     topk_groups: int = 0
 
@@ -121,7 +127,8 @@ def shape_of(m: Mapping[str, Any], dense_width: int) -> MoEShape | None:
                     router_bias=bool(m['moe_router_bias']), bias_rate=float(m['moe_bias_rate']),
                     lb_coef=float(m['moe_lb_coef']), z_coef=float(m['moe_z_coef']), dropless=bool(m['moe_dropless']),
                     capacity_factor=float(m['moe_capacity_factor']), dispatch=m.get('moe_dispatch', 'auto'),
-                    dispatch_buffer=float(m.get('moe_dispatch_buffer', 2.0)), groups=m.get('moe_groups', 0),
+                    dispatch_buffer=float(m.get('moe_dispatch_buffer', 2.0)), chunks=m.get('moe_chunks', 1),
+                    groups=m.get('moe_groups', 0),
                     topk_groups=m.get('moe_topk_groups', 0))
 
 
@@ -204,6 +211,13 @@ def check_dispatch_and_groups(m: Mapping[str, Any], require: Callable[..., None]
             and math.isfinite(m.moe_dispatch_buffer) and m.moe_dispatch_buffer > 0, 'model.moe_dispatch_buffer',
             m.moe_dispatch_buffer, 'must be a finite number > 0 (the dispatch buffer over the even share)',
             'set e.g. 2.0; a device that would overflow it takes the gather dispatch for that layer')
+    chunks = m.moe_chunks
+    require(isinstance(chunks, int) and not isinstance(chunks, bool) and 1 <= chunks <= MAX_CHUNKS, 'model.moe_chunks',
+            chunks, f'must be an integer from 1 to {MAX_CHUNKS} (a device\'s tokens dispatched in that many chunks)',
+            'set 1 (one dispatch a layer) or e.g. 2 or 4 to overlap the chunks\' transfers with the experts')
+    require(chunks == 1 or m.moe_dispatch in ('all_to_all', 'ragged', 'auto'), 'model.moe_chunks', chunks,
+            f'chunks the sent dispatches only, not model.moe_dispatch = {m.moe_dispatch!r}',
+            'set model.moe_dispatch=ragged (or all_to_all), or model.moe_chunks=1')
     for field in ('moe_groups', 'moe_topk_groups'):
         require(isinstance(m[field], int) and not isinstance(m[field], bool) and m[field] >= 0, f'model.{field}',
                 m[field], 'must be an integer >= 0', f'set model.{field} to 0 (off) or a positive integer')
@@ -244,6 +258,10 @@ def check_mesh(m: Mapping[str, Any], mesh: Mapping[str, int], require: Callable[
     if not on(m):
         return
     width, tensor = expert_width(m, dense_width), mesh.get('tensor', 1)
+    chunks, local = m.get('moe_chunks', 1), m['seq_len'] // mesh.get('context', 1)
+    require(local % chunks == 0, 'model.moe_chunks', chunks, f'must divide a device\'s {local} positions of a '
+            f'sequence (model.seq_len / mesh.context), so that every chunk holds as many tokens',
+            f'choose a divisor of {local}, e.g. {math.gcd(local, chunks)}')
     require(width % tensor == 0, 'model.moe_mlp_dim', m['moe_mlp_dim'], f'the experts\' width {width} must be '
             f'divisible by mesh.tensor = {tensor} (each expert is split over the tensor axis)',
             f'choose model.moe_mlp_dim as a multiple of {tensor}')

@@ -278,6 +278,7 @@ class Traffic:
     group: int  # devices in one collective
     level: str
     shares: tuple[tuple[str, float], ...] = ()  # all-to-all: the peers' share at each level (peer_shares)
+    overlap: tuple[float, int] = (0.0, 1)  # a chunked MoE dispatch: (compute share it hides behind, chunks)
 
 
 def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, ...]:
@@ -295,7 +296,8 @@ def traffic(shape, layout, rules, specs, hw: hw_lib.Hardware) -> tuple[Traffic, 
         group = math.prod(layout.mesh_shape[a] for a in axes)
         level = _level(mesh_items, axes, hw.devices_per_package, hw.devices_per_node)
         shares = _shares(mesh_items, axes, hw.devices_per_package, hw.devices_per_node) if kind in ALL_TO_ALL else ()
-        out.append(Traffic(what, kind, axes, payload, count, per_mb, group, level, shares))
+        overlap = plan_moe.dispatch_overlap(shape, layout) if kind in ALL_TO_ALL else (0.0, 1)
+        out.append(Traffic(what, kind, axes, payload, count, per_mb, group, level, shares, overlap))
     return tuple(out)
 
 
@@ -306,15 +308,26 @@ def timed(items: tuple[Traffic, ...], layout, hw: hw_lib.Hardware, compute_mb_s:
     Overlap (docs/planner.md): tensor all-reduces, the token split's gathers and pipeline sends
     are exposed; FSDP gathers hide behind compute and show only their excess plus one layer's
     gather; gradient reductions hide behind the backward pass (2/3 of the compute) except the
-    last layer's; the ZeRO-1 gather and the pipeline's sum of shared gradients are exposed.
+    last layer's; the ZeRO-1 gather and the pipeline's sum of shared gradients are exposed; a MoE dispatch
+    is exposed unless chunked (model.moe_chunks: `plan_moe.dispatch_overlap`).
     `hw.overlap` < 1 hides only that share of what the rules hide.
     """
     layers = num_layers / layout.pipeline
     compute_s = compute_mb_s * layout.accum_steps
+    times = [wire_time_s(x.kind, x.payload_bytes, x.count, x.group, x.level, hw, dict(x.shares)) for x in items]
+    # A chunked MoE dispatch's transfers share one budget: the routed experts' compute of the other chunks;
+    # at least one chunk's share (1 / c) stays exposed.
+    chunked = [(t, x.overlap) for t, x in zip(times, items) if x.overlap[1] > 1]
+    dispatch_s = sum(t for t, _ in chunked)
+    dispatch_exposed = 1.0
+    if chunked and dispatch_s > 0:
+        share, c = chunked[0][1]
+        dispatch_exposed = max(dispatch_s - compute_s * share, dispatch_s / c) / dispatch_s
     out = []
-    for x in items:
-        time_s = wire_time_s(x.kind, x.payload_bytes, x.count, x.group, x.level, hw, dict(x.shares))
-        if x.what.startswith('ring attention'):
+    for x, time_s in zip(items, times):
+        if x.overlap[1] > 1:
+            exposed = time_s * dispatch_exposed
+        elif x.what.startswith('ring attention'):
             # Each step's transfer overlaps the attention block computed on the chunk in hand (the
             # first, the local block): attention is most of a long-context layer. At least one
             # transfer's time shows.

@@ -148,6 +148,29 @@ def dispatch(shape, layout) -> str:
     return 'local' if ep <= 1 else families_moe.resolve_dispatch(s, ep)
 
 
+def chunks(shape, layout) -> int:
+    """Chunks a sent dispatch splits a device's n tokens into (model.moe_chunks; 1 where n does not divide, as
+    the layer does, and for gather)."""
+    s = of(shape)
+    if s is None or dispatch(shape, layout) not in ('all_to_all', 'ragged'):
+        return 1
+    n = layout.micro_batch * -(-shape.seq_len // layout.context)
+    return s.chunks if n % s.chunks == 0 else 1
+
+
+def dispatch_overlap(shape, layout) -> tuple[float, int]:
+    """(share of the step's compute the sent dispatch's transfers can hide behind, chunks); (0, 1) unchunked.
+
+    With c chunks, chunk i's transfers run beside the expert matmuls of the others (XLA's latency-hiding
+    scheduler on GPUs: the chunks do not depend on each other): at most the routed experts' share of the
+    compute x (c - 1) / c, and at least one chunk's transfers a layer stay exposed (`comm.timed`). An
+    assumption until a GPU run times it (docs/planner.md)."""
+    c = chunks(shape, layout)
+    if c <= 1:
+        return 0.0, 1
+    return routed_flops_share(shape) * (c - 1) / c, c
+
+
 def expert_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
     """The expert axis's collectives of one step by dispatch (the module docstring), through
     `add(what, kind, axes, bytes, count)`; forward ones again under full recomputation."""
@@ -167,6 +190,8 @@ def expert_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
         add('MoE backward: token and gate gradients', 'reduce-scatter', (EXPERT,),
             rows * d * dtype_bytes + rows * k * 4, calls)
         return
+    c = chunks(shape, layout)  # each chunk of n / c tokens dispatched on its own: c x the collectives
+    forwards, calls, n = forwards * c, calls * c, n // c
     add('MoE dispatch: overflow check', 'all-reduce', (EXPERT,), 1, forwards)  # a pmax of one pred
     if how == 'all_to_all':
         rows = ep * families_moe.send_buffer_rows(s, how, ep, n)  # per-peer buffers, the whole buffer

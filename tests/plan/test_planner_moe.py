@@ -108,17 +108,16 @@ def test_frontier_layouts_fit(size):
 
 
 @pytest.mark.slow  # one compile on 8 simulated devices each
-@pytest.mark.parametrize('arg, dispatch, remat, dropless', [('expert=4,data=2', 'gather', 'none', False),
-                                                             ('expert=2,tensor=2,data=2', 'all_to_all', 'full', True),
-                                                             ('expert=4,data=2', 'all_to_all', 'none', False),
-                                                             ('expert=8', 'all_to_all', 'none', False)])
-def test_compiled_expert_collectives_equal_the_plan(arg, dispatch, remat, dropless):
+@pytest.mark.parametrize('arg, dispatch, remat, dropless, chunks', [
+    ('expert=4,data=2', 'gather', 'none', False, 1), ('expert=2,tensor=2,data=2', 'all_to_all', 'full', True, 1),
+    ('expert=4,data=2', 'all_to_all', 'none', False, 2), ('expert=8', 'all_to_all', 'none', False, 1)])
+def test_compiled_expert_collectives_equal_the_plan(arg, dispatch, remat, dropless, chunks):
     """The expert axis's collectives in the compiled HLO carry exactly the plan's bytes, per dispatch: gather's
     all-gathers and reduce-scatters (recomputed under full remat; with a capacity, the drop decisions' gathers
-    too), all_to_all's per-peer buffers each way (the exact gather fallback's branch not taken); the expert
+    too), all_to_all's per-peer buffers each way, per chunk (the exact gather fallback's branch not taken); the expert
     weights' gradient all-reduce over `data`; the all-reduces over `tensor` (the experts' partial sums over
     the routed buffer) too, but for the router statistics' few bytes."""
-    c = tiny(arg, remat=remat, moe_dropless=dropless, moe_dispatch=dispatch)
+    c = tiny(arg, remat=remat, moe_dropless=dropless, moe_dispatch=dispatch, moe_chunks=chunks)
     compiled = compile_check.compile_on_cpu(c)
     plan, in_hlo, planned = planner.plan(c), {}, {}
     for x in compile_check.collectives(c, compiled):
@@ -150,22 +149,23 @@ def test_sweep_space_takes_the_expert_axis():
     assert [(m.expert, m.data) for m in meshes] == [(2, 4), (4, 2)]
 
 
-@pytest.mark.parametrize('platform', ['cuda', 'rocm'])
-@pytest.mark.parametrize('remat', ['none', 'full'])
-def test_ragged_dispatch_lowers_for_gpus_with_the_planned_buffers(platform, remat):
+@pytest.mark.parametrize('platform, remat, chunks', [('cuda', 'none', 1), ('rocm', 'none', 1), ('cuda', 'full', 1),
+                                                     ('rocm', 'full', 2)])
+def test_ragged_dispatch_lowers_for_gpus_with_the_planned_buffers(platform, remat, chunks):
     """The train step with `ragged` dispatch lowered for cuda and rocm from this CPU machine holds
-    ragged_all_to_all (XLA:CPU has none; the CPU runs the stand-in): per MoE layer body 2 forward (tokens
-    out, outputs back; again under full remat) and 2 backward, each sending a device's k n assignments
-    (the plan's even rows) into the receive buffer of families/moe.send_buffer_rows rows and back."""
-    c = tiny('expert=4,data=2', remat=remat, moe_dispatch='ragged')
+    ragged_all_to_all (XLA:CPU has none; the CPU runs the stand-in): per MoE layer body and chunk
+    (model.moe_chunks) 2 forward (tokens out, outputs back; again under full remat) and 2 backward, each
+    sending a chunk's k n / c assignments (the plan's even rows) into the receive buffer of
+    families/moe.send_buffer_rows rows and back."""
+    c = tiny('expert=4,data=2', remat=remat, moe_dispatch='ragged', moe_chunks=chunks)
     text = compile_check.lower_abstract(c, platform).as_text()
     ops = re.findall(r'custom_call @ragged_all_to_all\(.*? : \((tensor<[^>]*>), (tensor<[^>]*>),', text)
     shape = config_lib.model_shape(c)
     moe = shape.moe
-    n = c.model.seq_len * c.train.micro_batch
+    n = c.model.seq_len * c.train.micro_batch // chunks
     even = f'tensor<{moe.top_k * n}x{shape.d_model}xf32>'
     buffer = f'tensor<{families_moe.send_buffer_rows(moe, "ragged", 4, n)}x{shape.d_model}xf32>'
-    assert sorted(ops) == sorted([(even, buffer), (buffer, even)] * (3 if remat == 'full' else 2)), ops
+    assert sorted(ops) == sorted([(even, buffer), (buffer, even)] * chunks * (3 if remat == 'full' else 2)), ops
     rows = plan_moe.imbalance(shape, layout_lib.Layout.from_config(c)) * moe.top_k * n
     sent = {t.what: t.payload_bytes / t.count for t in planner.plan(c).transfers if t.kind == 'ragged-all-to-all'}
     assert sent and all(v == rows * shape.d_model * 4 for v in sent.values()), sent

@@ -41,11 +41,30 @@ EXPERT = next(a.name for a in axes_lib.AXES if a.holds_experts)  # the mesh axis
 
 def routed_output(owner, x_nd, experts_nk, gates_nk, valid_nk, s: MoEShape, ep: int, buffer: int | None):
     """The routed output of this device's tokens [n, d] (x's dtype) by the layer's dispatch, and whether the
-    exact fallback to `gather` ran (a scalar fp32 0/1, the same on every device of the expert group; None
-    where nothing is sent: EP 1 or gather, so those programs' aux is what it was)."""
+    exact fallback to `gather` ran (a scalar fp32 0/1, the same on every device of the expert group; with
+    chunks, the share of chunks that took it; None where nothing is sent: EP 1 or gather, so those programs'
+    aux is what it was). The sent dispatches take the tokens in `s.chunks` chunks (`n` divisible, else one:
+    decoding's few tokens), each on its own: the same numbers, transfers that can run beside another
+    chunk's experts."""
     dispatch = resolve_dispatch(s, ep)
     if ep == 1 or dispatch == 'gather':
         return gathered(owner, x_nd, experts_nk, gates_nk, valid_nk, s, ep, buffer), None
+    n = x_nd.shape[0]
+    chunks = s.chunks if n % s.chunks == 0 else 1
+    outs, flags = [], []
+    for i in range(chunks):
+        part = slice(i * n // chunks, (i + 1) * n // chunks)
+        y_nd, flag = _sent_chunk(owner, x_nd[part], experts_nk[part], gates_nk[part], valid_nk[part], s, ep,
+                                 buffer, dispatch)
+        outs.append(y_nd)
+        flags.append(flag)
+    y_nd = outs[0] if chunks == 1 else jnp.concatenate(outs, axis=0)
+    return y_nd, sum(flags) / chunks
+
+
+def _sent_chunk(owner, x_nd, experts_nk, gates_nk, valid_nk, s: MoEShape, ep: int, buffer: int | None,
+                dispatch: str):
+    """One chunk's tokens by the sent `dispatch`, through the exact gather where a buffer would overflow."""
     sent = {'all_to_all': all_to_all, 'ragged': ragged_sent}[dispatch]
     rows = send_buffer_rows(s, dispatch, ep, x_nd.shape[0])
     plan = _Plan(experts_nk, valid_nk, s, ep, group_counts=dispatch == 'ragged')
