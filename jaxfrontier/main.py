@@ -23,6 +23,7 @@ from jaxfrontier import distributed  # no JAX import either
 from jaxfrontier import hardware as hardware_lib  # no JAX import at module level
 from jaxfrontier import logs  # no JAX import either
 from jaxfrontier.checkpoint import run_files  # no JAX import
+from jaxfrontier.checkpoint.interop import export_target  # no JAX import either
 from jaxfrontier.data import builtin  # no JAX import
 from jaxfrontier.data import loader as data_lib  # no JAX import at module level
 from jaxfrontier.errors import ConfigError, DistributedError, NonFiniteLossError, UserError
@@ -44,6 +45,9 @@ _EXPORT_PATH = flags.DEFINE_string('export_path', '', 'mode=export: the .safeten
 _EXPORT_MAX_POSITIONS = flags.DEFINE_integer('export_max_positions', 0, 'mode=export --export_format=hf: a rotary '
                                              "model's max_position_embeddings (0: the imported Hugging Face model's "
                                              'where the run continued one, else the training seq_len).')
+_FORCE = flags.DEFINE_bool('force', False, 'mode=export --export_format=hf or peft: replace an --export_path that '
+                           'holds only a previous export of ours of the same kind, all of its files at once (never '
+                           'the run\'s base, a workdir or another model\'s directory).')
 _EXPORT_ALLOW_NONFINITE = flags.DEFINE_bool('export_allow_nonfinite', False, 'mode=export: write parameters '
                                             'that hold NaN or Inf instead of refusing.')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'plan', 'verify', 'export', 'sample', 'eval', 'lm_eval'],
@@ -131,6 +135,8 @@ def main(argv: list[str]) -> int:
             data_lib.resolve_headers(config)  # model.vocab_size=0, data.eot_id=-1, data.loss_mask=auto
         if _MODE.value == 'lm_eval':  # before the seconds JAX and the harness take to import
             _check_lm_eval_flags()
+        if _MODE.value == 'export':  # before JAX, before anything is written
+            _check_export_path(config)
         if _MODE.value == 'train':
             validation.validate_run(config)  # once; the device count is checked when JAX has started
             config.checkpoint.fast_dir = config_lib.resolve_fast_dir(config, os.environ)  # $JF_NODE_LOCAL, per process
@@ -186,14 +192,16 @@ def main(argv: list[str]) -> int:
             print(_run_inference(config))
         elif _MODE.value == 'export' and _EXPORT_FORMAT.value == 'peft':
             from jaxfrontier.checkpoint.interop import peft  # pylint: disable=g-import-not-at-top
-            out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'peft')
-            summary = peft.export_peft(_WORKDIR.value, out)
+            out = _export_path()
+            summary = peft.export_peft(_WORKDIR.value, out, force=_FORCE.value,
+                                       bases=(config.checkpoint.init_params_from,))
             print(f'exported the LoRA adapters of step {summary["step"]} of {_WORKDIR.value} to {out} '
                   f'({summary["tensors"]} tensors, {",".join(summary["target_modules"])}; base {summary["base"]})')
         elif _MODE.value == 'export':
             from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib  # pylint: disable=g-import-not-at-top
-            out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'params.safetensors')
-            names = safetensors_lib.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value)
+            out = _export_path()
+            names = safetensors_lib.export_params(_WORKDIR.value, out, allow_nonfinite=_EXPORT_ALLOW_NONFINITE.value,
+                                                  bases=(config.checkpoint.init_params_from,))
             print(f'exported {len(names)} parameter tensors of {_WORKDIR.value} to {out} (docs/checkpoints.md)')
         else:
             startup = {'flags_and_imports': time.perf_counter() - _STARTED}  # JAX comes in with distributed/preflight
@@ -214,6 +222,27 @@ def main(argv: list[str]) -> int:
     except (UserError, NonFiniteLossError, DistributedError) as e:
         return cli.exit_code(e)
     return 0
+
+
+_EXPORT_DEFAULTS = {'safetensors': 'params.safetensors', 'hf': 'hf', 'peft': 'peft'}  # below --workdir
+
+
+def _export_path() -> str:
+    return _EXPORT_PATH.value or os.path.join(_WORKDIR.value, _EXPORT_DEFAULTS[_EXPORT_FORMAT.value])
+
+
+def _check_export_path(config) -> None:
+    """mode=export: a target that is the run's base, in what a run rotates, a workdir or another model's
+    directory is one line before JAX starts (export_target.py); the exporter checks it again."""
+    out, fmt, bases = _export_path(), _EXPORT_FORMAT.value, (config.checkpoint.init_params_from,)
+    if fmt == 'safetensors':
+        export_target.check_file(out, source=_WORKDIR.value, bases=bases)
+        return
+    if out.endswith('.safetensors'):
+        raise UserError(f'--export_path={out} names a .safetensors file, but --export_format={fmt} writes a '
+                        f'directory. Fix: --export_format=safetensors for one file, or name a directory, e.g. '
+                        f'--export_path={os.path.join(_WORKDIR.value, fmt)}')
+    export_target.check_dir(out, fmt, source=_WORKDIR.value, force=_FORCE.value, bases=bases)
 
 
 def _resolve_data_cache(config) -> None:
@@ -258,8 +287,9 @@ def _run_inference(config) -> str:
     # pylint: disable=g-import-not-at-top
     if _MODE.value == 'export':
         from jaxfrontier.checkpoint.interop import hf
-        out = _EXPORT_PATH.value or os.path.join(_WORKDIR.value, 'hf')
-        summary = hf.export_hf(_WORKDIR.value, out, _EXPORT_MAX_POSITIONS.value)
+        out = _export_path()
+        summary = hf.export_hf(_WORKDIR.value, out, _EXPORT_MAX_POSITIONS.value, force=_FORCE.value,
+                               bases=(config.checkpoint.init_params_from,))
         return f'exported step {summary["step"]} of {_WORKDIR.value} as a Hugging Face {summary["architecture"]} ' \
                f'directory {out} ({summary["tensors"]} tensors, tokenizer: {summary["tokenizer"]}, ' \
                f'max positions: {summary["max_positions"]})'

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxfrontier import config as config_lib
@@ -41,10 +42,10 @@ from jaxfrontier import families
 from jaxfrontier.errors import CheckpointError, ConfigError
 from jaxfrontier.data import token_files as data_lib
 from jaxfrontier.checkpoint import format as format_lib
+from jaxfrontier.checkpoint.interop import export_target
 from jaxfrontier.checkpoint.interop import hf_files
 from jaxfrontier.checkpoint.interop import lora_merge
 from jaxfrontier.checkpoint import readers
-from jaxfrontier.checkpoint import run_files
 from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
 
 HEAD = 'lm_head.weight'  # every family's untied head: outside the base model's prefix
@@ -70,17 +71,26 @@ def converter_of_family(family: str, where: str) -> families.HFConverter:
     return converter
 
 
-def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """(the run's tokenizer.json or None, its token-file header) from the saved data config."""
+def _tokenizer_of(config: dict[str, Any]) -> tuple[str | None, dict[str, Any], str]:
+    """(the run's tokenizer.json or None, its token-file header, why a tokenizer the data names is not copied).
+
+    The export goes on without a tokenizer when the run's token file moved, when its header names a tokenizer
+    token_files refuses (not a plain file beside the .bin: a received header must not copy another file into an
+    export that may be uploaded), or when the file it names is gone; the third value says which, for one line.
+    """
     data = config.get('data', {})
     if data.get('kind') != 'tokens':
-        return None, {}
+        return None, {}, ''
     try:
         path = data_lib.run_token_path(data)  # a blend: its first file (they share the tokenizer)
         token_file = data_lib.open_token_file(path, config['model']['vocab_size'])
-    except ConfigError:
-        return None, {}  # the data moved: export the weights without the tokenizer
-    return data_lib.tokenizer_path(token_file), token_file.header
+    except ConfigError as e:
+        return None, {}, str(e)
+    tokenizer = data_lib.tokenizer_path(token_file)
+    if tokenizer and not os.path.isfile(tokenizer):
+        return None, token_file.header, (f'the header of {token_file.path} names the tokenizer {tokenizer}, which '
+                                         'does not exist')
+    return tokenizer, token_file.header, ''
 
 
 def _tensors(converter, reader: readers.ParamReader, m: dict[str, Any], hf: dict[str, Any]):
@@ -105,18 +115,23 @@ def _tensors(converter, reader: readers.ParamReader, m: dict[str, Any], hf: dict
     return groups
 
 
-def export_hf(source: str, out_dir: str, max_positions: int = 0) -> dict[str, Any]:
+def export_hf(source: str, out_dir: str, max_positions: int = 0, *, force: bool = False,
+              bases: tuple[str, ...] = ()) -> dict[str, Any]:
     """Writes a checkpoint as a `transformers` directory (config.json, model.safetensors, tokenizer).
 
     Args:
       source: a training workdir (its newest checkpoint), its checkpoints/ directory or a step directory.
-      out_dir: the directory to write; model.safetensors is replaced atomically.
+      out_dir: the directory to write, whole or not at all (export_target.py: never the run's base, a workdir or
+        another model's directory).
       max_positions: a rotary model's `max_position_embeddings` (0: `_max_positions` chooses).
+      force: replace a directory that holds only a previous Hugging Face export of ours.
+      bases: more base models the export must not write over (the command's `checkpoint.init_params_from`).
 
     Returns:
-      A summary: step, tensors written, whether a tokenizer was copied, the architecture, max_positions.
+      A summary: step, tensors written, whether a tokenizer was copied (and why not, where the data names
+      one), the architecture, max_positions.
     """
-    run_files.check_export_dir(out_dir)
+    export_target.check_dir(out_dir, 'hf', source=source, force=force, bases=bases)
     step_dir = readers.step_dir_of(source)
     meta = readers.read_meta(step_dir)
     config = meta['config']
@@ -124,14 +139,16 @@ def export_hf(source: str, out_dir: str, max_positions: int = 0) -> dict[str, An
     converter = converter_of_family(m.get('family', families.DEFAULT_FAMILY), step_dir)
     converter.check_exportable(m, step_dir)
     reader = lora_merge.merged_reader(step_dir, meta)  # LoRA: the base with the adapters merged in
-    tokenizer, header = _tokenizer_of(config)
+    tokenizer, header, no_tokenizer = _tokenizer_of(config)
+    if no_tokenizer:
+        logging.warning(f'export: no tokenizer copied into {out_dir} (the weights and config.json are exported): '
+                        f'{no_tokenizer}; then export again, or copy the tokenizer.json you trust into it')
     hf = converter.hf_config(m, header.get('eot_id'))
     positions = m['seq_len']
     if not converter.position_table and 'max_position_embeddings' in hf:
         positions = hf['max_position_embeddings'] = max_positions or _max_positions(config)
     groups = _tensors(converter, reader, m, hf)
     shapes = {name: shape for names, _ in groups for name, shape in names}
-    os.makedirs(out_dir, exist_ok=True)
 
     def arrays():
         for names, read in groups:
@@ -140,21 +157,22 @@ def export_hf(source: str, out_dir: str, max_positions: int = 0) -> dict[str, An
                 assert value.shape == shape, (name, value.shape, shape)
                 yield value
 
-    safetensors_lib.write_safetensors(os.path.join(out_dir, 'model.safetensors'),
-                                      {name: (shape, np.dtype('float32')) for name, shape in shapes.items()},
-                                      {'format': 'pt'}, arrays())
-    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-        json.dump(hf, f, indent=2)
-    if tokenizer:
-        shutil.copyfile(tokenizer, os.path.join(out_dir, 'tokenizer.json'))
-        eot = header.get('eot_token')
-        with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
-            template = (header.get('sft') or {}).get('chat_template')  # prepare --sft's: chat as trained
-            json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': positions,
-                       **({'eos_token': eot, 'bos_token': eot} if eot else {}),
-                       **({'chat_template': template} if template else {})}, f, indent=2)
+    with export_target.staged(out_dir, 'hf', step=meta['step']) as stage:
+        safetensors_lib.write_safetensors(os.path.join(stage, 'model.safetensors'),
+                                          {name: (shape, np.dtype('float32')) for name, shape in shapes.items()},
+                                          {'format': 'pt'}, arrays())
+        with open(os.path.join(stage, 'config.json'), 'w') as f:
+            json.dump(hf, f, indent=2)
+        if tokenizer:
+            shutil.copyfile(tokenizer, os.path.join(stage, 'tokenizer.json'))
+            eot = header.get('eot_token')
+            with open(os.path.join(stage, 'tokenizer_config.json'), 'w') as f:
+                template = (header.get('sft') or {}).get('chat_template')  # prepare --sft's: chat as trained
+                json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': positions,
+                           **({'eos_token': eot, 'bos_token': eot} if eot else {}),
+                           **({'chat_template': template} if template else {})}, f, indent=2)
     return {'step': meta['step'], 'tensors': len(shapes), 'tokenizer': bool(tokenizer), 'source': step_dir,
-            'architecture': hf['architectures'][0], 'max_positions': positions}
+            'architecture': hf['architectures'][0], 'max_positions': positions, 'no_tokenizer': no_tokenizer}
 
 
 def _max_positions(config: dict[str, Any]) -> int:

@@ -26,7 +26,7 @@ from jaxfrontier.errors import CheckpointError
 from jaxfrontier.families import Lora
 from jaxfrontier.families import lora as lora_lib
 from jaxfrontier.checkpoint import readers
-from jaxfrontier.checkpoint import run_files
+from jaxfrontier.checkpoint.interop import export_target
 from jaxfrontier.checkpoint.interop import lora_merge
 from jaxfrontier.checkpoint.interop import safetensors as safetensors_lib
 
@@ -52,17 +52,20 @@ def _pair_shapes(reader: readers.ParamReader, lora: Lora, t) -> tuple[tuple[int,
     return (lora.rank, math.prod(a[:t.contracted])), (math.prod(b[1 + fused:]), lora.rank)
 
 
-def export_peft(source: str, out_dir: str) -> dict[str, Any]:
+def export_peft(source: str, out_dir: str, *, force: bool = False, bases: tuple[str, ...] = ()) -> dict[str, Any]:
     """Writes a LoRA checkpoint's adapters as a PEFT adapter directory (module docstring).
 
     Args:
       source: a training workdir (its newest checkpoint), its checkpoints/ directory or a step directory.
-      out_dir: the directory to write (adapter_model.safetensors replaced atomically).
+      out_dir: the directory to write, whole or not at all (export_target.py: never the run's base, which
+        transformers would then load with the adapter applied, a workdir or a directory of model weights).
+      force: replace a directory that holds only a previous PEFT export of ours.
+      bases: more base models the export must not write into (the command's `checkpoint.init_params_from`).
 
     Returns:
       A summary: step, tensors written, the base, the target modules.
     """
-    run_files.check_export_dir(out_dir)
+    export_target.check_dir(out_dir, 'peft', source=source, force=force, bases=bases)
     step_dir = readers.step_dir_of(source)
     meta = readers.read_meta(step_dir)
     config, m = meta['config'], meta['config']['model']
@@ -90,11 +93,11 @@ def export_peft(source: str, out_dir: str) -> dict[str, Any]:
                                       'refusing to export them. Fix: export an older step directory.')
             yield from pair
 
-    os.makedirs(out_dir, exist_ok=True)
-    safetensors_lib.write_safetensors(os.path.join(out_dir, ADAPTER_WEIGHTS), shapes, {'format': 'pt'}, arrays())
     base = (meta.get('lora_base') or {}).get('path') or config['checkpoint']['init_params_from']
     peft = lora_lib.peft_config(lora, base)
-    with open(os.path.join(out_dir, ADAPTER_CONFIG), 'w') as f:
-        json.dump(peft, f, indent=2)
+    with export_target.staged(out_dir, 'peft', step=meta['step']) as stage:
+        safetensors_lib.write_safetensors(os.path.join(stage, ADAPTER_WEIGHTS), shapes, {'format': 'pt'}, arrays())
+        with open(os.path.join(stage, ADAPTER_CONFIG), 'w') as f:
+            json.dump(peft, f, indent=2)
     return {'step': meta['step'], 'tensors': len(shapes), 'source': step_dir, 'base': base,
             'target_modules': peft['target_modules']}

@@ -35,6 +35,7 @@ from jaxfrontier.checkpoint import readers
 from jaxfrontier.checkpoint import reshard
 from jaxfrontier.checkpoint import run_files
 from jaxfrontier.checkpoint import saved_meta
+from jaxfrontier.checkpoint.interop import export_target
 from jaxfrontier.checkpoint.interop import lora_merge
 
 FORMAT = 'jaxfrontier-params'
@@ -97,23 +98,37 @@ def _nonfinite_error(step_dir: str, name: str, count: int, size: int) -> Checkpo
         f'Fix: export an older step directory{pick}, or pass --export_allow_nonfinite to write them anyway.')
 
 
-def export_params(source: str, out_path: str, allow_nonfinite: bool = False) -> dict[str, tuple[int, ...]]:
+def export_params(source: str, out_path: str, allow_nonfinite: bool = False, *, bases: tuple[str, ...] = ()
+                  ) -> dict[str, tuple[int, ...]]:
     """Writes the parameters of a checkpoint to a safetensors file, one tensor at a time.
 
     Args:
       source: a training workdir (its newest checkpoint), its checkpoints/ directory, or
         one step directory.
-      out_path: the .safetensors file to write (replaced atomically).
+      out_path: the .safetensors file to write (replaced atomically; never the run's base, a file in what a run
+        rotates or one of a workdir's own files: export_target.check_file).
       allow_nonfinite: write parameters that hold NaN or Inf instead of refusing.
+      bases: more base models the export must not replace (the command's `checkpoint.init_params_from`).
 
     Returns:
       {name: shape} of the tensors written.
 
     Raises:
-      UserError: `out_path` is a directory or cannot be written.
+      UserError: `out_path` is refused, is a directory or cannot be written (DiskFullError: no space for it).
       CheckpointError: no checkpoint, a corrupted one, or NaN/Inf parameters (unless allowed).
     """
+    export_target.check_file(out_path, source=source, bases=bases)
     _check_out_path(out_path)
+    try:
+        return _export(source, out_path, allow_nonfinite)
+    except OSError as e:  # a full disk or a read-only file system mid-way: write_atomic left nothing behind
+        error = export_target.write_error(e, out_path)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _export(source: str, out_path: str, allow_nonfinite: bool) -> dict[str, tuple[int, ...]]:
     step_dir = readers.resolve_step_dir(source)
     meta = readers.read_checkpoint_meta(step_dir)
     if lora_merge.lora_of(meta['config']) is not None:  # the adapters merged into their base
