@@ -6,6 +6,9 @@
 Records (JSON to --out, then the Markdown table docs/PERFORMANCE.md takes, on stdout):
   environment  devices, Python, jax / jaxlib / GPU plugin versions, XLA_FLAGS
   matmul       measured bf16 matmul TFLOP/s (8192^3; --quick: 512^3) against the table's peak
+  grouped_gemm jax.lax.ragged_dot at moe_1t's expert shape, one device's share at EP 32 (12 experts,
+               32,768 rows; even, skewed and padded routings) beside a dense matmul of the same FLOPs
+               (benchmarks/grouped_gemm.py; --quick: its --smoke shape)
   steps        125m, 350m, 1.3b (configs/gpt.py) at sequence 2048 for each attention
                (auto, xla, cudnn, blockwise) and remat policy (none, full, save_dots,
                save_dots_attention: the CPU's fastest, docs/PERFORMANCE.md): step time,
@@ -111,6 +114,11 @@ def part_matmul(spec, quick):
             'peak_source': source}
 
 
+def part_grouped_gemm(spec, quick):
+    import grouped_gemm  # pylint: disable=g-import-not-at-top  (benchmarks/grouped_gemm.py)
+    return grouped_gemm.measure(smoke=quick)
+
+
 def part_step(spec, quick):
     import jax  # pylint: disable=g-import-not-at-top
     import harness  # pylint: disable=g-import-not-at-top
@@ -187,8 +195,8 @@ def part_checkpoint(spec, quick):
             'restore_gib_per_s': restore['gib_per_s']}
 
 
-PARTS = {'environment': part_environment, 'matmul': part_matmul, 'plan': part_plan, 'step': part_step,
-         'torch': part_torch, 'layout': part_layout, 'checkpoint': part_checkpoint}
+PARTS = {'environment': part_environment, 'matmul': part_matmul, 'grouped_gemm': part_grouped_gemm, 'plan': part_plan,
+         'step': part_step, 'torch': part_torch, 'layout': part_layout, 'checkpoint': part_checkpoint}
 
 
 # --------------------------------------------------------------------------- the runner
@@ -286,6 +294,9 @@ def markdown(record: dict) -> str:
     lines += ['', f"Checkpoint ({_f(ck.get('state_gib'), 2)} GiB): save {_f(ck.get('save_gib_per_s'), 2)} GiB/s, "
                   f"restore {_f(ck.get('restore_gib_per_s'), 2)} GiB/s. Layout: "
                   f"{lay.get('note') or lay.get('error') or '; '.join(lay.get('checked', []))}."]
+    if 'grouped_gemm' in record:
+        import grouped_gemm  # pylint: disable=g-import-not-at-top  (benchmarks/grouped_gemm.py)
+        lines += ['', grouped_gemm.markdown(record['grouped_gemm'])]
     return '\n'.join(lines)
 
 
@@ -294,9 +305,10 @@ def check(quick: bool, budget_s: float) -> dict:
     record = {'quick': quick, 'started': time.strftime('%Y-%m-%dT%H:%M:%S')}
     record['environment'] = env = runner.run('environment', timeout_s=120)
     record['matmul'] = runner.run('matmul', timeout_s=120)
-    # Layout and checkpoint are cheap: measured before the step rows can spend the budget.
+    # Layout, checkpoint and the grouped GEMM are cheap: measured before the step rows can spend the budget.
     record['layout'] = runner.run('layout', timeout_s=180)
     record['checkpoint'] = runner.run('checkpoint', timeout_s=180)
+    record['grouped_gemm'] = runner.run('grouped_gemm', timeout_s=120)
     record['steps'] = step_rows(runner, env)
     record['wall_s'] = round(budget_s - runner.left(), 1)
     return record

@@ -15,7 +15,9 @@
 #   repro.txt        benchmarks/repro_nested_shard_map.py (jax 0.11's abort on nested maps)
 #   tests.txt        the tests that only a GPU runs (unrolled remat memory) and the pipelined
 #                    data-local step compiled on jax 0.11 (JAX_PLATFORMS empty: the GPU is the default)
-#   gpu_check.json   benchmarks/gpu_check.py, its Markdown table in gpu_check.md
+#   gpu_check.json   benchmarks/gpu_check.py, its Markdown table in gpu_check.md; among its rows the
+#                    single-GPU grouped GEMM (benchmarks/grouped_gemm.py: jax.lax.ragged_dot at moe_1t's
+#                    expert shape, one device's share at EP 32, beside a dense matmul of the same FLOPs)
 # GPU_CHECK_BUDGET_S (default 330) bounds gpu_check; the whole script fits the device tool's
 # 10-minute call.
 set -uo pipefail

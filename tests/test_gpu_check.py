@@ -21,6 +21,9 @@ def test_gpu_check_quick_runs_every_part(tmp_path):
     record = json.loads(out.read_text())
     assert record['environment']['devices'] == 8 and record['environment']['versions']['jax']
     assert record['matmul']['tflops'] > 0
+    gg = record['grouped_gemm']  # benchmarks/grouped_gemm.py at its --smoke shape
+    assert gg['smoke'] and {r['case'] for r in gg['rows']} == {'dense', 'even', 'skewed', 'padded'}, gg
+    assert all(r['tflops'] > 0 for r in gg['rows']) and '| projection | case | shape |' in proc.stdout
     assert record['layout'].get('ok') is True, record['layout']
     assert record['checkpoint']['save_gib_per_s'] > 0 and record['checkpoint']['restore_gib_per_s'] > 0
     ran = [r for r in record['steps'] if 'step_s' in r and r.get('impl') != 'torch']
