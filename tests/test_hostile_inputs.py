@@ -220,7 +220,8 @@ def test_a_header_names_only_plain_files_beside_the_bin(tmp_path, field, name, w
 def test_an_hf_export_and_a_sample_never_read_a_tokenizer_outside_the_data(tmp_path):
     path = named_token_file(tmp_path, tokenizer=str(tmp_path / 'secret'))
     config = {'data': {'kind': 'tokens', 'path': path}, 'model': {'vocab_size': 256}}
-    assert hf_export._tokenizer_of(config) == (None, {})  # pylint: disable=protected-access  (no tokenizer copied)
+    tokenizer, extra, warning = hf_export._tokenizer_of(config)  # pylint: disable=protected-access
+    assert (tokenizer, extra) == (None, {}) and 'invalid header' in warning and 'tokenizer' in warning, warning  # none copied, said
     with pytest.raises(UserError, match='"tokenizer" is'):
         text_lib.token_file_codec(path, 256)
     inside = named_token_file(tmp_path / 'ok', tokenizer='in.json')  # a link beside the .bin is fine
