@@ -273,6 +273,16 @@ def device_capacity(devices: Sequence[Any]) -> tuple[int, str]:
                        f'{devices[0].platform} devices')
 
 
+def _groups(mesh_shape: dict[str, int], axes: tuple[str, ...]) -> np.ndarray:
+    """The device ids of each collective group over `axes` [groups, members] (row-major over the mesh axes,
+    outermost first, as `mesh.make_mesh` lays them out)."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    inside = [names.index(a) for a in axes]
+    outside = [i for i in range(len(names)) if i not in inside]
+    return ids.transpose(outside + inside).reshape(-1, math.prod(sizes[i] for i in inside))
+
+
 def axis_level(mesh_shape: dict[str, int], axes: tuple[str, ...], hw: Hardware) -> str:
     """The slowest link level a collective over `axes` of the mesh crosses.
 
@@ -280,13 +290,9 @@ def axis_level(mesh_shape: dict[str, int], axes: tuple[str, ...], hw: Hardware) 
     lays them out; a group crosses the package (node) level if its members do not all share
     one package (node). Returns 'local' for a group of one device.
     """
-    names, sizes = list(mesh_shape), list(mesh_shape.values())
     if math.prod(mesh_shape[a] for a in axes) <= 1:
         return 'local'
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
-    inside = [names.index(a) for a in axes]
-    outside = [i for i in range(len(names)) if i not in inside]
-    groups = ids.transpose(outside + inside).reshape(-1, math.prod(sizes[i] for i in inside))
+    groups = _groups(mesh_shape, axes)
     for level, size in (('package', hw.devices_per_package), ('node', hw.devices_per_node)):
         if np.all(groups // size == (groups[:, :1] // size)):
             return level
@@ -298,14 +304,10 @@ def peer_shares(mesh_shape: dict[str, int], axes: tuple[str, ...], hw: Hardware)
     level, 'package' (the same package), 'node' (the same node, another package) and 'network', averaged
     over the groups (devices numbered as in `axis_level`). What an even all-to-all sends a peer crosses
     that peer's level; the shares sum to 1 (empty for a group of one)."""
-    names, sizes = list(mesh_shape), list(mesh_shape.values())
     group = math.prod(mesh_shape[a] for a in axes)
     if group <= 1:
         return {}
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
-    inside = [names.index(a) for a in axes]
-    outside = [i for i in range(len(names)) if i not in inside]
-    groups = ids.transpose(outside + inside).reshape(-1, group)
+    groups = _groups(mesh_shape, axes)
     package = groups[:, :, None] // hw.devices_per_package == groups[:, None, :] // hw.devices_per_package
     node = groups[:, :, None] // hw.devices_per_node == groups[:, None, :] // hw.devices_per_node
     pairs = groups.shape[0] * group * (group - 1)

@@ -88,19 +88,20 @@ def wire_time_s(kind: str, payload_bytes: float, count: float, group: int, level
     return count * steps * hw.link_latency_s[level] + _WIRE_FACTOR[kind](group) * payload_bytes / bandwidth
 
 
+def _topology(per_package: int, per_node: int) -> hw_lib.Hardware:
+    """A hardware description with only these device counts mattering (the caches' key)."""
+    return dataclasses.replace(hw_lib.HARDWARE['mi250x'], devices_per_package=per_package, devices_per_node=per_node)
+
+
 @functools.lru_cache(maxsize=4096)
 def _level(mesh_items: tuple[tuple[str, int], ...], axes: tuple[str, ...], per_package: int, per_node: int) -> str:
-    hw = hw_lib.HARDWARE['mi250x']
-    hw = dataclasses.replace(hw, devices_per_package=per_package, devices_per_node=per_node)
-    return hw_lib.axis_level(dict(mesh_items), axes, hw)
+    return hw_lib.axis_level(dict(mesh_items), axes, _topology(per_package, per_node))
 
 
 @functools.lru_cache(maxsize=4096)
 def _shares(mesh_items: tuple[tuple[str, int], ...], axes: tuple[str, ...], per_package: int, per_node: int
             ) -> tuple[tuple[str, float], ...]:
-    hw = hw_lib.HARDWARE['mi250x']
-    hw = dataclasses.replace(hw, devices_per_package=per_package, devices_per_node=per_node)
-    return tuple(hw_lib.peer_shares(dict(mesh_items), axes, hw).items())
+    return tuple(hw_lib.peer_shares(dict(mesh_items), axes, _topology(per_package, per_node)).items())
 
 
 @dataclasses.dataclass

@@ -53,6 +53,11 @@ def of(shape):
     return getattr(shape, 'moe', None)
 
 
+def device_tokens(shape, layout) -> int:
+    """n: a device's tokens of a micro-batch."""
+    return layout.micro_batch * -(-shape.seq_len // layout.context)
+
+
 def moe_layers(shape) -> int:
     s = of(shape)
     return 0 if s is None else shape.num_layers - s.first_dense
@@ -95,7 +100,7 @@ def buffer_factor(shape, layout) -> float:
     if s is None:
         return 1.0
     ep = getattr(layout, EXPERT, 1)
-    n = layout.micro_batch * -(-shape.seq_len // layout.context)  # a device's tokens of a micro-batch
+    n = device_tokens(shape, layout)
     if s.dropless:
         return float(ep)
     tokens = n * layout.data * layout.fsdp * ep * layout.context  # the micro-batch's, over the token axes
@@ -105,12 +110,11 @@ def buffer_factor(shape, layout) -> float:
 def computed_rows(shape, layout) -> float:
     """Rows a device's experts compute over per micro-batch (their compiled shape): gather's buffer
     (`buffer_factor` x k n); all_to_all's EP per-peer buffers; ragged's receive buffer
-    (families/moe.send_buffer_rows). The sent dispatches' gather fallback is not counted (module docstring)."""
-    s, ep = of(shape), getattr(layout, EXPERT, 1)
-    n = layout.micro_batch * -(-shape.seq_len // layout.context)
-    how = dispatch(shape, layout)
-    if how in ('all_to_all', 'ragged'):
-        return families_moe.send_buffer_rows(s, how, ep, n) * (ep if how == 'all_to_all' else 1)
+    (families/moe.send_buffer_rows), per chunk. The sent dispatches' gather fallback is not counted (module docstring)."""
+    s, ep, n = of(shape), getattr(layout, EXPERT, 1), device_tokens(shape, layout)
+    how, c = dispatch(shape, layout), chunks(shape, layout)
+    if how in ('all_to_all', 'ragged'):  # c chunks, each with the buffer of n / c tokens
+        return c * families_moe.send_buffer_rows(s, how, ep, n // c) * (ep if how == 'all_to_all' else 1)
     return buffer_factor(shape, layout) * s.top_k * n
 
 
@@ -154,7 +158,7 @@ def chunks(shape, layout) -> int:
     s = of(shape)
     if s is None or dispatch(shape, layout) not in ('all_to_all', 'ragged'):
         return 1
-    n = layout.micro_batch * -(-shape.seq_len // layout.context)
+    n = device_tokens(shape, layout)
     return s.chunks if n % s.chunks == 0 else 1
 
 
@@ -177,7 +181,7 @@ def expert_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
     s, ep = of(shape), getattr(layout, EXPERT, 1)
     if s is None or ep <= 1:
         return
-    n = layout.micro_batch * -(-shape.seq_len // layout.context)  # this device's tokens of a micro-batch
+    n = device_tokens(shape, layout)
     d, k, how = shape.d_model, s.top_k, dispatch(shape, layout)
     calls = layout.accum_steps * moe_layers(shape) / layout.pipeline
     forwards = calls * (2 if remat == 'full' else 1)
@@ -218,7 +222,7 @@ def capacity_traffic(add, shape, layout, remat: str) -> None:
     s = of(shape)
     if s is None or s.dropless:
         return
-    n = layout.micro_batch * -(-shape.seq_len // layout.context)
+    n = device_tokens(shape, layout)
     column = n * s.top_k * 4
     calls = layout.accum_steps * moe_layers(shape) / layout.pipeline * (2 if remat == 'full' else 1)
     gathered = column
@@ -242,7 +246,7 @@ def tensor_traffic(add, shape, layout, remat: str, dtype_bytes: int) -> None:
     s = of(shape)
     if s is None or layout.tensor <= 1:
         return
-    n = layout.micro_batch * -(-shape.seq_len // layout.context)
+    n = device_tokens(shape, layout)
     rows_per_token = computed_rows(shape, layout) / n
     calls = layout.accum_steps * moe_layers(shape) / layout.pipeline
     add("MoE experts' partial sums over the routed buffer", 'all-reduce', ('tensor',),
