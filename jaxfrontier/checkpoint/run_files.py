@@ -2,9 +2,9 @@
 
 `--mode=export --export_format=hf --export_path=<the training workdir>` replaced the run's
 config.json with the Hugging Face one, and the next resume wrote the training config back over
-the export; neither step said anything. `check_export_dir` refuses an export into a training
-workdir (or onto an existing file), `check_not_hf_export` refuses training into a Hugging Face
-directory, each with one line. `remove_stale_temporaries` deletes `<path>.tmp<pid>` files that
+the export; neither step said anything. `is_training_workdir` tells a workdir apart (exports
+check their targets with it: interop/export_target.py), `check_not_hf_export` refuses training into
+a Hugging Face directory, with one line. `remove_stale_temporaries` deletes `<path>.tmp<pid>` files that
 an export killed by SIGKILL left behind (the writer's pid no longer runs).
 """
 
@@ -45,17 +45,6 @@ def is_hf_export(path: str) -> bool:
     config = _json(os.path.join(path, 'config.json'))
     return (os.path.isfile(os.path.join(path, 'model.safetensors')) and isinstance(config, dict)
             and 'model_type' in config)
-
-
-def check_export_dir(out_dir: str, flag: str = '--export_path') -> None:
-    """Raises UserError when `out_dir` is an existing file or a training workdir."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f'{flag}={out_dir} is an existing file; a Hugging Face export is a directory. '
-                        f'Fix: name a new directory, e.g. {flag}={out_dir}.hf')
-    if is_training_workdir(out_dir):
-        raise UserError(f'{flag}={out_dir} is a training workdir: exporting there would replace its config.json '
-                        f'(and resuming would write it back over the export). Fix: name a directory of its own, '
-                        f'e.g. {flag}={os.path.join(out_dir, "hf")}')
 
 
 def check_not_hf_export(workdir: str) -> None:
